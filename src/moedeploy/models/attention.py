@@ -1,0 +1,131 @@
+"""Multi-head attention with grouped KV heads, rotary position embedding and a static KV cache."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al.) in the half-split layout of Hugging Face Llama/Mixtral.
+
+    Feature i is paired with feature i + head_dim/2 (not with its neighbour, as in Meta's
+    complex-number code), so Hugging Face q/k weights load without a permutation. The
+    cos/sin tables are precomputed for every position: looking them up is a Gather, which
+    traces and exports with dynamic positions.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]  # (S, head_dim) each
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, nh, S, hd) queries or keys by their positions' angles, in x's dtype (as HF does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class LayerCache(Protocol):
+    """What attention needs from a KV cache: store this step's keys/values, return all so far."""
+
+    def update(
+        self, start_pos: int | torch.SymInt, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class StaticLayerCache(nn.Module):
+    """Preallocated (B, n_kv_heads, max_len, head_dim) buffers, written in place at start_pos.
+
+    Allocated once per generation, so decoding never reallocates or copies the history.
+    """
+
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start_pos + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; step needs {end}")
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def causal_mask(start_pos: int | torch.SymInt, q_len: int, device=None) -> torch.Tensor:
+    """(q_len, start_pos + q_len) bool mask: query at absolute position p sees keys 0..p."""
+    q_pos = torch.arange(q_len, device=device) + start_pos
+    k_pos = torch.arange(start_pos + q_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention; n_kv_heads < n_heads gives grouped-query attention (GQA).
+
+    Each KV head serves n_heads // n_kv_heads query heads, which shrinks the KV cache by
+    that factor. `rope` and `cache` are optional, so the same module serves the encoder
+    (bidirectional, no RoPE) and the decoder (causal, RoPE, cached).
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int | None = None,
+        head_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = head_dim or dim // n_heads
+        if n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        self.dropout = dropout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int | torch.SymInt = 0,
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(start_pos, k, v)  # (B, nkv, T, hd), T = start_pos + S
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
+            v = v.repeat_interleave(groups, dim=1)
+        drop = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, nh*hd)
+        return self.wo(out)

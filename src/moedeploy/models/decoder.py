@@ -1,0 +1,116 @@
+"""MoEDecoder: a Mixtral-compatible decoder-only language model with a static KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moedeploy.models.attention import LayerCache, RotaryEmbedding, StaticLayerCache, causal_mask
+from moedeploy.models.config import DecoderConfig
+from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.models.layers import DecoderLayer
+from moedeploy.models.moe import SparseMoE
+from moedeploy.models.norms import RMSNorm
+
+
+class MoEDecoder(nn.Module):
+    """Token embedding -> N pre-RMSNorm decoder layers with MoE FFNs -> final RMSNorm -> LM head."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                c.hidden_size, c.n_heads, c.n_kv_heads, c.expert_hidden, c.head_dim, moe=True,
+                n_experts=c.n_experts, top_k=c.top_k, normalize_topk=c.normalize_topk, eps=c.norm_eps,
+            )
+            for _ in range(c.n_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(c.head_dim, c.max_positions, c.rope_theta)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module, std: float = 0.02) -> None:
+        # Hugging Face's initializer_range: keeps random-weight logits in a sane range.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, SparseMoE):
+            for w in (module.w_gate, module.w_up, module.w_down):
+                nn.init.normal_(w, std=std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: list[LayerCache] | None = None,
+        start_pos: int | torch.SymInt = 0,
+    ) -> torch.Tensor:
+        """(B, S) token ids at absolute positions start_pos.. -> (B, S, vocab) logits.
+
+        With a cache, each layer appends this step's keys/values to it and attends over the
+        whole history; without one, start_pos must be 0 (a full forward).
+        """
+        S = input_ids.shape[1]
+        x = self.embed(input_ids)  # (B, S, D)
+        positions = torch.arange(S, device=input_ids.device) + start_pos
+        rope = self.rope(positions)
+        mask = causal_mask(start_pos, S, input_ids.device)  # (S, start_pos + S)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, rope, None if cache is None else cache[i], start_pos)
+        return self.lm_head(self.norm(x))
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[StaticLayerCache]:
+        """One preallocated KV cache per layer, in the model's dtype and device."""
+        c = self.config
+        max_len = max_len or c.max_positions
+        p = self.lm_head.weight
+        return [
+            StaticLayerCache(batch, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+            for _ in range(c.n_layers)
+        ]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled continuation over the KV cache. Returns (B, S + new)."""
+        total = input_ids.shape[1] + max_new_tokens
+        if total > self.config.max_positions:
+            raise ValueError(
+                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_positions {self.config.max_positions}"
+            )
+        cache = self.new_cache(input_ids.shape[0], total)
+
+        def step(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+            return self(ids, cache, start_pos)
+
+        sampling = SamplingConfig(temperature, top_k, top_p, seed)
+        return generate_tokens(step, input_ids, max_new_tokens, sampling, eos_token_id)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> MoEDecoder:
+        """Load a moedeploy or Hugging Face Mixtral checkpoint folder; returns an eval-mode model."""
+        from moedeploy.models.checkpoint import load_decoder
+
+        return load_decoder(path)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write config.json + model.safetensors (moedeploy layout) atomically."""
+        from moedeploy.models.checkpoint import save_decoder
+
+        save_decoder(self, path)

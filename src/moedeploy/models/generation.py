@@ -1,0 +1,98 @@
+"""Token generation shared by every backend: sampling rules and the prefill/decode loop.
+
+A backend supplies one `step(ids, start_pos) -> logits` function that runs the model on
+`ids` (B, S) at absolute positions start_pos.. and updates its own KV cache; the loop and
+the sampling rules are the same for eager PyTorch and ONNX Runtime, so their tokens can be
+compared exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+StepFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature == 0 means greedy (argmax); otherwise sample from the filtered softmax."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the top-p nucleus. (B, V) -> (B, V)."""
+    logits = logits.clone()
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits[logits < kth] = float("-inf")
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token once the mass *before* it already reaches top_p; the top one always stays.
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
+        logits[drop] = float("-inf")
+    return logits
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) logits of the last position -> (B,) next token ids."""
+    logits = logits.float()
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generate_tokens(
+    step: StepFn,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Prefill the prompt once, then decode one token per step. Returns (B, S + new) ids.
+
+    After a sequence emits `eos_token_id` it keeps emitting it; the loop ends early when
+    every sequence has.
+    """
+    sampling = sampling or SamplingConfig()
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be (batch, seq) with seq >= 1, got {tuple(prompt.shape)}")
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator().manual_seed(sampling.seed)
+    tokens = [prompt]
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
+    logits = step(prompt, 0)[:, -1]  # prefill
+    pos = prompt.shape[1]
+    for i in range(max_new_tokens):
+        nxt = next_token(logits.cpu(), sampling, generator)
+        if eos_token_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+            finished |= nxt == eos_token_id
+        tokens.append(nxt[:, None].to(prompt.dtype))
+        if i == max_new_tokens - 1 or bool(finished.all()):
+            break
+        logits = step(tokens[-1].to(prompt.device), pos)[:, -1]
+        pos += 1
+    return torch.cat(tokens, dim=1)

@@ -1,0 +1,73 @@
+"""Transformer layers: the encoder layer (post-LN and pre-LN) and the Llama-style decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moedeploy.models.attention import Attention, LayerCache
+from moedeploy.models.ffn import Activation, FeedForward, SwiGLU
+from moedeploy.models.moe import SparseMoE
+from moedeploy.models.norms import LayerNorm, RMSNorm
+
+
+class EncoderLayer(nn.Module):
+    """Bidirectional self-attention + FFN, each wrapped in a residual and a LayerNorm.
+
+    Post-LN (norm_first=False) is "Attention Is All You Need": x = LN(x + f(x)). It is
+    what BERT used, but its gradients at init grow with depth, hence warm-up. Pre-LN
+    (norm_first=True) normalises the branch input instead, x = x + f(LN(x)), and trains
+    stably without warm-up (Xiong et al., 2020). Same layout as nn.TransformerEncoderLayer.
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, hidden: int | None = None, activation: Activation = "relu",
+        dropout: float = 0.0, norm_first: bool = False, eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.attn = Attention(dim, n_heads, bias=True, dropout=dropout)
+        self.ffn = FeedForward(dim, hidden, activation, dropout)
+        self.norm1 = LayerNorm(dim, eps)
+        self.norm2 = LayerNorm(dim, eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """padding_mask: optional (B, S) bool, True where a token is padding (never attended)."""
+        mask = None if padding_mask is None else ~padding_mask[:, None, None, :]  # (B, 1, 1, S)
+        if self.norm_first:
+            x = x + self.dropout(self.attn(self.norm1(x), mask))
+            return x + self.ffn(self.norm2(x))
+        x = self.norm1(x + self.dropout(self.attn(x, mask)))
+        return self.norm2(x + self.ffn(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-RMSNorm decoder layer (Llama, Mixtral): causal GQA attention with RoPE, then an FFN.
+
+    The FFN is a SparseMoE (`moe=True`) or a dense SwiGLU; both see RMSNorm'd input and add
+    to the residual stream, which itself is never normalised until the final norm.
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, head_dim: int | None = None,
+        moe: bool = True, n_experts: int = 8, top_k: int = 2, normalize_topk: bool = True,
+        eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = Attention(dim, n_heads, n_kv_heads, head_dim)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.ffn: nn.Module = (
+            SparseMoE(dim, ffn_hidden, n_experts, top_k, normalize_topk)
+            if moe
+            else SwiGLU(dim, ffn_hidden)
+        )
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerCache | None = None, start_pos: int | torch.SymInt = 0,
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), mask, rope, cache, start_pos)
+        return h + self.ffn(self.ffn_norm(h))

@@ -1,0 +1,1 @@
+"""Custom ops, one module each: eager reference, ONNX node and function body, runtime lowerings."""
