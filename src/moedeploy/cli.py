@@ -1,42 +1,177 @@
-"""The `moedeploy` command: a thin layer over the Python API, one function per subcommand."""
+"""The `moedeploy` command: a thin layer over the Python API, one function per subcommand.
+
+Errors a user can cause (bad names, unreadable checkpoints, unwritable paths) print one
+line naming the problem and the fix and exit 1; `--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
 import typer
+from rich.console import Console
 
 app = typer.Typer(
     name="moedeploy",
-    help="Export PyTorch transformer blocks and MoE decoders to ONNX / TensorRT and prove them right.",
+    help=(
+        "Export PyTorch transformer blocks and MoE decoders to ONNX Runtime and TensorRT, "
+        "and prove every step matches eager PyTorch."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
 )
+err = Console(stderr=True)
+out = Console()
+_state = {"debug": False}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(Exception):
+    """An error whose message is the whole story for the user."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from moedeploy.export import ArtifactError, ExportError
+    from moedeploy.models import CheckpointError
+    from moedeploy.runtime.lowering import LoweringError
+    from moedeploy.runtime.ort import SessionError
+
+    return (UserError, ValueError, OSError, CheckpointError, ArtifactError, ExportError, SessionError, LoweringError)
+
+
+def handle_errors(fn: F) -> F:
+    """One clear line and exit code 1 for expected failures; a traceback only with --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except BrokenPipeError:  # `moedeploy export --list | head`: the reader left, not an error
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (keep Python's exit flush quiet)
+            raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            err.print("[red]interrupted[/red]")
+            raise typer.Exit(130) from None
+        except Exception as e:
+            if _state["debug"] or not isinstance(e, _user_errors()):
+                raise
+            message = str(e) if not isinstance(e, OSError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
+            err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
 ) -> None:
-    """moedeploy: model -> ONNX artifact -> ONNX Runtime / TensorRT -> comparison, serving, benchmarks."""
-    global _DEBUG
-    _DEBUG = debug
+    """[bold]moedeploy[/bold]: model -> ONNX artifact -> ONNX Runtime / TensorRT -> compare, serve, bench.
+
+    Start with [cyan]moedeploy export --list[/cyan], then
+    [cyan]moedeploy export moe --out artifacts/moe[/cyan].
+    """
+    _state["debug"] = debug
 
 
-_DEBUG = False
+def check_writable(path: Path) -> None:
+    """Fail before any work if `path` cannot become a folder we write."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output path {path} exists and is not a folder; choose another --out")
+    ancestor = next(p for p in path.parents if p.exists())
+    problem = None
+    if not ancestor.is_dir():
+        problem = f"{ancestor} is not a folder"
+    else:
+        try:  # os.access says yes to root everywhere; a real probe does not lie
+            os.rmdir(tempfile.mkdtemp(prefix=".moedeploy-probe-", dir=ancestor))
+        except OSError as e:
+            problem = f"{ancestor} is not writable ({e.strerror})"
+    if problem:
+        raise UserError(f"cannot write to {path}: {problem}; choose another --out")
 
 
 @app.command()
+@handle_errors
 def version() -> None:
-    """Print the versions of moedeploy and the libraries it depends on."""
-    import onnx
-    import onnxruntime
-    import torch
+    """Print the versions of moedeploy and the libraries it uses."""
+    from moedeploy.export.exporter import library_versions
 
-    import moedeploy
+    for name, v in library_versions().items():
+        out.print(f"{name} {v}", highlight=False)
 
-    typer.echo(f"moedeploy {moedeploy.__version__}")
-    typer.echo(f"torch {torch.__version__}, onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}")
+
+@app.command("export")
+@handle_errors
+def export_cmd(
+    target: str = typer.Argument(None, help="A block name (see --list) or 'decoder'.", show_default=False),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Artifact folder to write (replaced atomically)."),
+    list_blocks: bool = typer.Option(False, "--list", help="List the exportable blocks, one per line, name first."),
+    preset_name: str = typer.Option("tiny", "--preset", help="Decoder preset when no --checkpoint: tiny or small."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="Hugging Face Mixtral or moedeploy checkpoint folder (decoder only)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
+    fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="Fold BatchNorm (frozen EMA stats) into Linear / scale+shift."),
+    calibration_batches: int = typer.Option(8, "--calibration-batches", help="Train-mode batches that update BatchNorm EMA stats before freezing."),
+    seed: int = typer.Option(0, "--seed", help="Seed for random weights and golden inputs."),
+) -> None:
+    """Export a block or the MoE decoder to an artifact folder.
+
+    The folder holds [bold]model.onnx[/bold] (opset 23, custom moe::RMSNorm / moe::MoE nodes with
+    standard-op function bodies), [bold]manifest.json[/bold] and [bold]golden/[/bold] eager-PyTorch I/O.
+
+    Examples:
+      moedeploy export --list
+      moedeploy export rmsnorm --out artifacts/rmsnorm --dtype fp16
+      moedeploy export decoder --preset small --out artifacts/decoder
+      moedeploy export decoder --checkpoint ./mixtral-tiny --out artifacts/mixtral
+    """
+    from moedeploy.export import BLOCKS, DECODER, export, parse_dtype
+    from moedeploy.models import PRESETS
+
+    if list_blocks:  # plain lines for scripts: name, a tab, what it is
+        for name, spec in BLOCKS.items():
+            typer.echo(f"{name}\t{spec.summary}")
+        typer.echo(f"{DECODER}\tMoE decoder LM with KV cache (--preset or --checkpoint)")
+        return
+    if target is None:
+        raise UserError("name a block or 'decoder' to export (see `moedeploy export --list`)")
+    if target != DECODER and target not in BLOCKS:
+        raise UserError(f"unknown block {target!r}; run `moedeploy export --list` to see the exportable blocks")
+    if out_dir is None:
+        raise UserError("missing --out DIR: the artifact folder to write")
+    parse_dtype(dtype)
+    if preset_name not in PRESETS:
+        raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    check_writable(out_dir)
+
+    with err.status(f"exporting {target}", spinner="dots") as status:
+        def progress(stage: str) -> None:
+            status.update(f"{target}: {stage}")
+            err.print(f"  [dim]•[/dim] {stage}", highlight=False)
+
+        artifact = export(
+            target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
+            fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, progress=progress,
+        )
+    ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
+    size = artifact.model_path.stat().st_size / 1e6
+    out.print(f"[green]exported[/green] {target} ({dtype}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]", highlight=False)
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

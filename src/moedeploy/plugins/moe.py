@@ -14,12 +14,17 @@ Weights are stacked `[E, out, in]` (nn.Linear's layout per expert); biases `[E, 
 
 from __future__ import annotations
 
+import onnx
+import onnx_ir as ir
+import onnxscript
 import torch
 import torch.nn.functional as F
+from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "MoE"
 VERSION = 1
+PLUGIN_NAMESPACE = "moe"
 ACTIVATIONS = ("swiglu", "relu", "gelu")
 
 
@@ -107,6 +112,11 @@ def moe_reference(
     return combined.to(x.dtype)
 
 
+def output_spec(x: torch.Tensor) -> tuple[torch.dtype, tuple]:
+    """The shape function: Y has X's shape (N, H) and dtype."""
+    return x.dtype, tuple(x.shape)
+
+
 def moe(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -120,7 +130,155 @@ def moe(
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The op as the models call it."""
+    """The op as the models call it: eager math, or one `moe::MoE` node under ONNX export.
+
+    The node always takes the three bias inputs (zeros when the model has none), so the
+    function body needs no optional-input plumbing; lowerings drop all-zero biases.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}; choose one of {ACTIVATIONS}")
+    if torch.onnx.is_in_onnx_export():
+        n_experts, hidden, dim = w_up.shape
+        dt = x.dtype
+        if w_gate is None:  # relu/gelu experts have no gate; the node still needs a tensor
+            w_gate = w_up.new_zeros(n_experts, 0, dim)
+        b_gate = w_up.new_zeros(n_experts, w_gate.shape[1]) if b_gate is None else b_gate
+        b_up = w_up.new_zeros(n_experts, hidden) if b_up is None else b_up
+        b_down = w_up.new_zeros(n_experts, dim) if b_down is None else b_down
+        dtype, shape = output_spec(x)
+        return torch.onnx.ops.symbolic(
+            f"{DOMAIN}::{OP_TYPE}",
+            tuple(t.to(dt) for t in (x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)),
+            {
+                "top_k": int(top_k),
+                "normalize_topk": int(normalize_topk),
+                "activation": activation,
+                "plugin_namespace": PLUGIN_NAMESPACE,
+            },
+            dtype=dtype,
+            shape=shape,
+            version=VERSION,
+        )
     return moe_reference(
         x, router_logits, w_gate, w_up, w_down, top_k, normalize_topk, activation, b_gate, b_up, b_down
     )
+
+
+_opset = onnxscript.values.Opset(DOMAIN, VERSION)
+
+
+@onnxscript.script(_opset, default_opset=op)
+def MoE(
+    X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down,
+    top_k: int = 2, normalize_topk: int = 1, activation: str = "swiglu",
+):
+    # Routing in fp32: softmax over all experts, top-k, optional renormalisation.
+    probs = op.Softmax(op.Cast(router_logits, to=1), axis=-1)  # (N, E)
+    k = op.Reshape(op.Constant(value_int=top_k), op.Constant(value_ints=[1]))
+    top_w, top_i = op.TopK(probs, k, axis=-1)  # (N, k)
+    sums = op.ReduceSum(top_w, op.Constant(value_ints=[-1]), keepdims=1)
+    top_w = op.Where(op.Cast(op.Constant(value_int=normalize_topk), to=9), top_w / sums, top_w)
+    # Dense (N, E) routing weights: zero for every expert outside a token's top-k.
+    dense = op.ScatterElements(op.Mul(probs, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
+    # Every expert on every token (E/k times the sparse work): exact and runs anywhere.
+    x = op.Unsqueeze(X, op.Constant(value_ints=[0]))  # (1, N, H)
+    one = op.Constant(value_ints=[1])
+    up = op.MatMul(x, op.Transpose(w_up, perm=[0, 2, 1])) + op.Unsqueeze(b_up, one)  # (E, N, I)
+    act = op.Constant(value_string=activation)
+    if op.Equal(act, op.Constant(value_string="swiglu")):
+        gate = op.MatMul(x, op.Transpose(w_gate, perm=[0, 2, 1])) + op.Unsqueeze(b_gate, one)
+        hidden = gate * op.Sigmoid(gate) * up
+    else:
+        if op.Equal(act, op.Constant(value_string="gelu")):
+            hidden = op.Gelu(up)
+        else:
+            hidden = op.Relu(up)
+    y = op.MatMul(hidden, op.Transpose(w_down, perm=[0, 2, 1])) + op.Unsqueeze(b_down, one)  # (E, N, H)
+    weights = op.Unsqueeze(op.Transpose(dense, perm=[1, 0]), op.Constant(value_ints=[-1]))  # (E, N, 1)
+    out = op.ReduceSum(op.Cast(y, to=1) * weights, op.Constant(value_ints=[0]), keepdims=0)  # (N, H)
+    return op.CastLike(out, X)
+
+
+def function_proto() -> onnx.FunctionProto:
+    """The dense standard-op body attached to every exported model (imports ai.onnx 23)."""
+    return MoE.to_function_proto()
+
+
+# --- ONNX Runtime lowering ------------------------------------------------------------------
+# com.microsoft::MoE takes router *logits* (softmax + top-k inside), weights (E, out, in),
+# and SwiGLU only in the fused interleaved form on CPU: fc1 rows alternate gate_i, up_i.
+# Its SwiGLU is G * sigmoid(alpha * G) * (L + beta): alpha=1, beta=0 gives silu(G) * L.
+CONTRIB_DOMAIN = "com.microsoft"
+CONTRIB_KERNELS = {
+    # provider -> element types its com.microsoft::MoE kernel takes
+    "CPUExecutionProvider": {ir.DataType.FLOAT},
+    "CUDAExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16},
+}
+CONTRIB_ACTIVATIONS = ("swiglu", "relu")
+
+
+def contrib_eligible(node: ir.Node, provider: str) -> bool:
+    """Whether com.microsoft::MoE on `provider` computes exactly what this node means."""
+    dtype = node.inputs[0].dtype
+    activation = node.attributes["activation"].as_string() if "activation" in node.attributes else "swiglu"
+    return dtype in CONTRIB_KERNELS.get(provider, set()) and activation in CONTRIB_ACTIVATIONS
+
+
+def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
+    """Replace one moe::MoE node by com.microsoft::MoE, in place.
+
+    The interleaved fc1 weight is built with graph ops (Unsqueeze, Concat, Reshape) over the
+    original initializers; ONNX Runtime constant-folds them at session creation.
+    """
+    x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
+    attrs = node.attributes
+    activation = attrs["activation"].as_string() if "activation" in attrs else "swiglu"
+    new_nodes: list[ir.Node] = []
+
+    def add(op_type: str, inputs, **attributes) -> ir.Value:
+        n = ir.node(op_type, inputs, attributes)
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    def const(values: list[int]) -> ir.Value:
+        return add("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
+
+    def interleave(gate: ir.Value, up: ir.Value, target_shape: list[int]) -> ir.Value:
+        # (E, I, ...) pair -> (E, I, 2, ...) -> (E, 2I, ...): rows alternate gate, up.
+        g = add("Unsqueeze", [gate, const([2])])
+        u = add("Unsqueeze", [up, const([2])])
+        both = add("Concat", [g, u], axis=2)
+        return add("Reshape", [both, const(target_shape)])
+
+    def nonzero(value: ir.Value | None) -> ir.Value | None:
+        if value is None:
+            return None
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None and not tensor.numpy().any():
+            return None
+        return value
+
+    if activation == "swiglu":
+        n_experts, hidden, dim = (int(d) for d in w_up.shape)  # expert weights are static
+        fc1 = interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
+        fused_bias = nonzero(b_gate) is not None or nonzero(b_up) is not None
+        fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if fused_bias else None
+        extra = {"swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0}
+    else:
+        fc1, fc1_bias, extra = w_up, nonzero(b_up), {}
+    moe_node = ir.node(
+        "MoE",
+        [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)],
+        {
+            "k": attrs["top_k"].as_int(),
+            "normalize_routing_weights": attrs["normalize_topk"].as_int(),
+            "activation_type": activation,
+            **extra,
+        },
+        domain=CONTRIB_DOMAIN,
+    )
+    new_nodes.append(moe_node)
+    ir.convenience.replace_nodes_and_values(
+        graph, node, [node], new_nodes, [node.outputs[0]], [moe_node.outputs[0]]
+    )
+    graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)

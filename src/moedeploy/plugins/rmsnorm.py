@@ -1,16 +1,25 @@
-"""The `moe::RMSNorm` op.
+"""The `moe::RMSNorm` op: every facet of it in one place.
 
 Eager semantics (Llama / Mixtral): normalise in fp32, cast back to the input dtype, then
 apply the weight, so fp16/bf16 models round exactly where Hugging Face rounds.
+
+ONNX: `moe::RMSNorm(X, scale) -> Y`, attribute `epsilon`, plus `plugin_namespace="moe"` so
+TensorRT picks our plugin over the function body. The function body is ONNX
+`RMSNormalization`-23 (axis -1, fp32 stash), which TensorRT >= 10.15 and ONNX Runtime
+(float, double, float16 on CPU) run natively.
 """
 
 from __future__ import annotations
 
+import onnx
+import onnxscript
 import torch
+from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "RMSNorm"
 VERSION = 1
+PLUGIN_NAMESPACE = "moe"
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +29,51 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return normed.to(x.dtype) * weight
 
 
+def output_spec(x: torch.Tensor) -> tuple[torch.dtype, tuple]:
+    """The shape function: Y has X's shape and dtype."""
+    return x.dtype, tuple(x.shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The op as the models call it."""
+    """The op as the models call it: eager math, or one `moe::RMSNorm` node under ONNX export."""
+    if torch.onnx.is_in_onnx_export():
+        dtype, shape = output_spec(x)
+        return torch.onnx.ops.symbolic(
+            f"{DOMAIN}::{OP_TYPE}",
+            (x, weight.to(x.dtype)),
+            {"epsilon": float(eps), "plugin_namespace": PLUGIN_NAMESPACE},
+            dtype=dtype,
+            shape=shape,
+            version=VERSION,
+        )
     return rms_norm_reference(x, weight, eps)
+
+
+_opset = onnxscript.values.Opset(DOMAIN, VERSION)
+
+
+@onnxscript.script(_opset, default_opset=op)
+def RMSNorm(X, scale, epsilon: float = 1e-5):
+    return op.RMSNormalization(X, scale, axis=-1, epsilon=epsilon, stash_type=1)
+
+
+def function_proto() -> onnx.FunctionProto:
+    """The standard-op body attached to every exported model (imports ai.onnx 23)."""
+    return RMSNorm.to_function_proto()
+
+
+# ONNX Runtime: RMSNormalization-23 kernels exist for these element types (CPU).
+ORT_NATIVE_DTYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+
+
+def lower_to_native(graph, node) -> None:
+    """Replace one moe::RMSNorm node by ONNX RMSNormalization-23, in place (onnx_ir graph)."""
+    import onnx_ir as ir
+
+    eps = node.attributes["epsilon"].as_float() if "epsilon" in node.attributes else 1e-5
+    native = ir.node(
+        "RMSNormalization", list(node.inputs), {"axis": -1, "epsilon": eps, "stash_type": 1}
+    )
+    ir.convenience.replace_nodes_and_values(
+        graph, node, [node], [native], [node.outputs[0]], [native.outputs[0]]
+    )

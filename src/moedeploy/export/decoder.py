@@ -1,0 +1,80 @@
+"""The MoE decoder as an ONNX graph with a KV cache: past keys/values in, present out.
+
+One graph serves prefill (past length 0) and decode (one new token): every dim that
+changes between them is dynamic. Names follow Hugging Face Optimum's convention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moedeploy.export.blocks import DynamicRange
+from moedeploy.models import MoEDecoder
+
+
+def past_names(n_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def present_names(n_layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+class ConcatLayerCache:
+    """Export-time KV cache: this step's keys/values are appended to the past tensors.
+
+    The static in-place cache of eager generation cannot be expressed as a pure function
+    of its inputs; an ONNX graph returns the grown cache (`present`) instead.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def update(self, start_pos, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = torch.cat([self.k, k], dim=2)  # (B, nkv, past + S, hd)
+        self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class DecoderWithPast(nn.Module):
+    """forward(input_ids, [(k, v) per layer]) -> (logits, [(k, v) per layer]); positions follow the past."""
+
+    def __init__(self, decoder: MoEDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        caches = [ConcatLayerCache(k, v) for k, v in past]
+        start_pos = past[0][0].shape[2]
+        logits = self.decoder(input_ids, caches, start_pos)
+        return logits, [(c.k, c.v) for c in caches]
+
+
+def decoder_dynamic_ranges(max_positions: int) -> dict[str, DynamicRange]:
+    return {
+        "batch": DynamicRange(1, 1, 8),
+        "seq": DynamicRange(1, min(128, max_positions // 2), max_positions),
+        "past_seq": DynamicRange(0, min(128, max_positions // 2), max_positions - 1),
+    }
+
+
+def empty_past(decoder: MoEDecoder, batch: int, past_len: int = 0, dtype: torch.dtype | None = None):
+    c = decoder.config
+    dtype = dtype or decoder.lm_head.weight.dtype
+    shape = (batch, c.n_kv_heads, past_len, c.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(c.n_layers)]
+
+
+@torch.no_grad()
+def decoder_feed(
+    decoder: MoEDecoder, batch: int, past_len: int, seq: int, generator: torch.Generator
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Realistic decoder inputs: a real KV cache from running `past_len` random tokens, then `seq` new ones."""
+    vocab = decoder.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, past_len + seq), generator=generator)
+    wrapper = DecoderWithPast(decoder)
+    past = empty_past(decoder, batch)
+    if past_len:
+        _, past = wrapper(ids[:, :past_len], past)
+    return ids[:, past_len:], past

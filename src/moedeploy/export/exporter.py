@@ -1,0 +1,261 @@
+"""Export a block or the MoE decoder to an artifact directory, atomically.
+
+Stages: build (seeded weights or a checkpoint) -> calibrate and fold BatchNorm -> cast to
+the target dtype -> trace to ONNX (custom nodes + function bodies, full check) -> run eager
+PyTorch on golden inputs -> write model, golden I/O and manifest into a temp folder that
+replaces the target only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+import moedeploy
+from moedeploy.export.artifact import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    Artifact,
+    io_spec,
+    parse_dtype,
+    save_golden,
+    save_model,
+    sha256,
+    to_numpy,
+)
+from moedeploy.export.blocks import (
+    DECODER_TOLERANCES,
+    TOLERANCES,
+    BlockSpec,
+    DynamicRange,
+    build_block,
+    get_block,
+)
+from moedeploy.export.decoder import (
+    DecoderWithPast,
+    decoder_dynamic_ranges,
+    decoder_feed,
+    past_names,
+    present_names,
+)
+from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
+from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
+from moedeploy.models import MoEDecoder, load_decoder, preset
+from moedeploy.utils.io import atomic_directory, atomic_write_json
+
+Progress = Callable[[str], None]
+DECODER = "decoder"
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def library_versions() -> dict[str, str]:
+    import onnxruntime
+    import onnxscript
+
+    return {
+        "moedeploy": moedeploy.__version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def export(
+    target: str,
+    out: str | Path,
+    *,
+    preset_name: str = "tiny",
+    checkpoint: str | Path | None = None,
+    dtype: str = "fp32",
+    fold_bn: bool = True,
+    calibration_batches: int = 8,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Artifact:
+    """Export `target` (a block name or "decoder") to the artifact folder `out`."""
+    parse_dtype(dtype)  # fail before any work
+    if calibration_batches < 0:
+        raise ValueError(f"--calibration-batches must be >= 0, got {calibration_batches}")
+    if target == DECODER:
+        return export_decoder(out, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype, seed=seed, progress=progress)
+    if checkpoint is not None:
+        raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
+    return export_block(
+        target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, progress=progress
+    )
+
+
+def export_block(
+    name: str,
+    out: str | Path,
+    *,
+    dtype: str = "fp32",
+    fold_bn: bool = True,
+    calibration_batches: int = 8,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Artifact:
+    progress = progress or _noop
+    spec: BlockSpec = get_block(name)
+    torch_dtype = parse_dtype(dtype)
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    progress(f"building {name} (seed {seed})")
+    module = build_block(spec, seed)
+    bn_report: dict[str, Any] | None = None
+    if has_batchnorm(module):
+        if calibration_batches:
+            progress(f"calibrating BatchNorm EMA statistics on {calibration_batches} batches")
+            calibrate(
+                module,
+                lambda _: (spec.make_inputs(4, 16, generator, torch.float32)[spec.input_name],),
+                calibration_batches,
+            )
+        module.eval()
+        if fold_bn:
+            progress("folding BatchNorm into the preceding Linear / a per-channel scale and shift")
+            reference = copy.deepcopy(module)  # golden outputs come from the unfolded model
+            bn_report = fold_batchnorms(module).to_dict()
+    module.eval().to(torch_dtype)
+    reference = module if bn_report is None else reference.to(torch_dtype)
+
+    progress("tracing to ONNX")
+    example = spec.make_inputs(3, 7, generator, torch_dtype)  # sizes unlike any test or golden size
+    model = to_onnx(
+        module, (example[spec.input_name],), [spec.input_name], [spec.output_name],
+        ({0: "batch", 1: "seq"},),
+    )
+
+    progress("running eager PyTorch on golden inputs")
+    opt = spec.dynamic_ranges
+    feed = spec.make_inputs(opt["batch"].opt, opt["seq"].opt, generator, torch_dtype)
+    with torch.no_grad():
+        y = reference(feed[spec.input_name])
+    golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
+    golden_out = [{spec.output_name: to_numpy(y)}]
+
+    atol, rtol = TOLERANCES[dtype]
+    manifest = _manifest(
+        name=name, kind="block", dtype=dtype, model=model, seed=seed,
+        config={"block": name, "summary": spec.summary, "batchnorm_folding": bn_report},
+        dynamic_ranges=spec.dynamic_ranges,
+        tolerances={spec.output_name: {"atol": atol, "rtol": rtol}},
+    )
+    return _write(out, model, manifest, golden_in, golden_out, progress)
+
+
+def export_decoder(
+    out: str | Path,
+    *,
+    preset_name: str = "tiny",
+    checkpoint: str | Path | None = None,
+    dtype: str = "fp32",
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Artifact:
+    progress = progress or _noop
+    torch_dtype = parse_dtype(dtype)
+    if checkpoint is not None:
+        progress(f"loading checkpoint {checkpoint}")
+        decoder = load_decoder(checkpoint)
+        source = {"checkpoint": str(Path(checkpoint).resolve())}
+    else:
+        progress(f"building the {preset_name!r} decoder with random weights (seed {seed})")
+        config = preset(preset_name)
+        torch.manual_seed(seed)
+        decoder = MoEDecoder(config)
+        source = {"preset": preset_name}
+    decoder = decoder.eval().to(torch_dtype)
+    config = decoder.config
+    wrapper = DecoderWithPast(decoder).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    n = config.n_layers
+
+    progress("tracing the decoder with its KV cache to ONNX")
+    ids, past = decoder_feed(decoder, batch=2, past_len=3, seq=5, generator=generator)
+    past_axes = {0: "batch", 2: "past_seq"}
+    model = to_onnx(
+        wrapper, (ids, past),
+        ["input_ids", *past_names(n)], ["logits", *present_names(n)],
+        ({0: "batch", 1: "seq"}, [(past_axes, past_axes) for _ in range(n)]),
+    )
+
+    progress("running eager PyTorch on golden inputs")
+    ids, past = decoder_feed(decoder, batch=2, past_len=6, seq=4, generator=generator)
+    with torch.no_grad():
+        logits, present = wrapper(ids, past)
+    feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
+    outputs = {"logits": logits, **dict(zip(present_names(n), [t for kv in present for t in kv], strict=True))}
+    golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
+    golden_out = [{k: to_numpy(v) for k, v in outputs.items()}]
+
+    atol, rtol = DECODER_TOLERANCES[dtype]
+    manifest = _manifest(
+        name=DECODER, kind="decoder", dtype=dtype, model=model, seed=seed,
+        config={**config.to_dict(), "source": source},
+        dynamic_ranges=decoder_dynamic_ranges(config.max_positions),
+        tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
+    )
+    return _write(out, model, manifest, golden_in, golden_out, progress)
+
+
+def _manifest(
+    *, name: str, kind: str, dtype: str, model: onnx.ModelProto, seed: int, config: dict[str, Any],
+    dynamic_ranges: dict[str, DynamicRange], tolerances: dict[str, dict[str, float]],
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "kind": kind,
+        "dtype": dtype,
+        "opset": OPSET,
+        "custom_ops": [
+            {"domain": d, "op_type": t, "version": 1, "count": c, "plugin_namespace": d}
+            for (d, t), c in sorted(custom_op_counts(model).items())
+        ],
+        "inputs": io_spec(model.graph.input),
+        "outputs": io_spec(model.graph.output),
+        "dynamic_ranges": {k: r.to_dict() for k, r in dynamic_ranges.items()},
+        "tolerances": tolerances,
+        "config": config,
+        "seed": seed,
+        "versions": library_versions(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": {},
+    }
+
+
+def _write(
+    out: str | Path, model: onnx.ModelProto, manifest: dict[str, Any],
+    golden_in: list[dict[str, np.ndarray]], golden_out: list[dict[str, np.ndarray]], progress: Progress,
+) -> Artifact:
+    out = Path(out)
+    progress(f"writing the artifact to {out}")
+    _check_dim_names(manifest)
+    with atomic_directory(out) as tmp:
+        files = save_model(model, tmp) + save_golden(tmp, golden_in, golden_out)
+        manifest["files"] = {rel: sha256(tmp / rel) for rel in files}
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return Artifact.load(out)
+
+
+def _check_dim_names(manifest: dict[str, Any]) -> None:
+    """Every symbolic input dim must have a range (TensorRT profiles need all of them)."""
+    names = {
+        d for i in manifest["inputs"] for d in i["shape"] if isinstance(d, str) and re.fullmatch(r"\w+", d)
+    }
+    missing = names - set(manifest["dynamic_ranges"])
+    if missing:
+        raise RuntimeError(f"dynamic dims without a range: {sorted(missing)}")

@@ -1,0 +1,1 @@
+"""Runners and sessions over artifacts: ONNX Runtime (and TensorRT), generation loops."""

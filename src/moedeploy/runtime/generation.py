@@ -1,0 +1,81 @@
+"""Generation over the exported decoder on ONNX Runtime, with the eager `generate` API.
+
+The loop and the sampling rules are the same code as eager PyTorch's
+(`moedeploy.models.generation`), so the two produce identical tokens whenever their
+logits agree; only `step` differs: it feeds the graph the KV cache it returned last time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.export.decoder import past_names
+from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.runtime.lowering import MoELowering
+from moedeploy.runtime.ort import create_session
+
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+class OrtDecoder:
+    """A decoder artifact on ONNX Runtime: `step(ids, start_pos)` and `generate(...)`."""
+
+    def __init__(
+        self,
+        artifact: Artifact | str,
+        providers: list[str] | None = None,
+        moe_lowering: MoELowering = "auto",
+        threads: int | None = None,
+    ) -> None:
+        self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
+        if self.artifact.kind != "decoder":
+            raise ValueError(f"{self.artifact.path} holds a {self.artifact.kind!r}, not a decoder artifact")
+        self.lowered = create_session(self.artifact, providers, moe_lowering, threads)
+        config = self.artifact.manifest["config"]
+        self.n_layers = config["n_layers"]
+        self.kv_shape = (config["n_kv_heads"], config["head_dim"])
+        self.max_positions = config["max_positions"]
+        self.np_dtype = _NP_DTYPES.get(self.artifact.dtype, np.float32)
+        self.past_names = past_names(self.n_layers)
+        self._past: list[np.ndarray] = []
+
+    @property
+    def lowering(self) -> dict[str, int]:
+        return self.lowered.lowering
+
+    def reset(self, batch: int) -> None:
+        """Empty KV cache (past length 0) for a new batch of prompts."""
+        empty = np.zeros((batch, *self.kv_shape[:1], 0, self.kv_shape[1]), dtype=self.np_dtype)
+        self._past = [empty] * (2 * self.n_layers)
+
+    def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run `ids` (B, S) at positions start_pos..; keeps the returned cache. -> (B, S, V) logits."""
+        past_len = self._past[0].shape[2]
+        if start_pos != past_len:
+            raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
+        feed = {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
+        logits, *present = self.lowered.run(feed)
+        self._past = present
+        return torch.from_numpy(logits)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Same arguments and result as MoEDecoder.generate: (B, S + new) token ids."""
+        if input_ids.shape[1] + max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_positions {self.max_positions}"
+            )
+        self.reset(input_ids.shape[0])
+        sampling = SamplingConfig(temperature, top_k, top_p, seed)
+        return generate_tokens(self.step, input_ids, max_new_tokens, sampling, eos_token_id)

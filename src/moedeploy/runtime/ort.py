@@ -1,0 +1,81 @@
+"""ONNX Runtime sessions from an artifact: provider choice, lowering, thread settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+import onnxruntime as ort
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.runtime.lowering import MoELowering, lower_for_ort
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+class SessionError(RuntimeError):
+    """The artifact cannot run on the requested ONNX Runtime provider."""
+
+
+def default_providers() -> list[str]:
+    """CUDA first when onnxruntime-gpu is installed (it falls back to CPU per node), else CPU."""
+    available = ort.get_available_providers()
+    return [CUDA, CPU] if CUDA in available else [CPU]
+
+
+@dataclass
+class LoweredSession:
+    """An InferenceSession plus what lowering did to the graph it runs."""
+
+    session: ort.InferenceSession
+    provider: str
+    lowering: dict[str, int] = field(default_factory=dict)
+
+    def run(self, feed: dict, output_names: list[str] | None = None) -> list:
+        return self.session.run(output_names, feed)
+
+
+def session_options(threads: int | None = None, profile: bool = False) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.enable_profiling = profile
+    options.log_severity_level = 3  # unused-initializer warnings after lowering are expected
+    return options
+
+
+def create_session(
+    artifact: Artifact | str,
+    providers: list[str] | None = None,
+    moe_lowering: MoELowering = "auto",
+    threads: int | None = None,
+    profile: bool = False,
+) -> LoweredSession:
+    """A session over the artifact's graph with the custom ops lowered for its first provider."""
+    if not isinstance(artifact, Artifact):
+        artifact = Artifact.load(artifact)
+    providers = providers or default_providers()
+    unknown = [p for p in providers if p not in ort.get_available_providers()]
+    if unknown:
+        raise SessionError(
+            f"ONNX Runtime provider {unknown[0]} is not available here "
+            f"(available: {', '.join(ort.get_available_providers())}); for CUDA install moedeploy[gpu]"
+        )
+    provider = providers[0]
+    if artifact.dtype == "bf16" and provider == CPU:
+        raise SessionError(
+            "ONNX Runtime's CPU provider has no bfloat16 kernels for these graphs; run bf16 "
+            "artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16"
+        )
+    model = onnx.load(str(artifact.model_path))
+    lowered, counts = lower_for_ort(model, provider, moe_lowering)
+    try:
+        session = ort.InferenceSession(
+            lowered.SerializeToString(), session_options(threads, profile), providers=providers
+        )
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
+    return LoweredSession(session, provider, counts)
