@@ -169,6 +169,111 @@ def export_cmd(
     out.print(f"[green]exported[/green] {target} ({dtype}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]", highlight=False)
 
 
+def _split_backends(value: str) -> list[str]:
+    backends = [b.strip() for b in value.split(",") if b.strip()]
+    if not backends:
+        raise UserError("--backend needs at least one of: ort, trt")
+    for b in backends:
+        if b not in ("ort", "trt"):
+            raise UserError(f"unknown backend {b!r} in --backend; choose from: ort, trt")
+    return backends
+
+
+def _print_report(report: dict) -> None:
+    from rich.table import Table
+
+    for c in report["comparisons"]:
+        table = Table(title=f"{c['backend']} vs {c['reference']}", title_justify="left")
+        for col in ("output", "max abs", "p99 abs", "max rel", "cosine", "atol", "rtol", "result"):
+            table.add_column(col, justify="left" if col == "output" else "right")
+        for name, st in c["outputs"].items():
+            if st.get("shape_mismatch"):
+                table.add_row(name, "shape mismatch", "", "", "", "", "", "[red]FAIL[/red]")
+                continue
+            table.add_row(
+                name, f"{st['max_abs']:.2e}", f"{st['p99_abs']:.2e}", f"{st['max_rel']:.2e}", f"{st['cosine']:.8f}",
+                f"{st['atol']:.0e}", f"{st['rtol']:.0e}", "[green]pass[/green]" if st["passed"] else "[red]FAIL[/red]",
+            )
+        out.print(table)
+    if report.get("first_divergent_layer"):
+        out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
+                  f"(module {report['first_divergent_module']})", highlight=False)
+
+
+@app.command("compare")
+@handle_errors
+def compare_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
+    backend: str = typer.Option("ort", "--backend", help="Comma-separated backends to check against eager PyTorch: ort, trt."),
+    atol: float = typer.Option(None, "--atol", help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
+    rtol: float = typer.Option(None, "--rtol", help="Relative tolerance for every output (default: the manifest's, by dtype)."),
+    iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the input data."),
+    layerwise: bool = typer.Option(False, "--layerwise", help="Localise the first divergent layer even when outputs pass."),
+) -> None:
+    """Compare an artifact's backends with eager PyTorch (Polygraphy), write <artifact>/report/.
+
+    Exit code 1 when any output is out of tolerance, so it can gate CI. The report folder holds
+    report.json / report.md / report.html and Polygraphy's run_results.json and accuracy.json.
+    """
+    from moedeploy.compare.api import compare
+
+    backends = _split_backends(backend)
+    with err.status("comparing", spinner="dots") as status:
+        report = compare(
+            artifact, backends, atol=atol, rtol=rtol, iterations=iterations, seed=seed,
+            layerwise=layerwise, progress=lambda stage: status.update(stage),
+        )
+    _print_report(report)
+    verdict = "[green]PASS[/green]" if report["passed"] else "[red]FAIL[/red]"
+    out.print(f"{verdict} report: {Path(artifact) / 'report' / 'report.html'}", highlight=False)
+    if not report["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command("all")
+@handle_errors
+def all_cmd(
+    out_dir: Path = typer.Option(Path("out"), "--out", "-o", help="Folder for every artifact, its report and index.html."),
+    backend: str = typer.Option(None, "--backend", help="Backends to compare (default: ort, plus trt when TensorRT is installed)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
+    preset_name: str = typer.Option("tiny", "--preset", help="Decoder preset: tiny or small."),
+    iterations: int = typer.Option(3, "--iterations", help="Seeded random inputs per comparison."),
+    seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs."),
+) -> None:
+    """Export every block and the decoder, compare each on every backend, write <out>/index.html.
+
+    The README's main job: proves, end to end, that every exported graph matches eager PyTorch.
+    Exit code 1 when anything fails.
+    """
+    from rich.table import Table
+
+    from moedeploy.compare.suite import run_all
+    from moedeploy.export import parse_dtype
+    from moedeploy.models import PRESETS
+
+    parse_dtype(dtype)
+    if preset_name not in PRESETS:
+        raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    backends = _split_backends(backend) if backend else None
+    check_writable(out_dir)
+    with err.status("moedeploy all", spinner="dots") as status:
+        summary = run_all(out_dir, backends, dtype, preset_name, iterations, seed, progress=lambda s: status.update(s))
+    table = Table(title=f"moedeploy all ({', '.join(summary['backends'])}, {dtype})", title_justify="left")
+    for col in ("artifact", "result", "max abs error", "first divergent layer", "s"):
+        table.add_column(col, justify="right" if col in ("max abs error", "s") else "left")
+    for r in summary["results"]:
+        result = "[green]pass[/green]" if r["passed"] else "[red]FAIL[/red]"
+        error = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else (r.get("error", "") or "")[:60]
+        table.add_row(r["name"], result, error, r.get("first_divergent_layer") or "", f"{r['seconds']:.1f}")
+    out.print(table)
+    passed = sum(r["passed"] for r in summary["results"])
+    verdict = "[green]PASS[/green]" if summary["passed"] else "[red]FAIL[/red]"
+    out.print(f"{verdict} {passed}/{len(summary['results'])} match eager PyTorch; index: {out_dir / 'index.html'}", highlight=False)
+    if not summary["passed"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -27,7 +27,7 @@ def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def tiny_mixtral_config(**overrides):
-    """A transformers MixtralConfig for a tiny model, eager attention, no sliding window."""
+    """A transformers MixtralConfig for a tiny model: eager attention and experts, no sliding window."""
     from transformers import MixtralConfig
 
     kwargs = dict(
@@ -44,8 +44,13 @@ def tiny_mixtral_config(**overrides):
     )
     kwargs.update(overrides)
     rope_theta = kwargs.pop("rope_theta")
-    config = MixtralConfig(**kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    config = MixtralConfig(
+        **kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
+    )
+    # Plain per-expert loop: transformers' default grouped_mm needs 16-byte-aligned strides,
+    # which odd intermediate sizes (33) do not have on CPU.
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     return config
 
 

@@ -19,9 +19,10 @@ def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return x @ layer.weight.T + (0 if layer.bias is None else layer.bias)
 
 
-def _hand_attention(attn: Attention, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _hand_attention(
+    attn: Attention, x: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Textbook multi-head attention, one head at a time; query head h reads KV head h // groups."""
-    B, S, _ = x.shape
     hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
     q, k, v = _lin(x, attn.wq), _lin(x, attn.wk), _lin(x, attn.wv)
     heads = []
@@ -41,9 +42,13 @@ def _hand_attention(attn: Attention, x: torch.Tensor, mask: torch.Tensor | None 
 
 
 @pytest.mark.parametrize("seq", [1, 6, 33])
-@pytest.mark.parametrize(("dim", "n_heads", "head_dim"), [(16, 1, None), (24, 4, None), (24, 3, 10)])
+@pytest.mark.parametrize(
+    ("dim", "n_heads", "head_dim"), [(16, 1, None), (24, 4, None), (24, 3, 10)]
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_attention_matches_hand_mha(seq: int, dim: int, n_heads: int, head_dim: int | None, bias: bool) -> None:
+def test_attention_matches_hand_mha(
+    seq: int, dim: int, n_heads: int, head_dim: int | None, bias: bool
+) -> None:
     attn = randomize_(Attention(dim, n_heads, head_dim=head_dim, bias=bias)).eval()
     assert attn.head_dim == (head_dim or dim // n_heads)
     x = torch.randn(2, seq, dim)
@@ -112,9 +117,14 @@ def test_rope_tables_by_formula(head_dim: int, theta: float) -> None:
 
 
 def test_rope_matches_transformers() -> None:
-    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.mixtral.modeling_mixtral import (
+        MixtralRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
-    config = tiny_mixtral_config(hidden_size=48, num_attention_heads=4, rope_theta=5000.0, max_position_embeddings=64)
+    config = tiny_mixtral_config(
+        hidden_size=48, num_attention_heads=4, rope_theta=5000.0, max_position_embeddings=64
+    )
     hd = 12
     hf_rope = MixtralRotaryEmbedding(config)
     ours = RotaryEmbedding(hd, 64, 5000.0)
@@ -140,7 +150,9 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
         return (apply_rotary(q, cm[0], sm[0]) * apply_rotary(k, cn[0], sn[0])).sum()
 
     torch.testing.assert_close(score(7, 3), score(40, 36), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(score(0, 0), (q * k).sum(), atol=1e-5, rtol=1e-5)  # position 0: no rotation
+    torch.testing.assert_close(
+        score(0, 0), (q * k).sum(), atol=1e-5, rtol=1e-5
+    )  # position 0: no rotation
     assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-3)
     # A rotation keeps the norm.
     c, s = rope(torch.tensor([13]))
@@ -161,7 +173,9 @@ def test_cached_chunks_equal_full_causal_attention() -> None:
     outs, start = [], 0
     for size in (5, 1, 3, 1, 1):  # a prefill, then single steps and a chunk
         pos = torch.arange(start, start + size)
-        outs.append(attn(x[:, start : start + size], causal_mask(start, size), rope(pos), cache, start))
+        outs.append(
+            attn(x[:, start : start + size], causal_mask(start, size), rope(pos), cache, start)
+        )
         start += size
     torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=1e-5)
     # The cache holds the rotated keys of all 11 positions and zeros after them.
@@ -185,10 +199,18 @@ def test_static_cache_update_and_overflow() -> None:
 # ---------------------------------------------------------------- EncoderLayer
 
 
-def _torch_encoder_from(ours: EncoderLayer, dim: int, n_heads: int, hidden: int, activation: str) -> nn.TransformerEncoderLayer:
+def _torch_encoder_from(
+    ours: EncoderLayer, dim: int, n_heads: int, hidden: int, activation: str
+) -> nn.TransformerEncoderLayer:
     ref = nn.TransformerEncoderLayer(
-        dim, n_heads, hidden, dropout=0.0, activation=activation, batch_first=True,
-        norm_first=ours.norm_first, layer_norm_eps=1e-5,
+        dim,
+        n_heads,
+        hidden,
+        dropout=0.0,
+        activation=activation,
+        batch_first=True,
+        norm_first=ours.norm_first,
+        layer_norm_eps=1e-5,
     )
     a = ours.attn
     with torch.no_grad():
@@ -212,7 +234,9 @@ def _torch_encoder_from(ours: EncoderLayer, dim: int, n_heads: int, hidden: int,
 @pytest.mark.parametrize("seq", [1, 8, 33])
 def test_encoder_layer_matches_torch(norm_first: bool, activation: str, seq: int) -> None:
     dim, n_heads, hidden = 16, 4, 40
-    ours = randomize_(EncoderLayer(dim, n_heads, hidden, activation, norm_first=norm_first), seed=seq).eval()
+    ours = randomize_(
+        EncoderLayer(dim, n_heads, hidden, activation, norm_first=norm_first), seed=seq
+    ).eval()
     ref = _torch_encoder_from(ours, dim, n_heads, hidden, activation)
     x = torch.randn(2, seq, dim)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
@@ -223,15 +247,19 @@ def test_encoder_layer_matches_torch(norm_first: bool, activation: str, seq: int
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_layer_padding_mask_matches_torch(norm_first: bool) -> None:
     dim, n_heads, hidden = 16, 4, 24
-    ours = randomize_(EncoderLayer(dim, n_heads, hidden, "gelu", norm_first=norm_first), seed=1).eval()
+    ours = randomize_(
+        EncoderLayer(dim, n_heads, hidden, "gelu", norm_first=norm_first), seed=1
+    ).eval()
     ref = _torch_encoder_from(ours, dim, n_heads, hidden, "gelu")
     lengths = [7, 4, 1]
     x = torch.randn(3, 7, dim)
     padding = torch.arange(7)[None, :] >= torch.tensor(lengths)[:, None]  # True = padding
     y = ours(x, padding)
     expected = ref(x, src_key_padding_mask=padding)
-    real = ~padding
-    torch.testing.assert_close(y[real], expected[real], atol=1e-5, rtol=1e-5)
+    # Padded positions too: they attend to the real tokens only, in both implementations.
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # torch's fused fast path
+        torch.testing.assert_close(y, ref(x, src_key_padding_mask=padding), atol=1e-5, rtol=1e-5)
     # Padding never leaks into real tokens: each sequence alone gives the same outputs.
     for b, n in enumerate(lengths):
         torch.testing.assert_close(y[b, :n], ours(x[b : b + 1, :n])[0], atol=1e-5, rtol=1e-5)

@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from moedeploy.models import DecoderConfig, DecoderLayer, MoEDecoder, RotaryEmbedding, causal_mask, preset
+from moedeploy.models import (
+    DecoderConfig,
+    DecoderLayer,
+    MoEDecoder,
+    RotaryEmbedding,
+    causal_mask,
+    preset,
+)
 
 from .helpers import randomize_
 
@@ -34,7 +41,9 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def _hand_decoder_layer(layer: DecoderLayer, x: torch.Tensor, theta: float, eps: float) -> torch.Tensor:
+def _hand_decoder_layer(
+    layer: DecoderLayer, x: torch.Tensor, theta: float, eps: float
+) -> torch.Tensor:
     a = layer.attn
     B, S, _ = x.shape
     hd, nh, nkv = a.head_dim, a.n_heads, a.n_kv_heads
@@ -58,10 +67,16 @@ def _hand_decoder_layer(layer: DecoderLayer, x: torch.Tensor, theta: float, eps:
 
 
 @pytest.mark.parametrize("seq", [1, 9])
-@pytest.mark.parametrize(("n_heads", "n_kv_heads", "head_dim"), [(4, 2, None), (4, 4, 6), (6, 1, 4)])
-def test_dense_decoder_layer_by_hand(seq: int, n_heads: int, n_kv_heads: int, head_dim: int | None) -> None:
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads", "head_dim"), [(4, 2, None), (4, 4, 6), (6, 1, 4)]
+)
+def test_dense_decoder_layer_by_hand(
+    seq: int, n_heads: int, n_kv_heads: int, head_dim: int | None
+) -> None:
     dim, theta, eps = 24, 10000.0, 1e-5
-    layer = randomize_(DecoderLayer(dim, n_heads, n_kv_heads, 40, head_dim, moe=False, eps=eps), seed=seq)
+    layer = randomize_(
+        DecoderLayer(dim, n_heads, n_kv_heads, 40, head_dim, moe=False, eps=eps), seed=seq
+    )
     hd = head_dim or dim // n_heads
     rope = RotaryEmbedding(hd, 16, theta)
     x = torch.randn(2, seq, dim)

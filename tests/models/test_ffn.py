@@ -65,7 +65,9 @@ def test_feedforward_gelu_is_not_relu() -> None:
             ffn.down.bias.zero_()
     x = torch.ones(1, 4)
     torch.testing.assert_close(ffn_relu(x), torch.zeros(1, 4))
-    torch.testing.assert_close(ffn_gelu(x), torch.full((1, 4), -0.5 * (1 - math.erf(1 / math.sqrt(2)))))
+    torch.testing.assert_close(
+        ffn_gelu(x), torch.full((1, 4), -0.5 * (1 - math.erf(1 / math.sqrt(2))))
+    )
 
 
 def test_feedforward_dropout_active_in_train() -> None:
@@ -119,11 +121,15 @@ def test_swiglu_gate_and_up_are_not_interchangeable() -> None:
         (96, 64, 0.5, 128),  # int(0.5 * 256) = 128
     ],
 )
-def test_swiglu_hidden_dim_by_hand(dim: int, multiple_of: int, multiplier: float | None, expected: int) -> None:
+def test_swiglu_hidden_dim_by_hand(
+    dim: int, multiple_of: int, multiplier: float | None, expected: int
+) -> None:
     assert swiglu_hidden_dim(dim, multiple_of, multiplier) == expected
 
 
-@pytest.mark.parametrize(("dim", "multiple_of", "expected"), [(24, 64, 64), (10, 16, 32), (33, 8, 88)])
+@pytest.mark.parametrize(
+    ("dim", "multiple_of", "expected"), [(24, 64, 64), (10, 16, 32), (33, 8, 88)]
+)
 def test_swiglu_default_hidden_is_rounded(dim: int, multiple_of: int, expected: int) -> None:
     ffn = SwiGLU(dim, multiple_of=multiple_of)
     assert ffn.hidden == expected

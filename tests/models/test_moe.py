@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +36,11 @@ def _loop_reference(
         weights, chosen = probs.topk(top_k)
         if normalize:
             weights = weights / weights.sum()
-        rows.append(sum(weights[j] * _swiglu_by_hand(flat[n], experts[int(chosen[j])]) for j in range(top_k)))
+        rows.append(
+            sum(
+                weights[j] * _swiglu_by_hand(flat[n], experts[int(chosen[j])]) for j in range(top_k)
+            )
+        )
     return torch.stack(rows).reshape(x.shape)
 
 
@@ -57,26 +59,13 @@ HAND_LOGITS = torch.tensor(
     ]
 )
 HAND_TOP2 = [(0, 1), (2, 1), (3, 2)]
-
-
-def _hand_weights(normalize: bool) -> list[tuple[float, float]]:
-    weights = []
-    for row, (a, b) in zip(HAND_LOGITS.tolist(), HAND_TOP2, strict=True):
-        z = sum(math.exp(v) for v in row)
-        pa, pb = math.exp(row[a]) / z, math.exp(row[b]) / z
-        weights.append((pa / (pa + pb), pb / (pa + pb)) if normalize else (pa, pb))
-    return weights
-
-
-def test_hand_weights_are_what_we_think() -> None:
-    # Renormalised top-2 weights of logits (l_a, l_b) are sigmoid(l_a - l_b).
-    (w00, w01), (w10, _), (w20, _) = _hand_weights(normalize=True)
-    assert w00 == pytest.approx(1 / (1 + math.exp(-1.0)))  # 0.7311
-    assert w01 == pytest.approx(0.2689414, abs=1e-6)
-    assert w10 == pytest.approx(1 / (1 + math.exp(-0.5)))
-    assert w20 == pytest.approx(1 / (1 + math.exp(-2.0)))
-    raw = _hand_weights(normalize=False)
-    assert raw[0][0] == pytest.approx(math.e**2 / (math.e**2 + math.e + 1 + math.e**-1))
+# Worked by hand. Raw: p_e = exp(l_e) / sum_j exp(l_j), e.g. token 0: e^2 / (e^2 + e + 1 + 1/e)
+# = 7.389056 / 11.475217. Renormalised top-2: p_a / (p_a + p_b) = sigmoid(l_a - l_b), e.g.
+# token 0: sigmoid(1) = 0.7310586, token 1: sigmoid(0.5), token 2: sigmoid(2).
+HAND_WEIGHTS = {
+    False: [(0.6439143, 0.2368828), (0.6094533, 0.3696521), (0.8447028, 0.1143181)],
+    True: [(0.7310586, 0.2689414), (0.6224593, 0.3775407), (0.8807971, 0.1192029)],
+}
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -92,7 +81,9 @@ def test_routing_by_hand(normalize: bool) -> None:
     expected = torch.stack(
         [
             wa * _swiglu_by_hand(x[n], experts[a]) + wb * _swiglu_by_hand(x[n], experts[b])
-            for n, ((a, b), (wa, wb)) in enumerate(zip(HAND_TOP2, _hand_weights(normalize), strict=True))
+            for n, ((a, b), (wa, wb)) in enumerate(
+                zip(HAND_TOP2, HAND_WEIGHTS[normalize], strict=True)
+            )
         ]
     )
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
@@ -133,10 +124,18 @@ def test_gradients_match_per_token_loop() -> None:
     g = torch.randn(2, 9, dim)
     (moe(x) * g).sum().backward()
     (_loop_reference(x, router, experts, 2, True) * g).sum().backward()
-    torch.testing.assert_close(moe.w_gate.grad, torch.stack([e.w1.weight.grad for e in experts]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(moe.w_up.grad, torch.stack([e.w3.weight.grad for e in experts]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(moe.w_down.grad, torch.stack([e.w2.weight.grad for e in experts]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(moe.b_down.grad, torch.stack([e.w2.bias.grad for e in experts]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        moe.w_gate.grad, torch.stack([e.w1.weight.grad for e in experts]), atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        moe.w_up.grad, torch.stack([e.w3.weight.grad for e in experts]), atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        moe.w_down.grad, torch.stack([e.w2.weight.grad for e in experts]), atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        moe.b_down.grad, torch.stack([e.w2.bias.grad for e in experts]), atol=1e-5, rtol=1e-4
+    )
     torch.testing.assert_close(moe.router.weight.grad, router.weight.grad, atol=1e-5, rtol=1e-4)
 
 
@@ -144,14 +143,19 @@ def test_gradients_match_per_token_loop() -> None:
 
 
 @pytest.mark.parametrize(
-    ("n_experts", "top_k", "tokens"), [(4, 2, (2, 9)), (5, 1, (1, 1)), (3, 3, (3, 5)), (8, 2, (1, 33))]
+    ("n_experts", "top_k", "tokens"),
+    [(4, 2, (2, 9)), (5, 1, (1, 1)), (3, 3, (3, 5)), (8, 2, (1, 33))],
 )
-def test_matches_transformers_mixtral_block(n_experts: int, top_k: int, tokens: tuple[int, int]) -> None:
+def test_matches_transformers_mixtral_block(
+    n_experts: int, top_k: int, tokens: tuple[int, int]
+) -> None:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     hidden_size, inter = 16, 24
     config = tiny_mixtral_config(
-        hidden_size=hidden_size, intermediate_size=inter, num_local_experts=n_experts,
+        hidden_size=hidden_size,
+        intermediate_size=inter,
+        num_local_experts=n_experts,
         num_experts_per_tok=top_k,
     )
     hf = randomize_(MixtralSparseMoeBlock(config), seed=5).eval()
@@ -208,7 +212,10 @@ def test_shared_expert_seed_bug_is_detected() -> None:
 
 def test_stacked_parameters_are_distinct_and_not_aliased() -> None:
     n_experts = 4
-    for moe in (SparseMoE(8, 16, n_experts, 2, bias=True), _moe(_experts(n_experts, 8, 16, True), nn.Linear(8, 4), 2)):
+    for moe in (
+        SparseMoE(8, 16, n_experts, 2, bias=True),
+        _moe(_experts(n_experts, 8, 16, True), nn.Linear(8, 4), 2),
+    ):
         for name in ("w_gate", "w_up", "w_down"):
             w = getattr(moe, name)
             for i in range(n_experts):
@@ -253,7 +260,9 @@ def test_experts_with_no_tokens() -> None:
     x = torch.randn(3, 4, dim)
     chosen = torch.softmax(router(x.reshape(-1, dim)), -1).topk(2).indices
     assert set(chosen.unique().tolist()) <= {0, 1, 2}  # experts 3, 4, 5 see no token
-    torch.testing.assert_close(moe(x), _loop_reference(x, router, experts, 2, True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        moe(x), _loop_reference(x, router, experts, 2, True), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("n_experts", [1, 3])
@@ -265,7 +274,9 @@ def test_top_k_equal_to_experts_is_dense_softmax_mixture(n_experts: int) -> None
     probs = F.softmax(router(x), dim=-1)  # (N, E): every expert, weights summing to 1
     dense = sum(probs[:, e : e + 1] * _swiglu_by_hand(x, experts[e]) for e in range(n_experts))
     for normalize in (True, False):
-        torch.testing.assert_close(_moe(experts, router, n_experts, normalize)(x), dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _moe(experts, router, n_experts, normalize)(x), dense, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_top_1_normalised_uses_the_argmax_expert_with_weight_one() -> None:

@@ -73,7 +73,9 @@ def test_rmsnorm_seed_example_by_hand() -> None:
     y = RMSNorm(4, eps=0.0)(SEED_X)
     expected = torch.tensor([1.0, 2.0, 3.0, 4.0]) / math.sqrt(7.5)
     torch.testing.assert_close(y, expected.expand(2, 4), atol=1e-6, rtol=0)
-    torch.testing.assert_close(y[0], torch.tensor([0.3651, 0.7303, 1.0954, 1.4606]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        y[0], torch.tensor([0.3651, 0.7303, 1.0954, 1.4606]), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 8), (2, 33, 24), (4, 7)])
@@ -110,7 +112,9 @@ def test_rmsnorm_half_matches_llama_rule(dtype: torch.dtype) -> None:
     by_hand = (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
     torch.testing.assert_close(y, by_hand, atol=0, rtol=torch.finfo(dtype).eps)
     # The rule matters: applying the weight in fp32 and casting once rounds differently.
-    fp32_weight_then_cast = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(dtype)
+    fp32_weight_then_cast = (
+        x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    ).to(dtype)
     assert not torch.equal(y, fp32_weight_then_cast)
 
 

@@ -48,7 +48,7 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.models import MoEDecoder, load_decoder, preset
+from moedeploy.export.reference import build_decoder, save_reference_weights
 from moedeploy.utils.io import atomic_directory, atomic_write_json
 
 Progress = Callable[[str], None]
@@ -153,7 +153,7 @@ def export_block(
         dynamic_ranges=spec.dynamic_ranges,
         tolerances={spec.output_name: {"atol": atol, "rtol": rtol}},
     )
-    return _write(out, model, manifest, golden_in, golden_out, progress)
+    return _write(out, model, manifest, golden_in, golden_out, progress, reference)
 
 
 def export_decoder(
@@ -169,15 +169,11 @@ def export_decoder(
     torch_dtype = parse_dtype(dtype)
     if checkpoint is not None:
         progress(f"loading checkpoint {checkpoint}")
-        decoder = load_decoder(checkpoint)
         source = {"checkpoint": str(Path(checkpoint).resolve())}
     else:
         progress(f"building the {preset_name!r} decoder with random weights (seed {seed})")
-        config = preset(preset_name)
-        torch.manual_seed(seed)
-        decoder = MoEDecoder(config)
         source = {"preset": preset_name}
-    decoder = decoder.eval().to(torch_dtype)
+    decoder = build_decoder(preset_name, checkpoint, seed, torch_dtype)
     config = decoder.config
     wrapper = DecoderWithPast(decoder).eval()
     generator = torch.Generator().manual_seed(seed + 1)
@@ -240,12 +236,15 @@ def _manifest(
 def _write(
     out: str | Path, model: onnx.ModelProto, manifest: dict[str, Any],
     golden_in: list[dict[str, np.ndarray]], golden_out: list[dict[str, np.ndarray]], progress: Progress,
+    reference: torch.nn.Module | None = None,
 ) -> Artifact:
     out = Path(out)
     progress(f"writing the artifact to {out}")
     _check_dim_names(manifest)
     with atomic_directory(out) as tmp:
         files = save_model(model, tmp) + save_golden(tmp, golden_in, golden_out)
+        if reference is not None:
+            files += save_reference_weights(reference, tmp)
         manifest["files"] = {rel: sha256(tmp / rel) for rel in files}
         atomic_write_json(tmp / MANIFEST, manifest)
     return Artifact.load(out)

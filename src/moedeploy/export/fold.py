@@ -100,6 +100,13 @@ def _feeding_linear(node: torch.fx.Node, modules: dict[str, nn.Module]) -> torch
     return None
 
 
+class _BatchNormLeafTracer(torch.fx.Tracer):
+    """Keep every BatchNorm (ours too, not only torch.nn's) as one call_module node."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, BATCHNORM_TYPES) or super().is_leaf_module(m, qualname)
+
+
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
@@ -118,7 +125,7 @@ def fold_batchnorms(model: nn.Module) -> FoldReport:
     report = FoldReport()
     modules = dict(model.named_modules())
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        graph = _BatchNormLeafTracer().trace(model)
         bn_nodes = [
             n for n in graph.nodes
             if n.op == "call_module" and isinstance(modules.get(str(n.target)), BATCHNORM_TYPES)

@@ -66,6 +66,9 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
             "expected a Hugging Face Mixtral checkpoint (model_type 'mixtral') or one saved by moedeploy"
         )
 
+    if config.tie_embeddings:
+        # torch's state_dict() and some exporters keep the tied copy; the embedding is the truth.
+        tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = MoEDecoder(config)
     _check_tensors(model, tensors, path)
@@ -82,7 +85,7 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
 def _parse(make: Callable[[], DecoderConfig], path: Path) -> DecoderConfig:
     try:
         return make()
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
 
@@ -169,9 +172,15 @@ def _hf_mixtral_to_ours(hf: dict[str, torch.Tensor], config: DecoderConfig) -> d
             layer, expert, w = int(m[1]), int(m[2]), m[3]
             per_expert.setdefault((layer, _W_NAME[w]), {})[expert] = tensor
         elif m := _HF_GATE_UP.fullmatch(name):
+            # transformers' Mixtral layout (E, 2I, H), gate rows first. Shapes cannot tell it
+            # from a transposed (E, H, 2I) one when H == 2I, so no other layout is guessed at:
+            # anything else fails the shape check below with a clear message.
             I = config.expert_hidden  # noqa: E741
-            if tensor.dim() == 3 and tensor.shape[1] != 2 * I and tensor.shape[2] == 2 * I:
-                tensor = tensor.transpose(1, 2)  # (E, H, 2I) layout of some versions -> (E, 2I, H)
+            if tensor.dim() != 3 or tensor.shape[1] != 2 * I:
+                raise CheckpointError(
+                    f"{name} has shape {tuple(tensor.shape)}; expected (num_experts, "
+                    f"2 * intermediate_size = {2 * I}, hidden_size) as transformers writes it"
+                )
             ours[f"layers.{m[1]}.ffn.w_gate"] = tensor[:, :I]
             ours[f"layers.{m[1]}.ffn.w_up"] = tensor[:, I:]
         else:

@@ -32,6 +32,12 @@ class DecoderConfig:
     head_dim: int = field(default=0)  # 0 = derived as hidden_size // n_heads
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "n_experts",
+                     "top_k", "expert_hidden", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim < 0:
+            raise ValueError(f"head_dim must be >= 0 (0 = derived), got {self.head_dim}")
         if self.head_dim == 0:
             if self.hidden_size % self.n_heads:
                 raise ValueError(
@@ -72,10 +78,10 @@ class DecoderConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
-        if hf.get("sliding_window") not in (None, 0):
-            # Within max_positions <= sliding_window the window never bites; beyond it we would differ.
-            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
-                raise ValueError("sliding-window attention is not supported")
+        window = hf.get("sliding_window")
+        # A window at least max_positions long never bites; a shorter one we would not honour.
+        if window not in (None, 0) and window < hf.get("max_position_embeddings", 0):
+            raise ValueError("sliding-window attention is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Mixtral uses silu)")
         return cls(

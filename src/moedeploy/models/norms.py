@@ -68,6 +68,8 @@ class BatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             flat = x.reshape(-1, x.shape[-1])  # (B*S, H): statistics pool batch and sequence
+            if flat.shape[0] < 2:  # as nn.BatchNorm1d: one value has no variance to learn from
+                raise ValueError(f"BatchNorm needs more than 1 value per feature in training, got {tuple(x.shape)}")
             mean = flat.mean(0)
             var = flat.var(0, unbiased=False)
             self._update_running_stats(mean, var, n=flat.shape[0])
@@ -79,6 +81,6 @@ class BatchNorm(nn.Module):
     def _update_running_stats(self, mean: torch.Tensor, biased_var: torch.Tensor, n: int) -> None:
         self.num_batches_tracked += 1
         m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        unbiased_var = biased_var * n / max(n - 1, 1)
+        unbiased_var = biased_var * n / (n - 1)
         self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
         self.running_var.mul_(1 - m).add_(unbiased_var.detach(), alpha=m)

@@ -106,10 +106,11 @@ def moe_reference(
             )
         )
     expert_out = torch.cat(outputs)  # (N*k, H), grouped order
-    slot_weight = weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, 1) fp32
-    combined = torch.zeros(n_tokens, expert_out.shape[-1], dtype=torch.float32, device=x.device)
-    combined.index_add_(0, token_of_slot, (expert_out * slot_weight).float())
-    return combined.to(x.dtype)
+    # Back to slot order n*k + j with one gather (every token has exactly k slots), then a
+    # fixed-order sum over k: deterministic, and far faster on CPU than index_add_.
+    slot_out = expert_out[order.argsort()].float()  # (N*k, H)
+    weighted = slot_out.view(n_tokens, top_k, -1) * weights.unsqueeze(-1)  # (N, k, H) fp32
+    return weighted.sum(1).to(x.dtype)
 
 
 def output_spec(x: torch.Tensor) -> tuple[torch.dtype, tuple]:
@@ -278,7 +279,9 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
         domain=CONTRIB_DOMAIN,
     )
     new_nodes.append(moe_node)
+    name = node.outputs[0].name
     ir.convenience.replace_nodes_and_values(
         graph, node, [node], new_nodes, [node.outputs[0]], [moe_node.outputs[0]]
     )
+    moe_node.outputs[0].name = name  # downstream tools (layer-wise compare) look values up by name
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)

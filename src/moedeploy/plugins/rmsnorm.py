@@ -74,6 +74,8 @@ def lower_to_native(graph, node) -> None:
     native = ir.node(
         "RMSNormalization", list(node.inputs), {"axis": -1, "epsilon": eps, "stash_type": 1}
     )
+    name = node.outputs[0].name
     ir.convenience.replace_nodes_and_values(
         graph, node, [node], [native], [node.outputs[0]], [native.outputs[0]]
     )
+    native.outputs[0].name = name  # downstream tools (layer-wise compare) look values up by name

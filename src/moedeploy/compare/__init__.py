@@ -1,0 +1,1 @@
+"""Polygraphy comparisons of every backend against eager PyTorch, and accuracy-diff reports."""

@@ -1,0 +1,45 @@
+"""Error statistics of one output against its reference, and the pass/fail rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_TINY = 1e-12
+
+
+def error_stats(reference: np.ndarray, actual: np.ndarray, atol: float, rtol: float) -> dict[str, float | bool]:
+    """max/mean/median/p99 of absolute and relative error, cosine similarity, pass/fail.
+
+    Pass means every element satisfies |actual - ref| <= atol + rtol * |ref| (numpy's
+    allclose rule), so a tolerance reads the same here as in the tests.
+    """
+    ref = np.asarray(reference, dtype=np.float64).ravel()
+    act = np.asarray(actual, dtype=np.float64).ravel()
+    if ref.shape != act.shape:
+        return {"shape_mismatch": True, "passed": False}
+    if ref.size == 0:
+        return {"max_abs": 0.0, "mean_abs": 0.0, "median_abs": 0.0, "p99_abs": 0.0, "max_rel": 0.0,
+                "mean_rel": 0.0, "median_rel": 0.0, "p99_rel": 0.0, "cosine": 1.0, "nan_or_inf": False,
+                "passed": True, "atol": atol, "rtol": rtol, "elements": 0}
+    finite = bool(np.isfinite(act).all() and np.isfinite(ref).all())
+    abs_err = np.abs(act - ref)
+    rel_err = abs_err / np.maximum(np.abs(ref), _TINY)
+    denom = np.linalg.norm(ref) * np.linalg.norm(act)
+    cosine = float(ref @ act / denom) if denom > 0 else float(np.array_equal(ref, act))
+    passed = finite and bool(np.all(abs_err <= atol + rtol * np.abs(ref)))
+    return {
+        "max_abs": float(abs_err.max()),
+        "mean_abs": float(abs_err.mean()),
+        "median_abs": float(np.median(abs_err)),
+        "p99_abs": float(np.quantile(abs_err, 0.99)),
+        "max_rel": float(rel_err.max()),
+        "mean_rel": float(rel_err.mean()),
+        "median_rel": float(np.median(rel_err)),
+        "p99_rel": float(np.quantile(rel_err, 0.99)),
+        "cosine": cosine,
+        "nan_or_inf": not finite,
+        "passed": passed,
+        "atol": atol,
+        "rtol": rtol,
+        "elements": int(ref.size),
+    }

@@ -1,0 +1,69 @@
+"""Render report.json's dict as Markdown and as one self-contained HTML page."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from moedeploy.compare import plots
+
+
+def _mark(passed: bool) -> str:
+    return "pass" if passed else "**FAIL**"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    a = report["artifact"]
+    lines = [
+        f"# Accuracy report: `{a['name']}` — {'PASS' if report['passed'] else 'FAIL'}",
+        "",
+        f"{a['kind']}, {a['dtype']}, opset {a['opset']}; {report['iterations']} iterations, seed "
+        f"{report['seed']}; reference: eager PyTorch. Rule: |backend - eager| <= atol + rtol * |eager|.",
+        "",
+    ]
+    if report.get("first_divergent_layer"):
+        lines += [f"First divergent layer: `{report['first_divergent_layer']}` "
+                  f"(module `{report['first_divergent_module']}`)", ""]
+    for c in report["comparisons"]:
+        lines += [
+            f"## {c['backend']} vs {c['reference']}: {_mark(c['passed'])}",
+            "",
+            "| output | max abs | mean abs | p99 abs | max rel | cosine | atol | rtol | result |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for name, s in c["outputs"].items():
+            if s.get("shape_mismatch"):
+                lines.append(f"| `{name}` | shape mismatch | | | | | | | **FAIL** |")
+                continue
+            lines.append(
+                f"| `{name}` | {s['max_abs']:.2e} | {s['mean_abs']:.2e} | {s['p99_abs']:.2e} | {s['max_rel']:.2e} "
+                f"| {s['cosine']:.8f} | {s['atol']:.0e} | {s['rtol']:.0e} | {_mark(s['passed'])} |"
+            )
+        if c.get("layerwise"):
+            lines += ["", "Layer-wise (first iteration):", "", "| module | max abs | result |", "|---|---:|---|"]
+            lines += [f"| `{m['module']}` | {m['max_abs']:.2e} | {_mark(m['passed'])} |" for m in c["layerwise"]["modules"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(report: dict[str, Any], errors: dict[str, dict[str, np.ndarray]]) -> str:
+    import jinja2
+
+    view = dict(report)
+    view["comparisons"] = []
+    for c in report["comparisons"]:
+        c = dict(c)
+        errs = errors.get(c["backend"], {})
+        if errs:
+            tolerances = {name: max(s["atol"], 1e-12) for name, s in c["outputs"].items()}
+            c["histogram"] = plots.error_histograms(errs, tolerances, f"{c['backend']} vs eager PyTorch")
+        if c.get("layerwise") and c["layerwise"]["modules"]:
+            atol = next(iter(c["outputs"].values()))["atol"]
+            c["layer_plot"] = plots.layer_errors(c["layerwise"]["modules"], atol, "max |error| per module, execution order")
+        view["comparisons"].append(c)
+    template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
+    return env.from_string(template_text).render(r=view)

@@ -1,0 +1,84 @@
+"""`moedeploy all`: export every block and the decoder, compare each backend, index the reports."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moedeploy.compare.api import compare
+from moedeploy.export import BLOCKS, DECODER, export
+from moedeploy.export.exporter import library_versions
+from moedeploy.runtime.tensorrt import tensorrt_available
+from moedeploy.utils.io import atomic_write_json, atomic_write_text
+
+Progress = Callable[[str], None]
+
+
+def default_backends() -> list[str]:
+    return ["ort", "trt"] if tensorrt_available() else ["ort"]
+
+
+def run_all(
+    out: str | Path,
+    backends: list[str] | None = None,
+    dtype: str = "fp32",
+    preset_name: str = "tiny",
+    iterations: int = 3,
+    seed: int = 0,
+    targets: list[str] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Returns summary.json's dict; writes <out>/<target>/ artifacts, <out>/index.html."""
+    progress = progress or (lambda _: None)
+    out = Path(out)
+    backends = backends or default_backends()
+    targets = targets or [*BLOCKS, DECODER]
+    rows = []
+    for i, target in enumerate(targets, 1):
+        progress(f"[{i}/{len(targets)}] {target}")
+        start = time.perf_counter()
+        row: dict[str, Any] = {"name": target, "artifact": target, "report": f"{target}/report/report.html"}
+        try:
+            artifact = export(target, out / target, preset_name=preset_name, dtype=dtype, seed=seed)
+            report = compare(artifact, backends, iterations=iterations, seed=seed, layerwise=True)
+            first = report["comparisons"][0]["outputs"]
+            name, stats = next(iter(first.items()))
+            row.update(
+                passed=report["passed"],
+                kind=artifact.kind,
+                custom_ops=[f"{o['domain']}::{o['op_type']}" for o in artifact.manifest["custom_ops"]],
+                output=name,
+                max_abs=stats.get("max_abs"),
+                cosine=stats.get("cosine"),
+                first_divergent_layer=report["first_divergent_layer"],
+            )
+        except Exception as e:  # one broken target must not hide the others' results
+            row.update(passed=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rows.append(row)
+    summary = {
+        "passed": all(r["passed"] for r in rows),
+        "backends": backends,
+        "dtype": dtype,
+        "preset": preset_name,
+        "seed": seed,
+        "results": rows,
+        "versions": library_versions(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "index.html", render_index(summary))
+    return summary
+
+
+def render_index(summary: dict[str, Any]) -> str:
+    import jinja2
+
+    template = resources.files("moedeploy.compare").joinpath("templates/index.html.j2").read_text()
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined)
+    return env.from_string(template).render(s=summary)

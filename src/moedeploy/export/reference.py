@@ -1,0 +1,65 @@
+"""Rebuild the eager PyTorch model an artifact was exported from: the ground truth to compare with.
+
+Blocks store their (unfolded, eval-mode) weights in `reference.safetensors` (a few hundred
+KB). Decoders are rebuilt from what made them: the preset and seed (random weights are a
+pure function of both) or the checkpoint folder, so a 500 MB model is not stored twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype
+
+REFERENCE_FILE = "reference.safetensors"
+
+
+def save_reference_weights(module: nn.Module, folder: Path) -> list[str]:
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(folder / REFERENCE_FILE))
+    return [REFERENCE_FILE]
+
+
+def build_decoder(preset_name: str | None, checkpoint: str | Path | None, seed: int, dtype: torch.dtype):
+    """The eager MoEDecoder for a preset + seed or a checkpoint, in eval mode and `dtype`."""
+    from moedeploy.models import MoEDecoder, load_decoder, preset
+
+    if checkpoint is not None:
+        decoder = load_decoder(checkpoint)
+    else:
+        torch.manual_seed(seed)
+        decoder = MoEDecoder(preset(preset_name))
+    return decoder.eval().to(dtype)
+
+
+def load_reference(artifact: Artifact) -> nn.Module:
+    """The eager module behind `artifact`, eval mode, in the artifact's dtype.
+
+    For a decoder this is the DecoderWithPast wrapper, whose inputs and outputs are the graph's.
+    """
+    dtype = parse_dtype(artifact.dtype)
+    config = artifact.manifest["config"]
+    if artifact.kind == "decoder":
+        from moedeploy.export.decoder import DecoderWithPast
+
+        source = config.get("source", {})
+        checkpoint = source.get("checkpoint")
+        if checkpoint is not None and not Path(checkpoint).is_dir():
+            raise ArtifactError(
+                f"{artifact.path} was exported from checkpoint {checkpoint}, which is gone; "
+                "the eager reference needs it"
+            )
+        decoder = build_decoder(source.get("preset"), checkpoint, artifact.manifest["seed"], dtype)
+        return DecoderWithPast(decoder).eval()
+    from moedeploy.export.blocks import build_block, get_block
+
+    module = build_block(get_block(config["block"]), artifact.manifest["seed"])
+    weights = artifact.path / REFERENCE_FILE
+    if not weights.is_file():
+        raise ArtifactError(f"{artifact.path} has no {REFERENCE_FILE}; re-export it")
+    module.load_state_dict(load_file(str(weights)))
+    return module.eval().to(dtype)

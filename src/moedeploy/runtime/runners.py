@@ -1,0 +1,96 @@
+"""Every backend behind Polygraphy's BaseRunner, so compare, bench and serve take any of them.
+
+  torch   our eager runner (Polygraphy's PytRunner calls the module with no arguments and
+          casts with its own DataType, see DESIGN.md): the artifact's reference module
+  ort     Polygraphy's OnnxrtRunner over our lowered ONNX Runtime session
+  trt     Polygraphy's TrtRunner over an engine built with our plugins (when TensorRT exists)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.datatype import DataType
+
+from moedeploy.export.artifact import Artifact, to_numpy
+from moedeploy.export.decoder import past_names
+from moedeploy.export.reference import load_reference
+
+BACKENDS = ("torch", "ort", "trt")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
+
+def _flatten(outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [t for item in outputs for t in _flatten(item)]
+
+
+class TorchRunner(BaseRunner):
+    """Runs an artifact's eager PyTorch reference on feed dicts keyed by the graph's input names."""
+
+    def __init__(self, artifact: Artifact, name: str = "torch-eager", module_loader: Callable[[], torch.nn.Module] | None = None) -> None:
+        super().__init__(name=name, prefix="torch-runner")
+        self.artifact = artifact
+        self._loader = module_loader or (lambda: load_reference(artifact))
+        self.module: torch.nn.Module | None = None
+
+    def activate_impl(self) -> None:
+        self.module = self._loader()
+
+    def deactivate_impl(self) -> None:
+        self.module = None
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        meta = TensorMetadata()
+        for spec in self.artifact.manifest["inputs"]:
+            dims = [d if isinstance(d, int) else -1 for d in spec["shape"]]
+            dtype = DataType.BFLOAT16 if spec["dtype"] == "bfloat16" else DataType.from_dtype(np.dtype(spec["dtype"]))
+            meta.add(spec["name"], dtype, dims)
+        return meta
+
+    def _to_torch(self, name: str, array: np.ndarray) -> torch.Tensor:
+        spec = next(i for i in self.artifact.manifest["inputs"] if i["name"] == name)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(_TORCH_DTYPES[spec["dtype"]])
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        inputs = {name: self._to_torch(name, feed_dict[name]) for name in self.artifact.input_names()}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if self.artifact.kind == "decoder":
+                n = self.artifact.manifest["config"]["n_layers"]
+                kv = [inputs[name] for name in past_names(n)]
+                outputs = self.module(inputs["input_ids"], list(zip(kv[0::2], kv[1::2], strict=True)))
+            else:
+                outputs = self.module(*inputs.values())
+        self.inference_time = time.perf_counter() - start
+        tensors = _flatten(outputs)
+        return OrderedDict((name, to_numpy(t)) for name, t in zip(self.artifact.output_names(), tensors, strict=True))
+
+
+def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt"):
+    """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation)."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from moedeploy.runtime.ort import create_session
+
+    return OnnxrtRunner(lambda: create_session(artifact, moe_lowering=moe_lowering, threads=threads).session, name=name)
+
+
+def make_runner(backend: str, artifact: Artifact) -> BaseRunner:
+    """The runner for one backend name (torch, ort, trt)."""
+    if backend == "torch":
+        return TorchRunner(artifact)
+    if backend == "ort":
+        return ort_runner(artifact)
+    if backend == "trt":
+        from moedeploy.runtime.tensorrt import trt_runner
+
+        return trt_runner(artifact)
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")

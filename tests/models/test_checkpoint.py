@@ -1,0 +1,355 @@
+"""Checkpoints: Hugging Face Mixtral folders (per-expert, fused, sharded) against transformers' logits;
+our own save/load round trip; every kind of bad folder gives a CheckpointError that names the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moedeploy.models import CheckpointError, MoEDecoder, load_decoder, preset
+
+from .helpers import randomize_, tiny_mixtral
+
+# Several tiny shapes: odd vocab and intermediate sizes, GQA, MQA and MHA, top-1 and top-k = E,
+# explicit head_dim (also where heads * head_dim != hidden), tied embeddings, rope theta, and
+# hidden == intermediate / hidden == 2 * intermediate (where a layout guessed from shapes errs).
+_FIELDS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "num_local_experts", "num_experts_per_tok", "intermediate_size", "num_hidden_layers",
+    "rope_theta",
+)  # fmt: skip
+CONFIGS = {
+    name: {**dict(zip(_FIELDS, values, strict=True)), **extra}
+    for name, values, extra in [
+        ("gqa", (64, 32, 4, 2, 4, 2, 48, 2, 1e4), {}),
+        ("mqa-top1-tied", (50, 24, 3, 1, 3, 1, 40, 1, 1e6), {"tie_word_embeddings": True}),
+        (
+            "mha-topE-headdim",
+            (97, 40, 4, 4, 5, 5, 16, 3, 500.0),
+            {"head_dim": 6, "rms_norm_eps": 1e-6},
+        ),
+        (
+            "wide-head-tied",
+            (33, 16, 2, 1, 2, 2, 33, 2, 1e5),
+            {"head_dim": 12, "tie_word_embeddings": True},
+        ),
+        ("six-experts", (61, 48, 6, 3, 6, 3, 20, 1, 2e4), {}),
+        ("square", (40, 24, 2, 2, 3, 2, 24, 1, 1e4), {}),
+        ("hidden-2x-inter", (40, 32, 4, 1, 4, 2, 16, 1, 1e4), {}),
+    ]
+}
+
+
+def _ids(vocab: int, shape: tuple[int, int] = (2, 11)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
+
+
+def _assert_matches_hf(ours: MoEDecoder, hf, vocab: int) -> None:
+    ids = _ids(vocab)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert expected.std() > 0.3  # O(1) logits, so 1e-4 is a real bound
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _assert_eval(model: torch.nn.Module) -> None:
+    assert not model.training
+    assert not any(m.training for m in model.modules())
+
+
+def _keys(folder: Path) -> set[str]:
+    keys: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def _write_fused(hf, folder: Path) -> None:
+    """transformers 5's in-memory layout: experts fused as gate_up_proj / down_proj."""
+    state = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # aliased; transformers' own save drops it too
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    hf.config.save_pretrained(folder)
+
+
+# ---------------------------------------------------------------- Hugging Face layouts
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hf_per_expert_checkpoint_matches_transformers(name: str, tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=len(name), **CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in _keys(
+        tmp_path
+    )  # per-expert on disk
+    ours = MoEDecoder.from_pretrained(tmp_path)
+    _assert_eval(ours)
+    c, h = ours.config, hf.config
+    assert (c.n_heads, c.n_kv_heads, c.n_experts, c.top_k, c.n_layers) == (
+        h.num_attention_heads,
+        h.num_key_value_heads,
+        h.num_local_experts,
+        h.num_experts_per_tok,
+        h.num_hidden_layers,
+    )
+    assert c.tie_embeddings == h.tie_word_embeddings
+    if c.tie_embeddings:
+        assert ours.lm_head.weight is ours.embed.weight
+    _assert_matches_hf(ours, hf, h.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "name", ["gqa", "mqa-top1-tied", "mha-topE-headdim", "square", "hidden-2x-inter"]
+)
+def test_hf_fused_checkpoint_matches_transformers(name: str, tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=3, **CONFIGS[name])
+    _write_fused(hf, tmp_path / "ckpt")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _keys(tmp_path / "ckpt")
+    ours = MoEDecoder.from_pretrained(tmp_path / "ckpt")
+    _assert_eval(ours)
+    _assert_matches_hf(ours, hf, hf.config.vocab_size)
+
+
+def test_hf_sharded_checkpoint_matches_transformers(tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=4, **CONFIGS["gqa"])
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 2
+    assert not (tmp_path / "model.safetensors").exists()
+    ours = MoEDecoder.from_pretrained(tmp_path)
+    _assert_matches_hf(ours, hf, 64)
+
+
+def test_hf_bf16_checkpoint_stays_bf16(tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=5, **CONFIGS["gqa"]).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    ours = load_decoder(tmp_path)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    inter = hf.config.intermediate_size
+    experts = hf.model.layers[1].mlp.experts
+    assert torch.equal(ours.layers[1].ffn.w_gate, experts.gate_up_proj[:, :inter])
+    assert torch.equal(ours.layers[1].ffn.w_up, experts.gate_up_proj[:, inter:])
+    assert torch.equal(ours.layers[1].ffn.w_down, experts.down_proj)
+    assert torch.equal(ours.embed.weight, hf.model.embed_tokens.weight)
+    as_fp32 = load_decoder(tmp_path, dtype=torch.float32)
+    assert {p.dtype for p in as_fp32.parameters()} == {torch.float32}
+    assert torch.equal(
+        as_fp32.layers[0].attn.wq.weight, hf.model.layers[0].self_attn.q_proj.weight.float()
+    )
+
+
+# ---------------------------------------------------------------- our own format
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_load_round_trip_is_exact(tied: bool, tmp_path: Path) -> None:
+    config = preset("tiny")
+    config.tie_embeddings = tied
+    config.n_layers = 1
+    torch.manual_seed(0)
+    model = randomize_(MoEDecoder(config), seed=8).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(tmp_path / "ckpt")  # overwriting an existing checkpoint works
+    loaded = MoEDecoder.from_pretrained(tmp_path / "ckpt")
+    _assert_eval(loaded)
+    assert loaded.config == model.config
+    assert (loaded.lm_head.weight is loaded.embed.weight) == tied
+    ids = _ids(config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    assert list(tmp_path.iterdir()) == [tmp_path / "ckpt"]  # no temp folders left behind
+
+
+def test_hf_to_ours_round_trip(tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=6, **CONFIGS["mqa-top1-tied"])
+    _write_fused(hf, tmp_path / "hf")
+    MoEDecoder.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "ours")
+    _assert_matches_hf(MoEDecoder.from_pretrained(tmp_path / "ours"), hf, 50)
+
+
+# ---------------------------------------------------------------- bad folders
+
+
+@pytest.fixture
+def hf_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "hf"
+    tiny_mixtral(seed=0, **{**CONFIGS["gqa"], "num_hidden_layers": 1}).save_pretrained(folder)
+    return folder
+
+
+def _rewrite(folder: Path, edit) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def _load_error(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        MoEDecoder.from_pretrained(path)
+    return str(info.value)
+
+
+def test_error_nonexistent_path(tmp_path: Path) -> None:
+    assert "does not exist" in _load_error(tmp_path / "nope")
+
+
+def test_error_file_instead_of_folder(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert "not a folder" in _load_error(tmp_path / "model.safetensors")
+
+
+def test_error_no_config(tmp_path: Path) -> None:
+    assert "no config.json" in _load_error(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("{not json", "not readable JSON"), ("[1, 2]", "JSON object")]
+)
+def test_error_bad_json(text: str, message: str, hf_folder: Path) -> None:
+    (hf_folder / "config.json").write_text(text)
+    assert message in _load_error(hf_folder)
+
+
+def test_error_wrong_model_type(hf_folder: Path) -> None:
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["model_type"] = "llama"
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    msg = _load_error(hf_folder)
+    assert "'llama'" in msg and "not supported" in msg
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, "invalid config"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+        ({"sliding_window": 8}, "sliding-window"),
+    ],
+)
+def test_error_unsupported_hf_config(change: dict, message: str, hf_folder: Path) -> None:
+    config = json.loads((hf_folder / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    assert message in _load_error(hf_folder)
+
+
+def test_error_zero_heads_is_a_checkpoint_error(hf_folder: Path) -> None:
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["num_attention_heads"] = 0
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    assert "invalid config" in _load_error(hf_folder)
+
+
+def test_error_only_pickle_weights(hf_folder: Path) -> None:
+    (hf_folder / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, hf_folder / "pytorch_model.bin")
+    msg = _load_error(hf_folder)
+    assert "pytorch_model.bin" in msg and "safetensors" in msg
+
+
+def test_error_no_weights(hf_folder: Path) -> None:
+    (hf_folder / "model.safetensors").unlink()
+    assert "no *.safetensors" in _load_error(hf_folder)
+
+
+def test_error_missing_tensor(hf_folder: Path) -> None:
+    _rewrite(hf_folder, lambda t: t.pop("model.layers.0.self_attn.q_proj.weight"))
+    msg = _load_error(hf_folder)
+    assert "missing tensors" in msg and "layers.0.attn.wq.weight" in msg
+
+
+def test_error_wrong_shape(hf_folder: Path) -> None:
+    def edit(t: dict) -> None:
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+
+    _rewrite(hf_folder, edit)
+    msg = _load_error(hf_folder)
+    assert (
+        "shape mismatch" in msg and "layers.0.attn.wk.weight (8, 32)" in msg and "(16, 32)" in msg
+    )
+
+
+def test_error_missing_expert(hf_folder: Path) -> None:
+    _rewrite(hf_folder, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight"))
+    msg = _load_error(hf_folder)
+    assert "layer 0" in msg and "w_up" in msg and "missing [2]" in msg
+
+
+def test_error_extra_expert(hf_folder: Path) -> None:
+    def edit(t: dict) -> None:
+        t["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = torch.zeros(48, 32)
+
+    _rewrite(hf_folder, edit)
+    assert "found [0, 1, 2, 3, 4]" in _load_error(hf_folder)
+
+
+def test_error_unknown_tensor(hf_folder: Path) -> None:
+    def edit(t: dict) -> None:
+        t["model.layers.0.mystery.weight"] = torch.zeros(2)
+
+    _rewrite(hf_folder, edit)
+    assert "unexpected tensors" in _load_error(hf_folder)
+
+
+def test_error_corrupt_safetensors(hf_folder: Path) -> None:
+    (hf_folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    assert "not a readable safetensors file" in _load_error(hf_folder)
+
+
+def test_error_missing_shard(tmp_path: Path) -> None:
+    tiny_mixtral(seed=0, **CONFIGS["gqa"]).save_pretrained(tmp_path, max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    msg = _load_error(tmp_path)
+    assert "missing" in msg and shard.name in msg
+
+
+def test_error_unknown_field_in_our_format(tmp_path: Path) -> None:
+    MoEDecoder(preset("tiny")).save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["config"]["n_expert"] = 3
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert "n_expert" in _load_error(tmp_path / "ckpt")
+
+
+def test_tied_checkpoint_with_stored_lm_head_loads(tmp_path: Path) -> None:
+    hf = tiny_mixtral(seed=2, **CONFIGS["mqa-top1-tied"])
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    assert "lm_head.weight" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path)
+    _assert_matches_hf(MoEDecoder.from_pretrained(tmp_path), hf, 50)
+
+
+@pytest.mark.parametrize("name", ["gqa", "square"])
+def test_hf_fused_transposed_layout_is_rejected(name: str, tmp_path: Path) -> None:
+    # Expert matrices stored (E, in, out) instead of transformers' (E, out, in): shapes cannot
+    # always tell the two apart (H == 2I), so the loader must refuse, never load them silently wrong.
+    hf = tiny_mixtral(seed=7, **CONFIGS[name])
+    state = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[key] = state[key].transpose(1, 2).contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path)
+    msg = _load_error(tmp_path)
+    assert "gate_up_proj" in msg or "shape mismatch" in msg
