@@ -1,0 +1,295 @@
+"""Sparse MoE in Triton: route, group tokens by expert, grouped GEMMs, combine.
+
+Pipeline (every step a kernel, no host synchronisation, so it can be captured in a CUDA
+graph or a TensorRT engine):
+  route    one program per token: softmax over E in fp32, top-k by repeated argmax,
+           optional renormalisation -> ids (N, k), weights (N, k)
+  count    one program per expert: how many of the N*k slots chose it
+  align    one program: each expert's segment, padded to a multiple of BLOCK_M
+  scatter  one program per expert: the slots of that expert in ascending order (a stable
+           counting sort, as the eager reference's stable argsort), padding = sentinel N*k
+  gate_up  grouped GEMM: each BLOCK_M row tile belongs to exactly one expert; it gathers its
+           tokens' rows of x and computes act(x W_gate^T) * (x W_up^T) into a sorted buffer
+  down     grouped GEMM back to H, scaled by each slot's routing weight, written to slot order
+  combine  per token, the sum of its k slots in a fixed order (deterministic, no atomics)
+
+Rounding follows the eager reference (`moedeploy.plugins.moe.moe_reference`): each linear
+is rounded to x's dtype, routing and the combine are fp32. fp32 GEMMs use IEEE precision,
+not TF32, so fp32 results match eager PyTorch to ~1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moedeploy.plugins.kernels._launch import check_device
+
+ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
+
+
+@triton.jit
+def route_kernel(LOGITS, IDS, WEIGHTS, E, stride_l, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    logits = tl.load(LOGITS + row * stride_l + cols, mask=valid, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = tl.where(valid, p, 0.0)
+    probs = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=0)
+        w = tl.max(probs, axis=0)
+        tl.store(IDS + row * TOP_K + j, best.to(tl.int32))
+        tl.store(WEIGHTS + row * TOP_K + j, w)
+        total += w
+        probs = tl.where(cols == best, -1.0, probs)
+    if NORMALIZE:
+        for j in tl.static_range(TOP_K):
+            w = tl.load(WEIGHTS + row * TOP_K + j)
+            tl.store(WEIGHTS + row * TOP_K + j, w / total)
+
+
+@triton.jit
+def count_kernel(IDS, COUNTS, n_slots, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    count = 0
+    for start in range(0, n_slots, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(IDS + offs, mask=offs < n_slots, other=-1)
+        count += tl.sum((ids == expert).to(tl.int32), axis=0)
+    tl.store(COUNTS + expert, count)
+
+
+@triton.jit
+def align_kernel(COUNTS, STARTS, ENDS, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    counts = tl.load(COUNTS + cols, mask=valid, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(STARTS + cols, ends - padded, mask=valid)
+    tl.store(ENDS + cols, ends, mask=valid)
+
+
+@triton.jit
+def scatter_kernel(IDS, STARTS, SORTED, n_slots, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    position = tl.load(STARTS + expert)
+    for start in range(0, n_slots, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mine = (tl.load(IDS + offs, mask=offs < n_slots, other=-1) == expert).to(tl.int32)
+        # inclusive prefix count of my slots in this chunk -> their places, in ascending slot order
+        places = position + tl.cumsum(mine, axis=0) - 1
+        tl.store(SORTED + places, offs, mask=mine != 0)
+        position += tl.sum(mine, axis=0)
+
+
+@triton.jit
+def _tile_expert(ENDS, E, row0, BLOCK_E: tl.constexpr):
+    """The expert whose padded segment holds row `row0` (E when past the last segment)."""
+    cols = tl.arange(0, BLOCK_E)
+    ends = tl.load(ENDS + cols, mask=cols < E, other=0)
+    return tl.sum(((ends <= row0) & (cols < E)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def gate_up_kernel(
+    X, WG, WU, BG, BU, HBUF, SORTED, ENDS,
+    n_slots, H, I, E, stride_x, stride_we, stride_wn, stride_be, stride_h,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    expert = _tile_expert(ENDS, E, row0, BLOCK_E)
+    if expert >= E:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    slots = tl.load(SORTED + rows)
+    valid = slots < n_slots
+    tokens = (slots // TOP_K).to(tl.int64)
+    n_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n_cols < I
+    w_off = expert.to(tl.int64) * stride_we + n_cols[None, :] * stride_wn  # (1, BN) into (I, H)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < H
+        a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
+        b_mask = k_valid[:, None] & n_valid[None, :]
+        wu = tl.load(WU + w_off + ks[:, None], mask=b_mask, other=0.0)  # (BK, BN) = W_up[e]^T tile
+        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        if ACT == 0:
+            wg = tl.load(WG + w_off + ks[:, None], mask=b_mask, other=0.0)
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+    if HAS_BIAS:
+        b_off = expert.to(tl.int64) * stride_be + n_cols
+        acc_up += tl.load(BU + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        if ACT == 0:
+            acc_gate += tl.load(BG + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    dtype = HBUF.dtype.element_ty
+    up = acc_up.to(dtype).to(tl.float32)
+    if ACT == 0:
+        gate = acc_gate.to(dtype).to(tl.float32)
+        hidden = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    elif ACT == 1:
+        hidden = tl.maximum(up, 0.0)
+    else:
+        hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+    tl.store(HBUF + rows[:, None].to(tl.int64) * stride_h + n_cols[None, :], hidden.to(dtype), mask=valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def down_kernel(
+    HBUF, WD, BD, WEIGHTS, OUT, SORTED, ENDS,
+    n_slots, H, I, E, stride_h, stride_we, stride_wn, stride_be, stride_o,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    expert = _tile_expert(ENDS, E, row0, BLOCK_E)
+    if expert >= E:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    slots = tl.load(SORTED + rows)
+    valid = slots < n_slots
+    n_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n_cols < H
+    w_off = expert.to(tl.int64) * stride_we + n_cols[None, :] * stride_wn  # (1, BN) into (H, I)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < I
+        a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
+        w = tl.load(WD + w_off + ks[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(BD + expert.to(tl.int64) * stride_be + n_cols, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(HBUF.dtype.element_ty).to(tl.float32)  # the expert's output, rounded like eager's linear
+    routing = tl.load(WEIGHTS + slots, mask=valid, other=0.0)
+    out_ptrs = OUT + slots[:, None].to(tl.int64) * stride_o + n_cols[None, :]
+    tl.store(out_ptrs, y * routing[:, None], mask=valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def combine_kernel(OUT, Y, H, stride_o, stride_y, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(OUT + (token * TOP_K + j) * stride_o + cols, mask=valid, other=0.0)
+    tl.store(Y + token * stride_y + cols, acc.to(Y.dtype.element_ty), mask=valid)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of the grouped GEMMs. tl.dot needs every dim >= 16."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+
+
+def default_config(n_tokens: int, top_k: int, n_experts: int) -> TileConfig:
+    """Small M tiles when each expert sees few rows (decode), larger ones for prefill."""
+    rows_per_expert = n_tokens * top_k / max(n_experts, 1)
+    if rows_per_expert <= 16:
+        return TileConfig(16, 64, 64, 4)
+    if rows_per_expert <= 64:
+        return TileConfig(32, 64, 64, 4)
+    return TileConfig(64, 64, 32, 4)
+
+
+def _check(x, router_logits, w_gate, w_up, w_down, top_k, activation) -> None:
+    if x.dim() != 2 or router_logits.dim() != 2:
+        raise ValueError(f"x must be (N, H) and router_logits (N, E); got {tuple(x.shape)}, {tuple(router_logits.shape)}")
+    n, h = x.shape
+    e, i, h_up = w_up.shape
+    if h_up != h or w_down.shape != (e, h, i) or router_logits.shape != (n, e):
+        raise ValueError(
+            f"inconsistent MoE shapes: x {tuple(x.shape)}, router_logits {tuple(router_logits.shape)}, "
+            f"w_up {tuple(w_up.shape)}, w_down {tuple(w_down.shape)}"
+        )
+    if activation == "swiglu" and (w_gate is None or w_gate.shape != w_up.shape):
+        raise ValueError("swiglu experts need w_gate with w_up's shape (E, I, H)")
+    if activation not in ACTIVATION_IDS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATION_IDS)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k {top_k} must lie in [1, E={e}]")
+
+
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    normalize_topk: bool = True,
+    activation: str = "swiglu",
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """y (N, H) = sum over each token's top-k experts of weight * expert(x); see the module doc."""
+    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
+    check_device(x)
+    n, h = x.shape
+    e, i, _ = w_up.shape
+    device, dtype = x.device, x.dtype
+    y = torch.empty(n, h, dtype=dtype, device=device)
+    if n == 0:
+        return y
+    cfg = config or default_config(n, top_k, e)
+    x, router_logits, w_up, w_down = (t.contiguous() for t in (x, router_logits, w_up, w_down))
+    w_gate = w_up if w_gate is None else w_gate.contiguous()
+    has_bias = any(b is not None for b in (b_gate, b_up, b_down))
+    zeros_i = torch.zeros(e, i, dtype=dtype, device=device)
+    b_gate = (zeros_i if b_gate is None else b_gate).contiguous()
+    b_up = (zeros_i if b_up is None else b_up).contiguous()
+    b_down = (torch.zeros(e, h, dtype=dtype, device=device) if b_down is None else b_down).contiguous()
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    block_e = triton.next_power_of_2(e)
+    n_slots = n * top_k
+    scan_block = min(triton.next_power_of_2(n_slots), 1024)
+
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=device)
+    route_kernel[(n,)](router_logits, ids, weights, e, router_logits.stride(0),
+                       TOP_K=top_k, NORMALIZE=bool(normalize_topk), BLOCK_E=block_e)
+
+    counts = torch.empty(e, dtype=torch.int32, device=device)
+    count_kernel[(e,)](ids, counts, n_slots, BLOCK=scan_block)
+    starts = torch.empty(e, dtype=torch.int32, device=device)
+    ends = torch.empty(e, dtype=torch.int32, device=device)
+    align_kernel[(1,)](counts, starts, ends, e, BLOCK_M=cfg.block_m, BLOCK_E=block_e)
+    # Upper bound on padded rows, known without reading `counts` back to the host.
+    n_tiles = triton.cdiv(n_slots + e * (cfg.block_m - 1), cfg.block_m)
+    sorted_slots = torch.full((n_tiles * cfg.block_m,), n_slots, dtype=torch.int32, device=device)
+    scatter_kernel[(e,)](ids, starts, sorted_slots, n_slots, BLOCK=scan_block)
+
+    hidden = torch.empty(n_tiles * cfg.block_m, i, dtype=dtype, device=device)
+    gate_up_kernel[(n_tiles, triton.cdiv(i, cfg.block_n))](
+        x, w_gate, w_up, b_gate, b_up, hidden, sorted_slots, ends,
+        n_slots, h, i, e, x.stride(0), w_up.stride(0), w_up.stride(1), b_up.stride(0), hidden.stride(0),
+        TOP_K=top_k, ACT=ACTIVATION_IDS[activation], HAS_BIAS=has_bias, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
+    )
+    slot_out = torch.empty(n_slots, h, dtype=torch.float32, device=device)
+    down_kernel[(n_tiles, triton.cdiv(h, cfg.block_n))](
+        hidden, w_down, b_down, weights, slot_out, sorted_slots, ends,
+        n_slots, h, i, e, hidden.stride(0), w_down.stride(0), w_down.stride(1), b_down.stride(0), slot_out.stride(0),
+        HAS_BIAS=has_bias, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
+    )
+    block_h = min(triton.next_power_of_2(h), 1024)
+    combine_kernel[(n, triton.cdiv(h, block_h))](slot_out, y, h, slot_out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h)
+    return y

@@ -1,0 +1,155 @@
+"""Triton kernels vs the eager references, on CPU through Triton's interpreter (on CUDA when present).
+
+The eager references (`rms_norm_reference`, `moe_reference`) are themselves checked against
+torch.nn.RMSNorm, Hugging Face Mixtral and per-token loops in tests/models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:  # not importorskip: see tests/conftest.py
+    pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
+
+from moedeploy.plugins.kernels import TileConfig, default_config, moe, rms_norm
+from moedeploy.plugins.moe import moe_reference
+from moedeploy.plugins.rmsnorm import rms_norm_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+# Interpreter limits (numpy has no bfloat16): it truncates fp32 -> bf16 instead of rounding,
+# twice in RMSNorm, so allow two bf16 ulps there (bit-exact on a GPU); it cannot run bf16
+# tl.dot at all, so bf16 MoE is checked on GPUs only (scripts/gpu_check.sh).
+RMS_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (0.0, 0.0), torch.bfloat16: (0.0, 2**-6 if INTERPRETED else 0.0)}
+MOE_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("shape"), [(1, 1), (2, 7), (3, 5, 64), (4, 1000), (2, 4097)])
+def test_rms_norm_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = _gen(sum(shape))
+    x = (3 * torch.randn(shape, generator=g)).to(dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(dtype)
+    expected = rms_norm_reference(x, w, 1e-5)
+    actual = rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5).cpu()
+    assert actual.dtype == dtype and actual.shape == x.shape
+    atol, rtol = RMS_TOL[dtype]
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and not INTERPRETED):
+        assert torch.equal(actual, expected)  # fp32 statistics, one rounding, exact product
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_rms_norm_against_torch_builtin() -> None:
+    x = torch.randn(6, 48, generator=_gen(1))
+    norm = torch.nn.RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=_gen(2)) + 0.5)
+        expected = norm(x)
+    torch.testing.assert_close(rms_norm(x.to(DEVICE), norm.weight.detach().to(DEVICE), 1e-6).cpu(), expected)
+
+
+def test_rms_norm_empty_and_bad_weight() -> None:
+    assert rms_norm(torch.empty(0, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-5).shape == (0, 8)
+    with pytest.raises(ValueError, match="features"):
+        rms_norm(torch.ones(2, 8, device=DEVICE), torch.ones(9, device=DEVICE), 1e-5)
+
+
+def _moe_case(n: int, h: int, i: int, e: int, dtype: torch.dtype, seed: int, bias: bool, dead_expert: bool = False):
+    g = _gen(seed)
+    x = torch.randn(n, h, generator=g)
+    logits = 2 * torch.randn(n, e, generator=g)
+    if dead_expert:  # expert 0 never wins a slot: an empty group in every kernel
+        logits[:, 0] = -1e4
+    w_gate = torch.randn(e, i, h, generator=g) / h**0.5
+    w_up = torch.randn(e, i, h, generator=g) / h**0.5
+    w_down = torch.randn(e, h, i, generator=g) / i**0.5
+    biases = [0.1 * torch.randn(s, generator=g) for s in ((e, i), (e, i), (e, h))] if bias else [None] * 3
+    cast = [t if t is None else t.to(dtype) for t in (x, logits, w_gate, w_up, w_down, *biases)]
+    return cast
+
+
+CASES = [
+    # n, h, i, e, k        (N=1 decode; 33 = two tiles + 1; odd H/I; k = E; single expert)
+    (1, 16, 32, 4, 2),
+    (2, 24, 40, 3, 3),
+    (33, 40, 24, 5, 2),
+    (17, 7, 9, 8, 1),
+    (5, 32, 16, 1, 1),
+    (64, 48, 80, 8, 2),
+]
+
+
+MOE_DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", MOE_DTYPES)
+@pytest.mark.parametrize(("n", "h", "i", "e", "k"), CASES)
+def test_moe_swiglu_matches_reference(n: int, h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
+    x, logits, wg, wu, wd, *_ = _moe_case(n, h, i, e, dtype, seed=n * 7 + e, bias=False)
+    expected = moe_reference(x, logits, wg, wu, wd, k, True)
+    actual = moe(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), k, True).cpu()
+    assert actual.dtype == dtype and actual.shape == (n, h)
+    atol, rtol = MOE_TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu", "gelu"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_activations_biases_and_normalisation(activation: str, normalize: bool) -> None:
+    x, logits, wg, wu, wd, bg, bu, bd = _moe_case(9, 24, 20, 4, torch.float32, seed=3, bias=True)
+    gate = wg if activation == "swiglu" else None
+    expected = moe_reference(x, logits, gate, wu, wd, 2, normalize, activation, bg if gate is not None else None, bu, bd)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, logits, gate, wu, wd)]
+    actual = moe(*dev, 2, normalize, activation, *(None if t is None else t.to(DEVICE) for t in (bg if gate is not None else None, bu, bd))).cpu()
+    torch.testing.assert_close(actual, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_moe_expert_with_no_tokens() -> None:
+    x, logits, wg, wu, wd, *_ = _moe_case(12, 16, 16, 4, torch.float32, seed=5, bias=False, dead_expert=True)
+    expected = moe_reference(x, logits, wg, wu, wd, 2, True)
+    torch.testing.assert_close(moe(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True).cpu(), expected, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("config", [TileConfig(16, 16, 16, 1), TileConfig(32, 32, 16, 2), TileConfig(64, 64, 32, 4)])
+def test_moe_tile_configs_agree(config: TileConfig) -> None:
+    x, logits, wg, wu, wd, *_ = _moe_case(40, 56, 72, 6, torch.float32, seed=11, bias=False)
+    expected = moe_reference(x, logits, wg, wu, wd, 2, True)
+    actual = moe(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True, config=config).cpu()
+    torch.testing.assert_close(actual, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_moe_matches_independent_dense_formula() -> None:
+    """Independent of moe_reference: every expert on every token, weighted by top-k routing."""
+    x, logits, wg, wu, wd, *_ = _moe_case(7, 16, 24, 5, torch.float64, seed=13, bias=False)
+    probs = logits.softmax(-1)
+    top_w, top_i = probs.topk(2, dim=-1)
+    dense = torch.zeros_like(probs).scatter(-1, top_i, top_w / top_w.sum(-1, keepdim=True))  # (N, E)
+    experts = torch.stack([torch.nn.functional.silu(x @ wg[j].T) * (x @ wu[j].T) @ wd[j].T for j in range(5)])
+    expected = torch.einsum("ne,enh->nh", dense, experts)
+    actual = moe(*(t.float().to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True).cpu().double()
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_empty_batch_and_bad_shapes() -> None:
+    _, _, wg, wu, wd, *_ = _moe_case(1, 16, 16, 4, torch.float32, seed=1, bias=False)
+    wg, wu, wd = wg.to(DEVICE), wu.to(DEVICE), wd.to(DEVICE)
+    empty = moe(torch.empty(0, 16, device=DEVICE), torch.empty(0, 4, device=DEVICE), wg, wu, wd, 2)
+    assert empty.shape == (0, 16)
+    with pytest.raises(ValueError, match="inconsistent"):
+        moe(torch.ones(3, 16, device=DEVICE), torch.ones(3, 5, device=DEVICE), wg, wu, wd, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe(torch.ones(3, 16, device=DEVICE), torch.ones(3, 4, device=DEVICE), wg, wu, wd, 5)
+
+
+def test_default_config_grows_tiles_with_rows_per_expert() -> None:
+    decode, prefill = default_config(1, 2, 8), default_config(4096, 2, 8)
+    assert decode.block_m == 16 and prefill.block_m == 64
+    assert all(v >= 16 for v in (decode.block_m, decode.block_n, decode.block_k))
