@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="moedeploy",
@@ -44,8 +45,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from moedeploy.models import CheckpointError
     from moedeploy.runtime.lowering import LoweringError
     from moedeploy.runtime.ort import SessionError
+    from moedeploy.runtime.tensorrt import TensorRTUnavailable
 
-    return (UserError, ValueError, OSError, CheckpointError, ArtifactError, ExportError, SessionError, LoweringError)
+    return (
+        UserError, ValueError, OSError, CheckpointError, ArtifactError, ExportError, SessionError,
+        LoweringError, TensorRTUnavailable,
+    )
 
 
 def handle_errors(fn: F) -> F:
@@ -67,7 +72,7 @@ def handle_errors(fn: F) -> F:
             if _state["debug"] or not isinstance(e, _user_errors()):
                 raise
             message = str(e) if not isinstance(e, OSError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
-            err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
@@ -271,6 +276,73 @@ def all_cmd(
     verdict = "[green]PASS[/green]" if summary["passed"] else "[red]FAIL[/red]"
     out.print(f"{verdict} {passed}/{len(summary['results'])} match eager PyTorch; index: {out_dir / 'index.html'}", highlight=False)
     if not summary["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command("build")
+@handle_errors
+def build_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
+    aot: bool = typer.Option(True, "--aot/--jit", help="AOT plugins (engine runs without Python) or JIT plugins (Python at run time)."),
+    workspace: int = typer.Option(None, "--workspace", help="Builder workspace limit in MB (default: TensorRT's)."),
+    timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to read and update (speeds up rebuilds)."),
+) -> None:
+    """Build a TensorRT engine from an artifact, with the moe::RMSNorm / moe::MoE plugins.
+
+    One optimisation profile from the manifest's min/opt/max dynamic ranges; a strongly typed
+    network, so the precision is the graph's (export with --dtype fp16/bf16 for half precision).
+    Writes <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
+    Needs TensorRT and an NVIDIA GPU.
+    """
+    from moedeploy.export import Artifact
+    from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
+
+    loaded = Artifact.load(artifact)
+    require_tensorrt()
+    require_gpu()
+    if workspace is not None and workspace <= 0:
+        raise UserError("--workspace must be a positive number of MB")
+    with err.status(f"building a TensorRT engine for {loaded.name}", spinner="dots"):
+        result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache)
+    out.print(f"[green]built[/green] {result.plan} (log: {result.log.name})", highlight=False)
+
+
+@app.command("check")
+@handle_errors
+def check_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
+    target: str = typer.Option("trt", "--target", help="Deployment target to check against (trt)."),
+) -> None:
+    """Pre-flight check, no GPU needed: will TensorRT's ONNX parser take this graph?
+
+    Lists every node the parser will not take (from its published operator support matrix,
+    kept as data in moedeploy) and, for each custom node, the plugin that implements it.
+    Exit code 1 when something cannot build.
+    """
+    from rich.table import Table
+
+    from moedeploy.export.preflight import check_tensorrt
+
+    if target != "trt":
+        raise UserError(f"unknown --target {target!r}; the pre-flight check knows: trt")
+    report = check_tensorrt(artifact)
+    out.print(f"TensorRT {report.tensorrt_version} ONNX parser ({report.source})", highlight=False)
+    ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
+    out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)
+    if report.plugins:
+        table = Table(title="custom nodes -> plugins", title_justify="left")
+        table.add_column("node")
+        table.add_column("op")
+        table.add_column("implemented by")
+        for f in report.plugins:
+            table.add_row(f.node, f.op, f.detail)
+        out.print(table)
+    for f in report.blocking:
+        out.print(f"[red]{f.verdict}[/red] {f.node} ({f.op}): {escape(f.detail)}", highlight=False)
+    if report.ok:
+        out.print("[green]OK[/green] every node is supported by the parser or a moedeploy plugin", highlight=False)
+    else:
+        out.print(f"[red]FAIL[/red] {len(report.blocking)} node(s) cannot build", highlight=False)
         raise typer.Exit(1)
 
 

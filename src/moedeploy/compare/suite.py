@@ -20,7 +20,13 @@ Progress = Callable[[str], None]
 
 
 def default_backends() -> list[str]:
-    return ["ort", "trt"] if tensorrt_available() else ["ort"]
+    """ONNX Runtime always; TensorRT when it is installed and a GPU is visible."""
+    if tensorrt_available():
+        import torch
+
+        if torch.cuda.is_available():
+            return ["ort", "trt"]
+    return ["ort"]
 
 
 def run_all(

@@ -116,7 +116,7 @@ class CausalDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         S = x.shape[1]
         positions = torch.arange(S, device=x.device)
-        return self.layer(x, causal_mask(0, S, x.device), self.rope(positions))
+        return self.layer(x, causal_mask(0, S, x.device)[None, None], self.rope(positions))  # 4-D mask, as in MoEDecoder
 
 
 def _registry() -> dict[str, BlockSpec]:

@@ -61,7 +61,8 @@ class MoEDecoder(nn.Module):
         x = self.embed(input_ids)  # (B, S, D)
         positions = torch.arange(S, device=input_ids.device) + start_pos
         rope = self.rope(positions)
-        mask = causal_mask(start_pos, S, input_ids.device)  # (S, start_pos + S)
+        # (1, 1, S, start_pos + S): 4-D because TensorRT's ONNX Attention takes no other mask rank
+        mask = causal_mask(start_pos, S, input_ids.device)[None, None]
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rope, None if cache is None else cache[i], start_pos)
         return self.lm_head(self.norm(x))

@@ -238,6 +238,7 @@ def moe(
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     config: TileConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (N, H) = sum over each token's top-k experts of weight * expert(x); see the module doc."""
     _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
@@ -245,7 +246,7 @@ def moe(
     n, h = x.shape
     e, i, _ = w_up.shape
     device, dtype = x.device, x.dtype
-    y = torch.empty(n, h, dtype=dtype, device=device)
+    y = torch.empty(n, h, dtype=dtype, device=device) if out is None else out
     if n == 0:
         return y
     cfg = config or default_config(n, top_k, e)

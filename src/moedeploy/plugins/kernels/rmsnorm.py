@@ -12,8 +12,12 @@ MAX_BLOCK = 4096  # wider rows loop over chunks of this many columns
 
 
 @triton.jit
-def rms_norm_kernel(X, W, Y, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
-    """Y[r] = (X[r] * rsqrt(mean(X[r]^2) + eps)).to(Y's dtype) * W — Llama's rounding order."""
+def rms_norm_kernel(X, W, stride_x, stride_y, H, eps, Y, BLOCK: tl.constexpr):
+    """Y[r] = (X[r] * rsqrt(mean(X[r]^2) + eps)).to(Y's dtype) * W — Llama's rounding order.
+
+    Arguments in TensorRT's AOT launch order: inputs, scalars, outputs (eps becomes a
+    constexpr there: AOT plugins pass integer scalars only).
+    """
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -39,16 +43,16 @@ def block_size(hidden: int) -> int:
     return min(triton.next_power_of_2(hidden), MAX_BLOCK)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (any leading shape); output in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (any leading shape); output in x's dtype (or into `out`)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"weight has {weight.shape[-1]} features, x has {x.shape[-1]}")
     check_device(x)
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden).contiguous()
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2) if out is None else out.view(-1, hidden)
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](
-            x2, weight.contiguous(), y, x2.stride(0), y.stride(0), hidden, float(eps), BLOCK=block_size(hidden)
+            x2, weight.contiguous(), x2.stride(0), y.stride(0), hidden, float(eps), y, BLOCK=block_size(hidden)
         )
     return y.reshape(x.shape)

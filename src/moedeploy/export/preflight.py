@@ -1,0 +1,123 @@
+"""Pre-flight checks that need no GPU: will TensorRT's ONNX parser take this artifact?
+
+The parser's published operator support matrix (onnx-tensorrt docs/operators.md, kept as
+data in `moedeploy/data/tensorrt_onnx_ops.json`) says which standard ops it imports; the
+restrictions that our graphs can actually hit are checked on the node itself. Each custom
+node is claimed by its plugin (plugin_namespace="moe" makes the parser prefer the plugin
+over the function body), so its function body is never parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+
+import onnx
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.plugins import CUSTOM_OPS
+
+PLUGIN_IMPLEMENTATIONS = {
+    ("moe", "RMSNorm"): "plugin moe::RMSNorm (AOT rms_norm_kernel | JIT kernels.rms_norm)",
+    ("moe", "MoE"): "plugin moe::MoE (AOT moe_fused_kernel | JIT grouped kernels.moe)",
+}
+TOPK_MAX = 3840  # "K input must be less than 3840"
+
+
+def support_matrix() -> dict:
+    text = resources.files("moedeploy.data").joinpath("tensorrt_onnx_ops.json").read_text()
+    return json.loads(text)
+
+
+@dataclass
+class NodeFinding:
+    node: str
+    op: str
+    verdict: str  # "plugin" | "unsupported" | "restricted"
+    detail: str
+
+
+@dataclass
+class PreflightReport:
+    target: str
+    tensorrt_version: str
+    source: str
+    findings: list[NodeFinding] = field(default_factory=list)
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def blocking(self) -> list[NodeFinding]:
+        return [f for f in self.findings if f.verdict in ("unsupported", "restricted")]
+
+    @property
+    def plugins(self) -> list[NodeFinding]:
+        return [f for f in self.findings if f.verdict == "plugin"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.blocking
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+
+
+def _const_int(model: onnx.ModelProto, name: str) -> int | None:
+    for init in model.graph.initializer:
+        if init.name == name:
+            values = onnx.numpy_helper.to_array(init).ravel()
+            return int(values[0]) if values.size == 1 else None
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            values = onnx.numpy_helper.to_array(node.attribute[0].t).ravel()
+            return int(values[0]) if values.size == 1 else None
+    return None
+
+
+def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, int]) -> str | None:
+    """The documented restrictions our exported graphs could run into."""
+    if node.op_type == "Attention":
+        if len(node.input) > 3 and node.input[3] and ranks.get(node.input[3], 4) != 4:
+            return f"attn_mask has rank {ranks[node.input[3]]}; TensorRT takes only 4-D masks"
+        if any(len(node.input) > i and node.input[i] for i in (4, 5, 6)):
+            return "past_key / past_value / nonpad_kv_seqlen inputs are unsupported"
+        if any(len(node.output) > i and node.output[i] for i in (1, 2, 3)):
+            return "present_key / present_value / qk_matmul_output outputs are unsupported"
+    if node.op_type == "TopK" and len(node.input) > 1:
+        k = _const_int(model, node.input[1])
+        if k is not None and k >= TOPK_MAX:
+            return f"K = {k}; TensorRT needs K < {TOPK_MAX}"
+    return None
+
+
+def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
+    """Every node of the artifact's graph against TensorRT's ONNX parser support matrix."""
+    artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
+    model = onnx.load(str(artifact.model_path))
+    onnx.checker.check_model(model, full_check=True)
+    matrix = support_matrix()
+    ops = matrix["operators"]
+    report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"])
+    ranks = _ranks(model)
+    for node in model.graph.node:
+        key = (node.domain, node.op_type)
+        label = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+        report.op_counts[label] = report.op_counts.get(label, 0) + 1
+        name = node.name or node.output[0]
+        if key in CUSTOM_OPS:
+            namespace = next((a.s.decode() for a in node.attribute if a.name == "plugin_namespace"), "")
+            detail = PLUGIN_IMPLEMENTATIONS[key]
+            if namespace != node.domain:
+                report.findings.append(NodeFinding(name, label, "restricted", "no plugin_namespace attribute: the parser would inline the function body instead of using the plugin"))
+            else:
+                report.findings.append(NodeFinding(name, label, "plugin", detail))
+        elif node.domain not in ("", "ai.onnx"):
+            report.findings.append(NodeFinding(name, label, "unsupported", f"domain {node.domain!r} has no TensorRT importer"))
+        elif not ops.get(node.op_type, {}).get("supported", False):
+            why = ops.get(node.op_type, {}).get("restrictions") or "not in the support matrix"
+            report.findings.append(NodeFinding(name, label, "unsupported", why))
+        elif (problem := _restriction(model, node, ranks)) is not None:
+            report.findings.append(NodeFinding(name, label, "restricted", problem))
+    return report

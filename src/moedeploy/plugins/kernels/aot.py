@@ -1,0 +1,99 @@
+"""Ahead-of-time compilation of the plugin kernels to PTX, as TensorRT's `aot_impl` needs.
+
+Works without a GPU: Triton lowers to PTX for a named target, so CI can check that every
+kernel compiles and has the parameter list TensorRT will launch it with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import triton
+
+from moedeploy.plugins.kernels.moe import ACTIVATION_IDS
+from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS, moe_fused_kernel
+from moedeploy.plugins.kernels.rmsnorm import MAX_BLOCK, rms_norm_kernel
+
+TRITON_TYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+RMS_NORM_BLOCK = 1024  # the AOT kernel cannot see H at compile time; it loops over chunks
+
+
+@dataclass(frozen=True)
+class AotKernel:
+    name: str
+    ptx: str
+    num_warps: int
+    shared: int
+    global_scratch: int  # bytes of Triton's hidden scratch buffers: TensorRT cannot provide any
+
+
+def _target(arch: int | None):
+    if arch is None:
+        return None  # the current GPU
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], arch: int | None) -> AotKernel:
+    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
+    compiled = triton.compile(src, target=_target(arch))
+    meta = compiled.metadata
+    scratch = int(getattr(meta, "global_scratch_size", 0) or 0) + int(getattr(meta, "profile_scratch_size", 0) or 0)
+    return AotKernel(meta.name, compiled.asm["ptx"], meta.num_warps, meta.shared, scratch)
+
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(rms_norm_kernel, InterpretedFunction)
+
+
+def _in_clean_process(kind: str, kwargs: dict) -> AotKernel:
+    """Triton's interpreter patches triton.language process-wide, so compiling next to it is
+    unreliable: compile in a fresh interpreter-free Python instead (CPU tests only)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "moedeploy.plugins.kernels.aot", kind, json.dumps(kwargs)],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    if done.returncode:
+        raise RuntimeError(f"AOT compilation of {kind} failed:\n{done.stderr[-2000:]}")
+    return AotKernel(**json.loads(done.stdout))
+
+
+def compile_rms_norm(dtype: str, eps: float, arch: int | None = None) -> AotKernel:
+    """rms_norm_kernel(X, W, stride_x, stride_y, H, Y) with eps and BLOCK baked in."""
+    if _interpreting():
+        return _in_clean_process("rms_norm", {"dtype": dtype, "eps": eps, "arch": arch})
+    t = TRITON_TYPES[dtype]
+    signature = {"X": f"*{t}", "W": f"*{t}", "stride_x": "i32", "stride_y": "i32", "H": "i32", "Y": f"*{t}"}
+    return _compile(rms_norm_kernel, signature, {"eps": float(eps), "BLOCK": min(RMS_NORM_BLOCK, MAX_BLOCK)}, arch)
+
+
+def compile_moe_fused(
+    dtype: str, top_k: int, normalize_topk: bool, activation: str, n_experts: int, arch: int | None = None
+) -> AotKernel:
+    """moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, H, I, E, Y) with routing constants baked in."""
+    if _interpreting():
+        kwargs = {"dtype": dtype, "top_k": top_k, "normalize_topk": normalize_topk, "activation": activation,
+                  "n_experts": n_experts, "arch": arch}
+        return _in_clean_process("moe_fused", kwargs)
+    t = TRITON_TYPES[dtype]
+    signature = {name: f"*{t}" for name in ("X", "LOGITS", "WG", "WU", "WD", "BG", "BU", "BD")}
+    signature.update({"H": "i32", "I": "i32", "E": "i32", "Y": f"*{t}"})
+    constexprs = {
+        "TOP_K": int(top_k), "NORMALIZE": bool(normalize_topk), "ACT": ACTIVATION_IDS[activation],
+        "BLOCK_E": triton.next_power_of_2(n_experts), **FUSED_BLOCKS,
+    }
+    return _compile(moe_fused_kernel, signature, constexprs, arch)
+
+
+if __name__ == "__main__":  # used by _in_clean_process
+    compile_fn = {"rms_norm": compile_rms_norm, "moe_fused": compile_moe_fused}[sys.argv[1]]
+    print(json.dumps(dataclasses.asdict(compile_fn(**json.loads(sys.argv[2])))))

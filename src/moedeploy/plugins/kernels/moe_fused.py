@@ -1,0 +1,117 @@
+"""Sparse MoE in ONE Triton kernel, for TensorRT's ahead-of-time plugins (one kernel each).
+
+Grid (N, cdiv(H, BLOCK_H)): a program owns one token and one tile of output features. It
+routes its token (softmax, top-k by repeated argmax, renormalisation), then for each of
+its k experts streams W_gate/W_up in (BLOCK_I x BLOCK_K) tiles to build the hidden vector
+tile by tile and immediately folds it into the W_down tile of its outputs. Every expert
+weight it touches is read once per (token, output tile): the bandwidth-bound shape of a
+decode step, where N is small. Prefill-sized N is better served by the grouped pipeline in
+`moe.py`, which reuses each weight tile across the tokens routed to it.
+
+Argument order is TensorRT's AOT launch order: input pointers, then integer scalars, then
+output pointers; everything else is constexpr, fixed when the plugin is compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moedeploy.plugins.kernels._launch import check_device
+from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, _check
+
+
+@triton.jit
+def moe_fused_kernel(
+    X, LOGITS, WG, WU, WD, BG, BU, BD,
+    H, I, E,
+    Y,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    h_cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_valid = h_cols < H
+    dtype = Y.dtype.element_ty
+
+    # Routing: softmax over all experts in fp32.
+    e_cols = tl.arange(0, BLOCK_E)
+    e_valid = e_cols < E
+    logits = tl.load(LOGITS + token * E + e_cols, mask=e_valid, other=-float("inf")).to(tl.float32)
+    p = tl.where(e_valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    probs = tl.where(e_valid, p / tl.sum(p, axis=0), -1.0)
+    total = 1.0
+    if NORMALIZE:
+        remaining = probs
+        total = 0.0
+        for _ in tl.static_range(TOP_K):
+            total += tl.max(remaining, axis=0)
+            remaining = tl.where(e_cols == tl.argmax(remaining, axis=0), -1.0, remaining)
+
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for _ in tl.static_range(TOP_K):
+        expert = tl.argmax(probs, axis=0).to(tl.int64)
+        weight = tl.max(probs, axis=0) / total
+        probs = tl.where(e_cols == expert, -1.0, probs)
+        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            i_cols = i0 + tl.arange(0, BLOCK_I)
+            i_valid = i_cols < I
+            up = tl.zeros((BLOCK_I,), dtype=tl.float32)
+            gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_valid = ks < H
+                x = tl.load(X + token * H + ks, mask=k_valid, other=0.0).to(tl.float32)
+                w_ptrs = expert * I * H + i_cols[:, None] * H + ks[None, :]  # (BI, BK) of (I, H)
+                w_mask = i_valid[:, None] & k_valid[None, :]
+                up += tl.sum(tl.load(WU + w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+                if ACT == 0:
+                    gate += tl.sum(tl.load(WG + w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+            up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            if ACT == 0:
+                gate = (gate + tl.load(BG + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+                hidden = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+            elif ACT == 1:
+                hidden = tl.maximum(up, 0.0)
+            else:
+                hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+            hidden = tl.where(i_valid, hidden.to(dtype).to(tl.float32), 0.0)
+            d_ptrs = expert * H * I + h_cols[:, None] * I + i_cols[None, :]  # (BH, BI) of (H, I)
+            w_down = tl.load(WD + d_ptrs, mask=h_valid[:, None] & i_valid[None, :], other=0.0).to(tl.float32)
+            y += tl.sum(w_down * hidden[None, :], axis=1)
+        y = (y + tl.load(BD + expert * H + h_cols, mask=h_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        acc += y * weight
+    tl.store(Y + token * H + h_cols, acc.to(dtype), mask=h_valid)
+
+
+FUSED_BLOCKS = {"BLOCK_H": 256, "BLOCK_I": 32, "BLOCK_K": 64}
+
+
+def moe_fused(
+    x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
+    w_down: torch.Tensor, top_k: int, normalize_topk: bool = True, activation: str = "swiglu",
+    b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches)."""
+    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
+    check_device(x)
+    n, h = x.shape
+    e, i, _ = w_up.shape
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
+    if n == 0:
+        return y
+    zeros = lambda *shape: torch.zeros(*shape, dtype=x.dtype, device=x.device)  # noqa: E731
+    args = [t.contiguous() for t in (
+        x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down,
+        zeros(e, i) if b_gate is None else b_gate, zeros(e, i) if b_up is None else b_up,
+        zeros(e, h) if b_down is None else b_down,
+    )]
+    grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
+    moe_fused_kernel[grid](
+        *args, h, i, e, y, TOP_K=top_k, NORMALIZE=bool(normalize_topk), ACT=ACTIVATION_IDS[activation],
+        BLOCK_E=triton.next_power_of_2(e), **FUSED_BLOCKS,
+    )
+    return y

@@ -1,0 +1,160 @@
+"""TensorRT plugins for moe::RMSNorm and moe::MoE through `tensorrt.plugin` (TensorRT >= 10.9).
+
+Glue only, written to NVIDIA's documented API (quickly_deployable_plugins sample): the
+math lives in the Triton kernels of `moedeploy.plugins.kernels`, tested on CPU.
+
+  register   output descriptor (same shape and dtype as X)
+  autotune   FP32 | FP16 | BF16 combinations, LINEAR layout
+  impl       JIT: launches the Triton kernels on TensorRT's stream (needs Python at run time)
+  aot_impl   AOT: one compiled Triton kernel (PTX) + launch parameters, so the engine runs
+             without Python (trtexec, Triton Inference Server). Each plugin gets exactly one
+             kernel, so MoE uses the single fused kernel (kernels/moe_fused.py).
+
+Plugin ids are "moe::RMSNorm" / "moe::MoE": the ONNX parser maps a node with op_type
+RMSNorm and attribute plugin_namespace="moe" to them. Attribute names and order match
+the ONNX nodes (TensorRT passes every registered attribute to aot_impl, in order).
+
+This module deliberately has no `from __future__ import annotations`: tensorrt.plugin
+validates the real annotation objects of every decorated function.
+"""
+
+from typing import List, Tuple, Union
+
+_REGISTERED = False
+_DTYPES = None  # trt.DataType -> kernel dtype name, filled on registration
+
+
+def register_plugins() -> None:
+    """Register both plugins with TensorRT's plugin registry (idempotent). Needs TensorRT."""
+    global _REGISTERED, _DTYPES
+    if _REGISTERED:
+        return
+    from moedeploy.runtime.tensorrt import require_tensorrt
+
+    trt = require_tensorrt()
+    import tensorrt.plugin as trtp
+
+    _DTYPES = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
+    _register_rms_norm(trt, trtp)
+    _register_moe(trt, trtp)
+    _REGISTERED = True
+
+
+def _torch(tensor):
+    """A torch view of a TensorRT plugin tensor (JIT path). bf16 has no __cuda_array_interface__."""
+    import torch
+
+    return torch.as_tensor(tensor, device="cuda")
+
+
+def _attr_str(value) -> str:
+    # The ONNX parser passes STRING attributes as char arrays ending in NUL.
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return text.rstrip("\x00")
+
+
+def _static(expr, name: str) -> int:
+    if expr.is_fake or not expr.is_constant:
+        raise ValueError(f"moe::MoE needs a build-time constant {name} (the expert weights' shape)")
+    return int(expr.constant_value())
+
+
+def _register_rms_norm(trt, trtp) -> None:
+    @trtp.register("moe::RMSNorm")
+    def rms_norm_desc(X: trtp.TensorDesc, scale: trtp.TensorDesc, epsilon: float) -> Tuple[trtp.TensorDesc]:
+        return (X.like(),)
+
+    @trtp.autotune("moe::RMSNorm")
+    def rms_norm_autotune(
+        X: trtp.TensorDesc, scale: trtp.TensorDesc, epsilon: float, outputs: Tuple[trtp.TensorDesc]
+    ) -> List[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination("FP32|FP16|BF16, FP32|FP16|BF16, FP32|FP16|BF16", "LINEAR")]
+
+    @trtp.impl("moe::RMSNorm")
+    def rms_norm_impl(
+        X: trtp.Tensor, scale: trtp.Tensor, epsilon: float, outputs: Tuple[trtp.Tensor], stream: int
+    ) -> None:
+        import torch
+
+        from moedeploy.plugins.kernels import rms_norm
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            rms_norm(_torch(X), _torch(scale), epsilon, out=_torch(outputs[0]))
+
+    @trtp.aot_impl("moe::RMSNorm")
+    def rms_norm_aot_impl(
+        X: trtp.TensorDesc, scale: trtp.TensorDesc, epsilon: float, outputs: Tuple[trtp.TensorDesc], tactic: int
+    ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+        from moedeploy.plugins.kernels.aot import compile_rms_norm
+
+        kernel = compile_rms_norm(_DTYPES[X.dtype], epsilon)
+        hidden = X.shape_expr[X.ndim - 1]
+        params = trtp.KernelLaunchParams()
+        params.grid_x = X.shape_expr.numel() // hidden  # one program per row
+        params.block_x = kernel.num_warps * 32
+        params.shared_mem = kernel.shared
+        # rms_norm_kernel(X, W, stride_x, stride_y, H, Y): rows are contiguous
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(hidden)] * 3)
+        return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
+def _register_moe(trt, trtp) -> None:
+    @trtp.register("moe::MoE")
+    def moe_desc(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, activation: str,
+    ) -> Tuple[trtp.TensorDesc]:
+        return (X.like(),)
+
+    @trtp.autotune("moe::MoE")
+    def moe_autotune(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.TensorDesc],
+    ) -> List[trtp.AutoTuneCombination]:
+        same = "FP32|FP16|BF16"
+        return [trtp.AutoTuneCombination(", ".join([same] * 9), "LINEAR")]  # 8 inputs + 1 output
+
+    @trtp.impl("moe::MoE")
+    def moe_impl(
+        X: trtp.Tensor, router_logits: trtp.Tensor, w_gate: trtp.Tensor, w_up: trtp.Tensor,
+        w_down: trtp.Tensor, b_gate: trtp.Tensor, b_up: trtp.Tensor, b_down: trtp.Tensor,
+        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.Tensor], stream: int,
+    ) -> None:
+        import torch
+
+        from moedeploy.plugins.kernels import moe
+
+        act = _attr_str(activation)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            tensors = [_torch(t) for t in (X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)]
+            x, logits, wg, wu, wd, bg, bu, bd = tensors
+            moe(x, logits, wg if act == "swiglu" else None, wu, wd, int(top_k), bool(normalize_topk), act,
+                bg if act == "swiglu" else None, bu, bd, out=_torch(outputs[0]))
+
+    @trtp.aot_impl("moe::MoE")
+    def moe_aot_impl(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.TensorDesc], tactic: int,
+    ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+        from moedeploy.plugins.kernels.aot import compile_moe_fused
+        from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
+
+        n_experts = _static(w_up.shape_expr[0], "number of experts")
+        kernel = compile_moe_fused(_DTYPES[X.dtype], int(top_k), bool(normalize_topk), _attr_str(activation), n_experts)
+        hidden, inter = X.shape_expr[1], w_up.shape_expr[1]
+        params = trtp.KernelLaunchParams()
+        params.grid_x = X.shape_expr[0]  # one program per token ...
+        params.grid_y = trtp.cdiv(hidden, FUSED_BLOCKS["BLOCK_H"])  # ... and output tile
+        params.block_x = kernel.num_warps * 32
+        params.shared_mem = kernel.shared
+        # moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, H, I, E, Y)
+        extra = trtp.SymIntExprs.from_tuple(
+            [trtp.SymInt32(hidden), trtp.SymInt32(inter), trtp.SymInt32(w_up.shape_expr[0])]
+        )
+        return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
+__all__ = ["register_plugins"]

@@ -1,0 +1,44 @@
+"""The AOT path of the TensorRT plugins, checked without a GPU: Triton compiles the plugin
+kernels to PTX for a named GPU target, and the PTX entry must take exactly the arguments
+TensorRT launches an AOT plugin kernel with: input pointers, int32 scalars, output pointers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
+
+from moedeploy.plugins.kernels.aot import compile_moe_fused, compile_rms_norm
+
+# Triton >= 3.3 appends two pointer parameters (global and profile scratch) to every kernel.
+# TensorRT does not pass them, which is harmless only if the kernel never uses them.
+TRITON_HIDDEN_PARAMS = 2
+
+
+def _entry_params(ptx: str) -> list[str]:
+    start = ptx.index(".entry")
+    return re.findall(r"\.param \.(\w+)", ptx[start:ptx.index(")", start)])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_rms_norm_aot_kernel_matches_tensorrt_launch(dtype: str) -> None:
+    kernel = compile_rms_norm(dtype, 1e-5, arch=90)
+    params = _entry_params(kernel.ptx)
+    # X, W (pointers) | stride_x, stride_y, H (int32) | Y (pointer)
+    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64", "u64", "u32", "u32", "u32", "u64"]
+    assert kernel.global_scratch == 0
+    assert kernel.name == "rms_norm_kernel" and kernel.num_warps >= 1
+
+
+def test_moe_fused_aot_kernel_matches_tensorrt_launch() -> None:
+    kernel = compile_moe_fused("fp16", top_k=2, normalize_topk=True, activation="swiglu", n_experts=8, arch=90)
+    params = _entry_params(kernel.ptx)
+    # X, LOGITS, WG, WU, WD, BG, BU, BD (pointers) | H, I, E (int32) | Y (pointer)
+    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 8 + ["u32"] * 3 + ["u64"]
+    assert kernel.global_scratch == 0
+    assert ".target sm_90" in kernel.ptx

@@ -1,0 +1,101 @@
+"""The TensorRT glue, held to the contract of what our exporter emits.
+
+TensorRT cannot be installed here, so nothing in tensorrt_plugins.py can run. Instead this
+reads its decorated functions (ast, no import) and checks them against the custom nodes of
+a real exported graph and against the documented `tensorrt.plugin` signatures: inputs, then
+every node attribute in node order, then `outputs, stream` (impl) or `outputs, tactic`
+(aot_impl) or `outputs` (autotune). With TensorRT installed, the real registration runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import moedeploy.plugins.tensorrt_plugins as glue
+from moedeploy.export.onnx_export import to_onnx
+from moedeploy.models import RMSNorm, SparseMoE
+from moedeploy.runtime.tensorrt import tensorrt_available
+
+TAILS = {"register": [], "autotune": ["outputs"], "impl": ["outputs", "stream"], "aot_impl": ["outputs", "tactic"]}
+
+
+def _decorated() -> dict[tuple[str, str], list[str]]:
+    tree = ast.parse(Path(glue.__file__).read_text())
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr in TAILS:
+                    found[(dec.args[0].value, dec.func.attr)] = [a.arg for a in node.args.args]
+    return found
+
+
+def _custom_node(module: torch.nn.Module, x: torch.Tensor) -> onnx.NodeProto:
+    model = to_onnx(module.eval(), (x,), ["x"], ["y"], ({0: "batch"},))
+    return next(n for n in model.graph.node if n.domain == "moe")
+
+
+@pytest.fixture(scope="module")
+def nodes() -> dict[str, onnx.NodeProto]:
+    return {
+        "moe::RMSNorm": _custom_node(RMSNorm(16), torch.randn(3, 16)),
+        "moe::MoE": _custom_node(SparseMoE(16, 24, 4, 2), torch.randn(3, 16)),
+    }
+
+
+@pytest.mark.parametrize("plugin", ["moe::RMSNorm", "moe::MoE"])
+@pytest.mark.parametrize("kind", list(TAILS))
+def test_plugin_signature_matches_exported_node(plugin: str, kind: str, nodes) -> None:
+    node = nodes[plugin]
+    assert f"{node.domain}::{node.op_type}" == plugin  # the parser's plugin name and namespace
+    attributes = [a.name for a in node.attribute if a.name != "plugin_namespace"]
+    args = _decorated()[(plugin, kind)]
+    n_inputs = len(node.input)
+    assert len(args) == n_inputs + len(attributes) + len(TAILS[kind])
+    assert args[n_inputs : n_inputs + len(attributes)] == attributes
+    assert args[len(args) - len(TAILS[kind]) :] == TAILS[kind]
+
+
+def test_nodes_carry_plugin_namespace(nodes) -> None:
+    for node in nodes.values():
+        attrs = {a.name: a for a in node.attribute}
+        assert attrs["plugin_namespace"].s == b"moe"
+
+
+def test_glue_has_no_postponed_annotations() -> None:
+    # tensorrt.plugin inspects real annotation objects; `from __future__ import annotations`
+    # would turn them into strings.
+    tree = ast.parse(Path(glue.__file__).read_text())
+    futures = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
+    assert not futures
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed: the message applies only without it")
+def test_build_without_tensorrt_says_so_in_one_line(tmp_path: Path) -> None:
+    from moedeploy.export import export
+
+    artifact = export("rmsnorm", tmp_path / "rmsnorm")
+    done = subprocess.run(
+        [sys.executable, "-m", "moedeploy.cli", "build", str(artifact.path)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "TensorRT" in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (artifact.path / "engines").exists()
+
+
+@pytest.mark.skipif(not tensorrt_available(), reason="TensorRT is not installed (it needs NVIDIA's index and a GPU)")
+def test_plugins_register_with_tensorrt() -> None:
+    glue.register_plugins()
+    import tensorrt as trt
+
+    names = {(c.name, c.plugin_namespace) for c in trt.get_plugin_registry().all_creators}
+    assert ("RMSNorm", "moe") in names and ("MoE", "moe") in names

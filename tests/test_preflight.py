@@ -1,0 +1,90 @@
+"""`moedeploy check --target trt`: the pre-flight check against TensorRT's support matrix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from moedeploy.export import export
+from moedeploy.export.artifact import MANIFEST, Artifact, sha256
+from moedeploy.export.preflight import check_tensorrt, support_matrix
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory) -> Artifact:
+    return export("decoder", tmp_path_factory.mktemp("pf") / "decoder")
+
+
+def _replace_model(artifact: Artifact, model: onnx.ModelProto) -> None:
+    """Swap the artifact's graph and re-sign it, as a (buggy) exporter would have written it."""
+    onnx.save(model, str(artifact.model_path))
+    manifest = json.loads((artifact.path / MANIFEST).read_text())
+    manifest["files"]["model.onnx"] = sha256(artifact.model_path)
+    (artifact.path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_support_matrix_is_the_published_one() -> None:
+    matrix = support_matrix()
+    ops = matrix["operators"]
+    assert matrix["tensorrt_version"].startswith("10.")
+    # spot checks against onnx-tensorrt docs/operators.md (TensorRT 10.16)
+    assert ops["RMSNormalization"]["supported"] and ops["Attention"]["supported"]
+    assert not ops["DFT"]["supported"] and not ops["BitShift"]["supported"]
+    assert "4D" in ops["Attention"]["restrictions"]
+
+
+def test_decoder_passes_with_every_custom_node_on_a_plugin(decoder: Artifact) -> None:
+    report = check_tensorrt(decoder)
+    assert report.ok, [f"{f.node}: {f.detail}" for f in report.blocking]
+    model = onnx.load(str(decoder.model_path))
+    custom = [n for n in model.graph.node if n.domain == "moe"]
+    assert len(report.plugins) == len(custom) > 0
+    assert {f.op for f in report.plugins} == {"moe::MoE", "moe::RMSNorm"}
+    assert sum(report.op_counts.values()) == len(model.graph.node)
+
+
+def test_unsupported_and_contrib_ops_are_reported(tmp_path: Path) -> None:
+    artifact = export("rmsnorm", tmp_path / "rms")
+    model = onnx.load(str(artifact.model_path))
+    y = model.graph.output[0].name
+    # append an op TensorRT 10.16 does not import, and a contrib op
+    model.graph.node.append(helper.make_node("BitwiseNot", ["bits"], ["bits_out"], name="bitwise"))
+    model.graph.node.append(helper.make_node("FastGelu", [y], ["fg"], domain="com.microsoft", name="contrib"))
+    model.graph.input.append(helper.make_tensor_value_info("bits", TensorProto.INT32, [4]))
+    model.graph.output.extend([helper.make_tensor_value_info("bits_out", TensorProto.INT32, [4]),
+                               helper.make_tensor_value_info("fg", TensorProto.FLOAT, ["b", "s", 64])])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _replace_model(artifact, model)
+    report = check_tensorrt(artifact.path)
+    assert {f.node for f in report.blocking} == {"bitwise", "contrib"}
+    done = subprocess.run([sys.executable, "-m", "moedeploy.cli", "check", str(artifact.path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "bitwise" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_attention_with_two_d_mask_is_restricted(decoder: Artifact, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(decoder.path, tmp_path / "dec"))
+    model = onnx.load(str(copy / "model.onnx"))
+    attention = next(n for n in model.graph.node if n.op_type == "Attention")
+    mask2d = helper.make_tensor_value_info("mask2d", TensorProto.BOOL, ["s", "t"])
+    model.graph.input.append(mask2d)
+    attention.input[3] = "mask2d"
+    _replace_model(Artifact.load(copy, verify=False), model)
+    report = check_tensorrt(copy)
+    assert [f.verdict for f in report.blocking] == ["restricted"]
+    assert "4-D" in report.blocking[0].detail
+
+
+def test_check_unknown_target_is_one_line(decoder: Artifact) -> None:
+    done = subprocess.run([sys.executable, "-m", "moedeploy.cli", "check", str(decoder.path), "--target", "xla"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("error:") and len(done.stderr.strip().splitlines()) == 1
