@@ -163,7 +163,8 @@ def export_cmd(
     with err.status(f"exporting {target}", spinner="dots") as status:
         def progress(stage: str) -> None:
             status.update(f"{target}: {stage}")
-            err.print(f"  [dim]•[/dim] {stage}", highlight=False)
+            if err.is_terminal:  # a log or a pipe gets only the outcome (and errors, one line)
+                err.print(f"  [dim]•[/dim] {escape(stage)}", highlight=False, soft_wrap=True)
 
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
@@ -344,6 +345,55 @@ def check_cmd(
     else:
         out.print(f"[red]FAIL[/red] {len(report.blocking)} node(s) cannot build", highlight=False)
         raise typer.Exit(1)
+
+
+@app.command("bench")
+@handle_errors
+def bench_cmd(
+    target: str = typer.Argument(..., help="A decoder artifact folder, or a preset (tiny, small) exported once into ~/.cache/moedeploy."),
+    backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, trt."),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),
+    threads: int = typer.Option(2, "--threads", help="Intra-op threads for every backend."),
+    repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (median and spread reported)."),
+    json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], ...} here."),
+) -> None:
+    """Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend.
+
+    Each backend runs in its own process on the same seeded prompt, and every figure is set
+    against the machine's measured limits: decode against bytes of weights per token / memory
+    bandwidth, prefill against flops / GEMM rate.
+    """
+    from rich.table import Table
+
+    from moedeploy.bench.api import bench
+
+    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    with err.status("benchmarking", spinner="dots") as status:
+        report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
+                       progress=lambda s: status.update(s))
+    m, roof = report["machine"], report["roofline"]
+    out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
+              f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step)", highlight=False)
+    table = Table(title_justify="left")
+    for col in ("backend", "prefill ms", "decode tok/s", "p50 ms", "p99 ms", "peak RSS MB", "of bound"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for r in report["raw"]:
+        if "error" in r:
+            continue
+        table.add_row(r["backend"], f"{r['prefill_ms']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
+                      f"{r['token_latency_p50_ms']:.2f}", f"{r['token_latency_p99_ms']:.2f}", f"{r['peak_rss_mb']:.0f}",
+                      f"{r['decode_tokens_per_s'] / roof['decode_bound_tokens_per_s']:.0%}")
+    out.print(table)
+    for r in report["raw"]:
+        if "error" in r:
+            out.print(f"[red]{r['backend']}:[/red] {escape(r['error'])}", highlight=False)
+    for name, ratio in report["ratios"].items():
+        out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}, prefill time x{ratio['prefill_time_ratio']:.2f}, "
+                  f"peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
+    if not report["greedy_tokens_agree"]:
+        out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
 
 
 def main() -> None:

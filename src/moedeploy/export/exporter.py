@@ -127,7 +127,8 @@ def export_block(
         if fold_bn:
             progress("folding BatchNorm into the preceding Linear / a per-channel scale and shift")
             reference = copy.deepcopy(module)  # golden outputs come from the unfolded model
-            bn_report = fold_batchnorms(module).to_dict()
+            module, folding = fold_batchnorms(module)
+            bn_report = folding.to_dict()
     module.eval().to(torch_dtype)
     reference = module if bn_report is None else reference.to(torch_dtype)
 

@@ -114,11 +114,13 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 @torch.no_grad()
-def fold_batchnorms(model: nn.Module) -> FoldReport:
-    """Fold every BatchNorm of an eval-mode model in place; returns where each one went.
+def fold_batchnorms(model: nn.Module) -> tuple[nn.Module, FoldReport]:
+    """Fold every BatchNorm of an eval-mode model; returns the model to use and where each went.
 
-    The model's own forward code is kept: folded BNs become nn.Identity, the others a
-    ChannelAffine, so no BatchNormalization node can reach the exported graph.
+    Submodules are replaced in place and the model's own forward code is kept: folded BNs
+    become nn.Identity, the others a ChannelAffine, so no BatchNormalization node can reach
+    the exported graph. A model that *is* a BatchNorm cannot be replaced in place: the
+    returned model is then its ChannelAffine.
     """
     if model.training:
         raise ValueError("fold_batchnorms needs an eval-mode model (frozen EMA statistics)")
@@ -151,7 +153,9 @@ def fold_batchnorms(model: nn.Module) -> FoldReport:
     for name, module in list(model.named_modules()):
         if isinstance(module, BATCHNORM_TYPES):
             scale, shift = _bn_scale_shift(module)
-            dim = 1 if isinstance(module, nn.BatchNorm1d) else -1
-            _set_submodule(model, name, ChannelAffine(scale, shift, dim))
+            affine = ChannelAffine(scale, shift, 1 if isinstance(module, nn.BatchNorm1d) else -1)
             report.to_affine.append(name)
-    return report
+            if not name:  # the model itself
+                return affine, report
+            _set_submodule(model, name, affine)
+    return model, report

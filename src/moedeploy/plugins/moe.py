@@ -9,7 +9,8 @@ Semantics (the seed notebook's SMoE, done right):
               = down_e(act(up_e x))                 activation "relu" / "gelu" (no gate)
 
 Weights are stacked `[E, out, in]` (nn.Linear's layout per expert); biases `[E, out]`.
-`x` is `[N, H]`, `router_logits` `[N, E]`.
+`x` is `[N, H]`, `router_logits` `[N, E]`. For relu/gelu experts the w_gate/b_gate inputs are
+ignored; they must still have w_up's/b_up's shapes (the exporter passes w_up and zeros).
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ def moe(
     if torch.onnx.is_in_onnx_export():
         n_experts, hidden, dim = w_up.shape
         dt = x.dtype
-        if w_gate is None:  # relu/gelu experts have no gate; the node still needs a tensor
-            w_gate = w_up.new_zeros(n_experts, 0, dim)
-        b_gate = w_up.new_zeros(n_experts, w_gate.shape[1]) if b_gate is None else b_gate
+        if w_gate is None:
+            # relu/gelu experts have no gate; the input is ignored but must type-check in the
+            # function body's (untaken) swiglu branch, so it carries w_up itself (no new data).
+            w_gate, b_gate = w_up, None
+        b_gate = w_up.new_zeros(n_experts, hidden) if b_gate is None else b_gate
         b_up = w_up.new_zeros(n_experts, hidden) if b_up is None else b_up
         b_down = w_up.new_zeros(n_experts, dim) if b_down is None else b_down
         dtype, shape = output_spec(x)

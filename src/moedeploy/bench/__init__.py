@@ -1,0 +1,1 @@
+"""Benchmarks: decode/prefill speed and memory per backend, beside the machine's limits."""

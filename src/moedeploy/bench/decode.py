@@ -1,0 +1,192 @@
+"""Prefill latency, decode speed, per-token latency and peak memory of one backend.
+
+Each backend runs in its own Python process (`python -m moedeploy.bench.decode '<json>'`),
+so its peak RSS is its own and no backend warms another's caches. Every backend runs the
+same greedy loop on the same seeded prompt; the generated tokens come back too, so the
+benchmark also shows that the backends agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+Step = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Settings:
+    artifact: str
+    backend: str
+    batch: int = 1
+    prompt_len: int = 128
+    new_tokens: int = 64
+    threads: int = 2
+    repeat: int = 3
+    seed: int = 0
+
+
+def _reset_peak_rss() -> None:
+    """Forget the load phase's peak (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _torch_stepper(artifact, compile_model: bool) -> tuple[Callable[[int, int], None], Step]:
+    from moedeploy.export.reference import build_decoder
+
+    source = artifact.manifest["config"].get("source", {})
+    model = build_decoder(source.get("preset"), source.get("checkpoint"), artifact.manifest["seed"], torch.float32)
+    forward = torch.compile(model, dynamic=True) if compile_model else model
+    state = {}
+
+    def reset(batch: int, total: int) -> None:
+        state["cache"] = model.new_cache(batch, total)
+
+    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return forward(ids, state["cache"], start)[:, -1]
+
+    return reset, step
+
+
+def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
+    """Hugging Face transformers' eager Mixtral with the same shapes (random weights)."""
+    from transformers import DynamicCache, MixtralConfig, MixtralForCausalLM
+
+    c = artifact.manifest["config"]
+    config = MixtralConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["expert_hidden"],
+        num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
+        num_local_experts=c["n_experts"], num_experts_per_tok=c["top_k"], max_position_embeddings=c["max_positions"],
+        rms_norm_eps=c["norm_eps"], head_dim=c["head_dim"],
+    )
+    torch.manual_seed(artifact.manifest["seed"])
+    model = MixtralForCausalLM(config).eval()
+    state = {}
+
+    def reset(batch: int, total: int) -> None:
+        state["cache"] = DynamicCache(config=config)
+
+    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(ids, past_key_values=state["cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    return reset, step
+
+
+def _ort_stepper(artifact, threads: int) -> tuple[Callable[[int, int], None], Step]:
+    from moedeploy.runtime.generation import OrtDecoder
+
+    decoder = OrtDecoder(artifact, threads=threads)
+    return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
+
+
+def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], Step]:
+    if settings.backend == "torch":
+        return _torch_stepper(artifact, compile_model=False)
+    if settings.backend == "torch-compile":
+        return _torch_stepper(artifact, compile_model=True)
+    if settings.backend == "hf":
+        return _hf_stepper(artifact)
+    if settings.backend == "ort":
+        return _ort_stepper(artifact, settings.threads)
+    if settings.backend == "trt":
+        from moedeploy.runtime.tensorrt import require_gpu, require_tensorrt
+
+        require_tensorrt()
+        require_gpu()
+        raise NotImplementedError("the TensorRT decode benchmark needs a GPU session; not available in this build")
+    raise ValueError(f"unknown backend {settings.backend!r}")
+
+
+def run(settings: Settings) -> dict:
+    """The measurement itself (called inside the worker process)."""
+    from moedeploy.export.artifact import Artifact
+
+    torch.set_num_threads(settings.threads)
+    artifact = Artifact.load(settings.artifact, verify=False)
+    load_start = time.perf_counter()
+    reset, step = stepper(settings, artifact)
+    load_s = time.perf_counter() - load_start
+    load_peak = _peak_rss_mb()
+    vocab = artifact.manifest["config"]["vocab_size"]
+    prompt = torch.randint(0, vocab, (settings.batch, settings.prompt_len), generator=torch.Generator().manual_seed(settings.seed))
+    total = settings.prompt_len + settings.new_tokens
+
+    def generate(new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
+        reset(settings.batch, total)
+        start = time.perf_counter()
+        token = step(prompt, 0).argmax(-1, keepdim=True)
+        prefill = time.perf_counter() - start
+        tokens, latencies = [token], []
+        for i in range(new_tokens - 1):
+            start = time.perf_counter()
+            token = step(token, settings.prompt_len + i).argmax(-1, keepdim=True)
+            latencies.append(time.perf_counter() - start)
+            tokens.append(token)
+        return prefill, latencies, torch.cat(tokens, 1).tolist()
+
+    generate(min(8, settings.new_tokens))  # warm-up: allocators, thread pools, compilation
+    _reset_peak_rss()
+    prefills, rates, all_latencies = [], [], []
+    for _ in range(settings.repeat):
+        prefill, latencies, tokens = generate(settings.new_tokens)
+        prefills.append(prefill * 1e3)
+        rates.append(settings.batch * len(latencies) / sum(latencies) if latencies else 0.0)
+        all_latencies += [t * 1e3 for t in latencies]
+    ordered = sorted(all_latencies) or [0.0]
+    return {
+        "backend": settings.backend,
+        "prefill_ms": statistics.median(prefills),
+        "prefill_ms_all": prefills,
+        "decode_tokens_per_s": statistics.median(rates),
+        "decode_tokens_per_s_all": rates,
+        "token_latency_p50_ms": ordered[len(ordered) // 2],
+        "token_latency_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "peak_rss_mb": _peak_rss_mb(),
+        "load_peak_rss_mb": load_peak,
+        "load_s": load_s,
+        "tokens": tokens,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(Settings(**json.loads(sys.argv[1])))))
+
+
+def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "moedeploy.bench.decode", json.dumps(asdict(settings))],
+        capture_output=True, text=True, timeout=timeout, check=False, cwd=Path.cwd(),
+    )
+    if done.returncode:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit code {done.returncode}"
+        return {"backend": settings.backend, "error": re.sub(r"^[\w.]+(Error|Exception|Unavailable): ", "", last)}
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,92 @@
+"""The decoder with its KV cache on ONNX Runtime vs eager PyTorch, prefill and decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moedeploy.export.blocks import DECODER_TOLERANCES
+from moedeploy.export.decoder import DecoderWithPast
+from moedeploy.runtime.ort import create_session
+from tests.export.artifacts import decoder_feed, decoder_inputs, eager_decoder, plain_session
+
+# (batch, past_len, seq): prefill (past 0), single-token decode, and mixed chunks; none is
+# the trace's (2, 3, 5) or the golden's (2, 6, 4).
+CASES = [(1, 0, 1), (1, 0, 17), (3, 5, 1), (5, 12, 9), (2, 30, 1)]
+
+
+@pytest.fixture(scope="module")
+def fp32_decoder():
+    return eager_decoder("fp32")
+
+
+@pytest.mark.parametrize("batch,past_len,seq", CASES)
+def test_fp32_logits_and_present_match_eager(store, fp32_decoder, batch, past_len, seq) -> None:
+    artifact = store.decoder("fp32")
+    n_layers = artifact.manifest["config"]["n_layers"]
+    ids, new_ids, past = decoder_inputs(fp32_decoder, batch, past_len, seq, seed=batch * 100 + past_len)
+    with torch.no_grad():
+        logits, present = DecoderWithPast(fp32_decoder)(new_ids, past)
+        # Independent of any cache: a full forward over the whole sequence.
+        full = fp32_decoder(ids)[:, past_len:]
+    np.testing.assert_allclose(logits.numpy(), full.numpy(), rtol=1e-5, atol=1e-5)
+
+    outputs = create_session(artifact, ["CPUExecutionProvider"]).run(decoder_feed(new_ids, past))
+    ort_logits, ort_present = outputs[0], outputs[1:]
+    assert ort_logits.shape == (batch, seq, 256)
+    np.testing.assert_allclose(ort_logits, full.numpy(), rtol=1e-4, atol=1e-4)
+    assert len(ort_present) == 2 * n_layers
+    eager_present = [t for kv in present for t in kv]
+    for got, want in zip(ort_present, eager_present, strict=True):
+        assert got.shape == (batch, 2, past_len + seq, 16)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    # The present cache starts with the past it was given, unchanged.
+    for i, (k, v) in enumerate(past):
+        np.testing.assert_array_equal(ort_present[2 * i][:, :, :past_len], k.numpy())
+        np.testing.assert_array_equal(ort_present[2 * i + 1][:, :, :past_len], v.numpy())
+
+
+def test_fp32_plain_session_matches_eager(store, fp32_decoder) -> None:
+    """The model file as written (function bodies inlined by ORT, no lowering)."""
+    artifact = store.decoder("fp32")
+    ids, new_ids, past = decoder_inputs(fp32_decoder, 2, 7, 3, seed=5)
+    with torch.no_grad():
+        full = fp32_decoder(ids)[:, 7:]
+    outputs = plain_session(artifact.model_path).run(None, decoder_feed(new_ids, past))
+    np.testing.assert_allclose(outputs[0], full.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_golden_outputs_are_the_eager_decoder(store, fp32_decoder) -> None:
+    artifact = store.decoder("fp32")
+    (feed,) = artifact.golden_inputs()
+    (golden,) = artifact.golden_outputs()
+    past = [
+        (torch.from_numpy(feed[f"past_key_values.{i}.key"]), torch.from_numpy(feed[f"past_key_values.{i}.value"]))
+        for i in range(2)
+    ]
+    with torch.no_grad():
+        logits, present = DecoderWithPast(fp32_decoder)(torch.from_numpy(feed["input_ids"]), past)
+    np.testing.assert_allclose(golden["logits"], logits.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(golden["present.1.value"], present[1][1].numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,past_len,seq", [(1, 0, 9), (3, 6, 1)])
+def test_fp16_logits_match_eager_fp16(store, batch, past_len, seq) -> None:
+    artifact = store.decoder("fp16")
+    decoder = eager_decoder("fp16")
+    _, new_ids, past = decoder_inputs(decoder, batch, past_len, seq, seed=11 + past_len)
+    with torch.no_grad():
+        logits, present = DecoderWithPast(decoder)(new_ids, past)
+    feed = decoder_feed(new_ids, past)
+    assert feed["past_key_values.0.key"].dtype == np.float16
+    session = create_session(artifact, ["CPUExecutionProvider"])
+    assert session.lowering["moe_contrib"] == 0 and session.lowering["moe_function"] == 2
+    outputs = session.run(feed)
+    assert outputs[0].dtype == np.float16
+    atol, rtol = DECODER_TOLERANCES["fp16"]
+    np.testing.assert_allclose(
+        outputs[0].astype(np.float32), logits.float().numpy(), rtol=rtol, atol=atol
+    )
+    for got, want in zip(outputs[1:], [t for kv in present for t in kv], strict=True):
+        np.testing.assert_allclose(got.astype(np.float32), want.float().numpy(), rtol=rtol, atol=atol)

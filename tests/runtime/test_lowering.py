@@ -1,0 +1,162 @@
+"""ONNX Runtime lowering: moe::MoE -> com.microsoft::MoE when its kernel computes the same
+thing (and ONNX Runtime really runs it), the dense function body otherwise."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moedeploy.export.blocks import TOLERANCES
+from moedeploy.plugins import moe as moe_op
+from moedeploy.runtime.lowering import LoweringError, lower_for_ort
+from moedeploy.runtime.ort import create_session
+from tests.export.artifacts import (
+    eager_block,
+    moe_node_model,
+    moe_weights,
+    naive_moe,
+    plain_session,
+)
+
+CPU = ["CPUExecutionProvider"]
+
+
+def executed_ops(lowered, feed: dict) -> set[str]:
+    """The op names in ONNX Runtime's own profile of one run."""
+    lowered.run(feed)
+    events = json.loads(Path(lowered.session.end_profiling()).read_text())
+    return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+
+
+def moe_block_input(batch: int, seq: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# --- the exported artifacts -------------------------------------------------------------------
+
+
+def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # ONNX Runtime writes its profile into the working folder
+    artifact = store.block("moe")
+    feed = {"x": moe_block_input(2, 5).numpy()}
+    contrib = create_session(artifact, CPU, profile=True)
+    assert contrib.lowering["moe_contrib"] == 1 and contrib.lowering["moe_function"] == 0
+    ops = executed_ops(contrib, feed)
+    assert "MoE" in ops
+    assert not {"TopK", "ScatterElements"} & ops  # no dense routing ran
+
+    function = create_session(artifact, CPU, moe_lowering="function", profile=True)
+    assert function.lowering["moe_contrib"] == 0 and function.lowering["moe_function"] == 1
+    ops = executed_ops(function, feed)
+    assert "MoE" not in ops
+    assert {"TopK", "ScatterElements"} <= ops  # the inlined dense body ran instead
+
+
+def test_decoder_lowering_counts(store) -> None:
+    lowered = create_session(store.decoder("fp32"), CPU)
+    assert lowered.lowering == {"moe_contrib": 2, "moe_function": 0, "rmsnorm_native": 5, "rmsnorm_function": 0}
+    assert lowered.provider == "CPUExecutionProvider"
+
+
+def test_lowering_never_changes_the_artifact(store) -> None:
+    artifact = store.block("decoder_layer")
+    before = (artifact.model_path).read_bytes()
+    create_session(artifact, CPU)
+    assert artifact.model_path.read_bytes() == before
+    artifact.verify()
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 1), (3, 11)])  # N = 1 and N = 33 tokens
+def test_contrib_and_function_agree_with_eager(store, batch: int, seq: int) -> None:
+    artifact = store.block("moe")
+    x = moe_block_input(batch, seq, seed=seq)
+    with torch.no_grad():
+        expected = eager_block("moe")(x).numpy()
+    (contrib,) = create_session(artifact, CPU, moe_lowering="contrib").run({"x": x.numpy()})
+    (function,) = create_session(artifact, CPU, moe_lowering="function").run({"x": x.numpy()})
+    np.testing.assert_allclose(contrib, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(function, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(contrib, function, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_falls_back_to_the_function_body_and_matches_eager(store) -> None:
+    artifact = store.block("moe", dtype="fp16")
+    lowered = create_session(artifact, CPU)
+    assert lowered.lowering["moe_contrib"] == 0 and lowered.lowering["moe_function"] == 1
+    x = moe_block_input(3, 11, seed=4, dtype=torch.float16)
+    (y,) = lowered.run({"x": x.numpy()})
+    with torch.no_grad():
+        expected = eager_block("moe", dtype="fp16")(x).float().numpy()
+    atol, rtol = TOLERANCES["fp16"]
+    np.testing.assert_allclose(y.astype(np.float32), expected, rtol=rtol, atol=atol)
+
+
+def test_contrib_on_fp16_is_refused(store) -> None:
+    with pytest.raises(LoweringError, match=r"com\.microsoft::MoE"):
+        create_session(store.block("moe", dtype="fp16"), CPU, moe_lowering="contrib")
+
+
+def test_unknown_lowering_is_refused(store) -> None:
+    with pytest.raises(LoweringError, match="invalid MoE lowering"):
+        create_session(store.block("moe"), CPU, moe_lowering="fastest")  # type: ignore[arg-type]
+
+
+# --- one-node models: biases, awkward token counts, every eligible activation ---------------
+
+E, H, I = 5, 16, 24  # noqa: E741
+
+
+@pytest.mark.parametrize(
+    "activation,normalize,bias", list(itertools.product(("swiglu", "relu"), (0, 1), (False, True)))
+)
+def test_contrib_lowering_matches_hand_math(activation: str, normalize: int, bias: bool) -> None:
+    w = moe_weights(E, H, I, activation, bias, seed=normalize)
+    model = moe_node_model(w, 2, normalize, activation)
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "contrib")
+    assert counts["moe_contrib"] == 1
+    domains = {(n.domain, n.op_type) for n in lowered.graph.node}
+    assert ("com.microsoft", "MoE") in domains and ("moe", "MoE") not in domains
+    contrib = plain_session(lowered)
+    args = {
+        "w_gate": w["w_gate"] if activation == "swiglu" else None,
+        "w_up": w["w_up"], "w_down": w["w_down"],
+        "b_gate": w["b_gate"] if bias and activation == "swiglu" else None,
+        "b_up": w["b_up"] if bias else None,
+        "b_down": w["b_down"] if bias else None,
+    }
+    for n in (1, 33):
+        g = torch.Generator().manual_seed(n)
+        x, logits = torch.randn(n, H, generator=g), 2.0 * torch.randn(n, E, generator=g)
+        feed = {"X": x.numpy(), "router_logits": logits.numpy()}
+        (y,) = contrib.run(None, feed)
+        by_hand = naive_moe(x, logits, **args, top_k=2, normalize_topk=bool(normalize), activation=activation)
+        np.testing.assert_allclose(y, by_hand.numpy(), rtol=1e-5, atol=1e-5)
+        reference = moe_op.moe_reference(
+            x, logits, top_k=2, normalize_topk=bool(normalize), activation=activation, **args
+        )
+        np.testing.assert_allclose(y, reference.numpy(), rtol=1e-5, atol=1e-5)
+        if activation == "swiglu":  # the function body loads for swiglu (see test_function_bodies)
+            (y_function,) = plain_session(model).run(None, feed)
+            np.testing.assert_allclose(y, y_function, rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_is_not_contrib_eligible() -> None:
+    model = moe_node_model(moe_weights(E, H, I, "gelu", True, seed=0), 2, 1, "gelu")
+    with pytest.raises(LoweringError):
+        lower_for_ort(model, "CPUExecutionProvider", "contrib")
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "auto")
+    assert counts["moe_contrib"] == 0 and counts["moe_function"] == 1
+    assert [(n.domain, n.op_type) for n in lowered.graph.node] == [("moe", "MoE")]
+
+
+def test_fp16_node_is_not_contrib_eligible_on_cpu() -> None:
+    model = moe_node_model(moe_weights(E, H, I, "swiglu", True, seed=0), 2, 1, "swiglu", dtype=np.float16)
+    with pytest.raises(LoweringError, match="CPUExecutionProvider"):
+        lower_for_ort(model, "CPUExecutionProvider", "contrib")
+    _, counts = lower_for_ort(model, "CPUExecutionProvider", "auto")
+    assert counts["moe_contrib"] == 0 and counts["moe_function"] == 1

@@ -1,0 +1,230 @@
+"""The `moedeploy` console script, run as a user runs it (a subprocess): one clear error line
+and nothing left on disk for every user error, a traceback only with --debug."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from moedeploy.export import BLOCKS
+
+SCRIPT = Path(sys.executable).with_name("moedeploy")  # the installed entry point
+BULLET = "  •"  # progress lines the CLI prints to stderr while it works
+
+
+def moedeploy_cmd() -> list[str]:
+    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "moedeploy.cli"]
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run(
+        moedeploy_cmd() + args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def snapshot(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not line.startswith(BULLET)]
+
+
+# --- user errors: each case sets up its folder, runs in parallel with the others --------------
+
+
+def _bad_json(d: Path) -> None:
+    (d / "bad").mkdir()
+    (d / "bad" / "config.json").write_text("{not json")
+
+
+def _not_mixtral(d: Path) -> None:
+    (d / "llama").mkdir()
+    (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+
+
+def _a_file(d: Path) -> None:
+    (d / "file").write_text("not a folder")
+
+
+def _nothing(d: Path) -> None:
+    pass
+
+
+@dataclass
+class Case:
+    args: list[str]
+    setup: Callable[[Path], None]
+    message: str  # a phrase the one error line must contain
+    out: str = "out"
+    in_process: bool = False  # run through typer's CliRunner: same code, no interpreter start-up
+
+
+# Through the installed console script (a fresh interpreter, as a user runs it).
+CASES = {
+    "unknown-block": Case(["export", "nosuch", "--out", "out"], _nothing, "unknown block 'nosuch'"),
+    "missing-checkpoint": Case(
+        ["export", "decoder", "--checkpoint", "missing", "--out", "out"], _nothing, "does not exist"
+    ),
+    "checkpoint-bad-json": Case(
+        ["export", "decoder", "--checkpoint", "bad", "--out", "out"], _bad_json, "not readable JSON"
+    ),
+    "invalid-dtype": Case(
+        ["export", "rmsnorm", "--dtype", "fp8", "--out", "out"], _nothing, "invalid dtype 'fp8'"
+    ),
+    "out-under-a-file": Case(
+        ["export", "rmsnorm", "--out", "file/sub/art"], _a_file, "cannot write", out="file/sub/art"
+    ),
+    "out-in-proc": Case(
+        ["export", "rmsnorm", "--out", "/proc/moedeploy-test-out"], _nothing, "cannot write",
+        out="/proc/moedeploy-test-out",
+    ),
+}
+# More of the same kind, in process (each console-script run costs seconds of torch import).
+CASES |= {
+    name: Case(args, setup, message, out, in_process=True)
+    for name, (args, setup, message, out) in {
+        "checkpoint-not-mixtral": (
+            ["export", "decoder", "--checkpoint", "llama", "--out", "out"], _not_mixtral, "llama", "out"
+        ),
+        "checkpoint-is-a-file": (
+            ["export", "decoder", "--checkpoint", "file", "--out", "out"], _a_file, "not a folder", "out"
+        ),
+        "out-is-a-file": (["export", "rmsnorm", "--out", "file"], _a_file, "not a folder", "file"),
+        "missing-out": (["export", "rmsnorm"], _nothing, "--out", "out"),
+        "unknown-preset": (
+            ["export", "decoder", "--preset", "huge", "--out", "out"], _nothing, "unknown preset", "out"
+        ),
+        "checkpoint-for-a-block": (
+            ["export", "rmsnorm", "--checkpoint", "missing", "--out", "out"], _nothing, "decoder only", "out"
+        ),
+        "negative-calibration": (
+            ["export", "batchnorm", "--calibration-batches", "-1", "--out", "out"], _nothing,
+            "calibration", "out",
+        ),
+    }.items()
+}
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_in_process(args: list[str], cwd: Path) -> Run:
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        os.chdir(old)
+    assert isinstance(result.exception, SystemExit), result.exception  # not a crash
+    return Run(result.exit_code, result.stdout, result.stderr)
+
+
+@pytest.fixture(scope="module")
+def error_runs(tmp_path_factory) -> dict[str, tuple[Path, set[str], Run]]:
+    """Every case's folder, its contents before, and the run; the console-script runs go in
+    parallel (each spends most of its time importing torch)."""
+    prepared = {}
+    for name, case in CASES.items():
+        folder = tmp_path_factory.mktemp(f"cli-{name}")
+        case.setup(folder)
+        prepared[name] = (folder, snapshot(folder))
+    runs: dict[str, Run] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(run_cli, case.args, prepared[name][0])
+            for name, case in CASES.items() if not case.in_process
+        }
+        for name, case in CASES.items():
+            if case.in_process:
+                runs[name] = run_in_process(case.args, prepared[name][0])
+        for name, future in futures.items():
+            r = future.result()
+            runs[name] = Run(r.returncode, r.stdout, r.stderr)
+    return {name: (*prepared[name], runs[name]) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_user_error_is_one_line_and_leaves_nothing(error_runs, name: str) -> None:
+    folder, before, result = error_runs[name]
+    case = CASES[name]
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stdout == ""
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert case.message in lines[0]
+    # nothing left behind: no out folder, no temp or probe folder, nothing else changed
+    assert snapshot(folder) == before
+    out = Path(case.out) if Path(case.out).is_absolute() else folder / case.out
+    if case.out != "file":
+        assert not os.path.lexists(out)
+
+
+def test_errors_that_need_no_work_print_only_the_error_line(error_runs) -> None:
+    """Argument errors fail before any work starts, so not even a progress line is printed."""
+    for name in ("unknown-block", "invalid-dtype", "out-under-a-file", "out-is-a-file", "out-in-proc"):
+        _, _, result = error_runs[name]
+        assert len(result.stderr.splitlines()) == 1, (name, result.stderr)
+
+
+def test_long_paths_do_not_wrap_progress_lines(tmp_path: Path) -> None:
+    missing = tmp_path / ("a-long-folder-name-" * 4) / "checkpoint"
+    result = run_cli(["export", "decoder", "--checkpoint", str(missing), "--out", "out"], tmp_path)
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr
+    assert len(error_lines(result.stderr)) == 1, result.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = run_cli(["--debug", "export", "nosuch", "--out", "out"], tmp_path)
+    assert result.returncode != 0
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "UserError: unknown block 'nosuch'" in result.stderr
+    assert snapshot(tmp_path) == set()
+
+
+# --- success paths ---------------------------------------------------------------------------------
+
+
+def test_list_prints_one_block_per_line_name_first(tmp_path: Path) -> None:
+    result = run_cli(["export", "--list"], tmp_path)
+    assert result.returncode == 0
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert [line.split("\t")[0] for line in lines] == [*BLOCKS, "decoder"]
+    assert all(len(line.split("\t")) == 2 and line.split("\t")[1].strip() for line in lines)
+    assert snapshot(tmp_path) == set()
+
+
+def test_export_rmsnorm_creates_the_artifact(tmp_path: Path) -> None:
+    result = run_cli(["export", "rmsnorm", "--out", "X"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "exported rmsnorm" in result.stdout
+    assert all(line.startswith(BULLET) for line in result.stderr.splitlines())
+    assert "Traceback" not in result.stderr
+    files = snapshot(tmp_path)
+    assert {"X", "X/model.onnx", "X/manifest.json", "X/golden", "X/golden/inputs.json", "X/golden/outputs.json"} <= files
+    assert all(f == "X" or f.startswith("X/") for f in files)  # no temp folder left beside it
+    manifest = json.loads((tmp_path / "X" / "manifest.json").read_text())
+    listed = {f"X/{rel}" for rel in manifest["files"]} | {"X/manifest.json"}
+    assert {f for f in files if (tmp_path / f).is_file()} == listed
+    assert (manifest["name"], manifest["kind"], manifest["dtype"]) == ("rmsnorm", "block", "fp32")
