@@ -36,5 +36,5 @@ for target in rmsnorm moe decoder_layer decoder; do
 done
 
 echo "== 3. benchmarks"
-python benchmarks/moe_lowering.py --json "$out/moe_lowering.json"
+python benchmarks/moe_op.py --json "$out/moe_op.json"
 echo "gpu_check: all steps passed; results under $out"

@@ -57,7 +57,7 @@ def compare(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Compare each backend with eager PyTorch; writes <artifact>/report/ and returns report.json's dict."""
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     progress = progress or (lambda _: None)
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
@@ -74,7 +74,7 @@ def compare(
 
     progress(f"running {', '.join(r.name for r in runners)} on {iterations} seeded inputs")
     run_results = Comparator.run(runners, data_loader=loader)
-    compare_func = CompareFunc.simple(
+    compare_func = SimpleCompareFunc(
         atol={k: v[0] for k, v in tolerances.items()},
         rtol={k: v[1] for k, v in tolerances.items()},
         check_error_stat="elemwise",
@@ -116,10 +116,21 @@ def compare(
     with atomic_directory(artifact.path / REPORT_DIR) as tmp:
         run_results.save(str(tmp / RUN_RESULTS))
         accuracy.save(str(tmp / ACCURACY))
-        atomic_write_json(tmp / "report.json", report)
+        atomic_write_json(tmp / "report.json", strict_json(report))
         atomic_write_text(tmp / "report.md", render_markdown(report))
         atomic_write_text(tmp / "report.html", render_html(report, _errors(results_by_runner, reference.name)))
     return report
+
+
+def strict_json(obj: Any) -> Any:
+    """NaN and Inf are not JSON (RFC 8259): write them as null, so every parser reads the report."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict_json(v) for v in obj]
+    return obj
 
 
 def _concat(results, runner: str, output: str) -> np.ndarray:

@@ -36,10 +36,15 @@ class ArtifactDataLoader:
         if iteration == 0:
             return {name: r["opt"] for name, r in ranges.items()}
         rng = np.random.default_rng([self.seed, iteration, 1])
-        return {
+        sizes = {
             name: int(rng.integers(r["min"], max(r["min"], min(r["max"], SIZE_CAP.get(name, r["max"]))) + 1))
             for name, r in ranges.items()
         }
+        # A decoder step sees past + new positions: together they must fit its RoPE table.
+        limit = self.artifact.manifest["config"].get("max_positions")
+        if limit and "past_seq" in sizes and "seq" in sizes:
+            sizes["past_seq"] = max(ranges["past_seq"]["min"], min(sizes["past_seq"], limit - sizes["seq"]))
+        return sizes
 
     def __getitem__(self, iteration: int) -> OrderedDict[str, np.ndarray]:
         if not 0 <= iteration < self.iterations:

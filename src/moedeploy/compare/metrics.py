@@ -13,10 +13,11 @@ def error_stats(reference: np.ndarray, actual: np.ndarray, atol: float, rtol: fl
     Pass means every element satisfies |actual - ref| <= atol + rtol * |ref| (numpy's
     allclose rule), so a tolerance reads the same here as in the tests.
     """
-    ref = np.asarray(reference, dtype=np.float64).ravel()
-    act = np.asarray(actual, dtype=np.float64).ravel()
-    if ref.shape != act.shape:
+    ref = np.asarray(reference, dtype=np.float64)
+    act = np.asarray(actual, dtype=np.float64)
+    if ref.shape != act.shape:  # before flattening: (2, 3) vs (3, 2) is a mismatch too
         return {"shape_mismatch": True, "passed": False}
+    ref, act = ref.ravel(), act.ravel()
     if ref.size == 0:
         return {"max_abs": 0.0, "mean_abs": 0.0, "median_abs": 0.0, "p99_abs": 0.0, "max_rel": 0.0,
                 "mean_rel": 0.0, "median_rel": 0.0, "p99_rel": 0.0, "cosine": 1.0, "nan_or_inf": False,

@@ -31,8 +31,12 @@ def error_histograms(errors: dict[str, np.ndarray], tolerances: dict[str, float]
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.0), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         err = np.abs(errors[name].astype(np.float64).ravel())
-        logs = np.log10(np.maximum(err, 1e-12))
-        ax.hist(logs, bins=60, color="#4477aa")
+        finite = err[np.isfinite(err)]
+        if finite.size:
+            ax.hist(np.log10(np.maximum(finite, 1e-12)), bins=60, color="#4477aa")
+        if finite.size < err.size:  # NaN/Inf cannot be binned: say how many there were
+            ax.text(0.5, 0.5, f"{err.size - finite.size} NaN/Inf errors", transform=ax.transAxes,
+                    ha="center", color="#cc3311", fontsize=9)
         ax.axvline(np.log10(tolerances[name]), color="#cc3311", linestyle="--", label="atol")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("log10 |backend - eager|", fontsize=8)

@@ -10,6 +10,13 @@ import numpy as np
 from moedeploy.compare import plots
 
 
+def fmt(value, spec: str = "%.2e") -> str:
+    """Numbers for people: NaN/Inf (or a missing value) shown as such, never a crash."""
+    if value is None:
+        return "n/a"
+    return spec % value if np.isfinite(value) else str(value)
+
+
 def _mark(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
@@ -38,12 +45,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| `{name}` | shape mismatch | | | | | | | **FAIL** |")
                 continue
             lines.append(
-                f"| `{name}` | {s['max_abs']:.2e} | {s['mean_abs']:.2e} | {s['p99_abs']:.2e} | {s['max_rel']:.2e} "
-                f"| {s['cosine']:.8f} | {s['atol']:.0e} | {s['rtol']:.0e} | {_mark(s['passed'])} |"
+                f"| `{name}` | {fmt(s['max_abs'])} | {fmt(s['mean_abs'])} | {fmt(s['p99_abs'])} | {fmt(s['max_rel'])} "
+                f"| {fmt(s['cosine'], '%.8f')} | {s['atol']:.0e} | {s['rtol']:.0e} | {_mark(s['passed'])} |"
             )
         if c.get("layerwise"):
             lines += ["", "Layer-wise (first iteration):", "", "| module | max abs | result |", "|---|---:|---|"]
-            lines += [f"| `{m['module']}` | {m['max_abs']:.2e} | {_mark(m['passed'])} |" for m in c["layerwise"]["modules"]]
+            lines += [f"| `{m['module']}` | {fmt(m['max_abs'])} | {_mark(m['passed'])} |" for m in c["layerwise"]["modules"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -66,4 +73,4 @@ def render_html(report: dict[str, Any], errors: dict[str, dict[str, np.ndarray]]
     template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
-    return env.from_string(template_text).render(r=view)
+    return env.from_string(template_text).render(r=view, fmt=fmt)

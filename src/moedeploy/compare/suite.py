@@ -51,6 +51,10 @@ def run_all(
         row: dict[str, Any] = {"name": target, "artifact": target, "report": f"{target}/report/report.html"}
         try:
             artifact = export(target, out / target, preset_name=preset_name, dtype=dtype, seed=seed)
+            if "trt" in backends:
+                from moedeploy.runtime.tensorrt import build_engine
+
+                build_engine(artifact)
             report = compare(artifact, backends, iterations=iterations, seed=seed, layerwise=True)
             first = report["comparisons"][0]["outputs"]
             name, stats = next(iter(first.items()))

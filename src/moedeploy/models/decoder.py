@@ -42,6 +42,10 @@ class MoEDecoder(nn.Module):
         # Hugging Face's initializer_range: keeps random-weight logits in a sane range.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            # Not all ones (a checkpoint sets them anyway): random models must exercise the scale,
+            # or an exported graph that dropped it would still match.
+            nn.init.normal_(module.weight, mean=1.0, std=0.1)
         elif isinstance(module, SparseMoE):
             for w in (module.w_gate, module.w_up, module.w_down):
                 nn.init.normal_(w, std=std)

@@ -1,0 +1,72 @@
+"""Artifacts for the comparison tests, exported once per session.
+
+Tests never compare the shared artifacts in place (compare writes <artifact>/report/):
+they take a private copy with `fresh_copy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moedeploy.compare.api import compare
+from moedeploy.export import export
+from moedeploy.export.artifact import Artifact
+from moedeploy.models import DecoderConfig, MoEDecoder, RMSNorm
+from tests.compare.helpers import COMPARED_ITERATIONS, fresh_copy
+
+# Four layers, so "the first divergent layer" has somewhere to be besides the ends.
+DEEP_CONFIG = DecoderConfig(
+    vocab_size=96, hidden_size=32, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=3, top_k=2,
+    expert_hidden=48, max_positions=128, rope_theta=10000.0,
+)
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict[tuple, Artifact] = {}
+
+    def block(self, name: str, dtype: str = "fp32") -> Artifact:
+        key = ("block", name, dtype)
+        if key not in self._cache:
+            self._cache[key] = export(name, self.root / f"{name}-{dtype}", dtype=dtype)
+        return self._cache[key]
+
+    def decoder(self) -> Artifact:
+        """The tiny preset (2 layers), seed 0."""
+        if "decoder" not in self._cache:
+            self._cache["decoder"] = export("decoder", self.root / "decoder")
+        return self._cache["decoder"]
+
+    def checkpoint_decoder(self, name: str, config: DecoderConfig) -> Artifact:
+        """A decoder exported from a checkpoint; its norm weights are random (not all ones),
+        so each norm keeps its own initializer in the graph."""
+        if name not in self._cache:
+            with torch.random.fork_rng(), torch.no_grad():  # leave the global RNG as it was
+                torch.manual_seed(1234)
+                model = MoEDecoder(config)
+                for m in model.modules():
+                    if isinstance(m, RMSNorm):
+                        m.weight.copy_(1 + 0.2 * torch.randn_like(m.weight))
+            checkpoint = self.root / f"{name}-checkpoint"
+            model.save_pretrained(checkpoint)
+            self._cache[name] = export("decoder", self.root / name, checkpoint=checkpoint)
+        return self._cache[name]
+
+    def deep_decoder(self) -> Artifact:
+        return self.checkpoint_decoder("deep-decoder", DEEP_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(tmp_path_factory.mktemp("compare-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def compared_decoder(artifacts: Store, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A copy of the tiny decoder compared once (3 iterations, layer-wise): read, never rewritten."""
+    folder = fresh_copy(artifacts.decoder(), tmp_path_factory.mktemp("compared") / "decoder")
+    return folder, compare(folder, iterations=COMPARED_ITERATIONS, seed=0, layerwise=True)

@@ -1,0 +1,75 @@
+"""`moedeploy compare` as a user runs it: exit codes gate CI, user errors are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.compare.helpers import assert_one_error_line, fresh_copy, run_cli
+
+
+@pytest.fixture(scope="module")
+def block(artifacts) -> Path:
+    """The rmsnorm block (ORT differs from eager by ~1e-6: passes 1e-5, fails 0)."""
+    return artifacts.block("rmsnorm").path
+
+
+def _report(folder: Path) -> dict:
+    return json.loads((folder / "report" / "report.json").read_text())
+
+
+def test_passing_compare_exits_zero(block, tmp_path):
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    result = run_cli("compare", folder, "--iterations", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout and "FAIL" not in result.stdout
+    report = _report(folder)
+    assert report["passed"] is True and report["iterations"] == 2
+    assert report["comparisons"][0]["outputs"]["y"]["atol"] == 1e-5
+
+
+def test_zero_tolerance_exits_nonzero(block, tmp_path):
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    result = run_cli("compare", folder, "--atol", "0", "--rtol", "0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "FAIL" in result.stdout
+    stats = _report(folder)["comparisons"][0]["outputs"]["y"]
+    assert (stats["atol"], stats["rtol"]) == (0.0, 0.0)
+    assert stats["passed"] is False and stats["max_abs"] > 0
+
+
+def test_cli_tolerances_override_the_manifest(block, tmp_path):
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    result = run_cli("compare", folder, "--atol", "0.5", "--rtol", "0.25", "--iterations", "1", "--seed", "7")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = _report(folder)
+    stats = report["comparisons"][0]["outputs"]["y"]
+    assert (stats["atol"], stats["rtol"]) == (0.5, 0.25)
+    assert report["seed"] == 7 and report["iterations"] == 1
+
+
+@pytest.mark.parametrize("case", ["missing", "no-manifest"])
+def test_bad_artifact_path_is_one_error_line(tmp_path, case):
+    path = tmp_path / "artifact"
+    if case == "no-manifest":
+        path.mkdir()
+    assert_one_error_line(run_cli("compare", path), str(path))
+    assert not (path / "report").exists()
+
+
+def test_unknown_backend_is_one_error_line(block):
+    assert_one_error_line(run_cli("compare", block, "--backend", "ort,tensorflow"), "'tensorflow'")
+    assert not (block / "report").exists()
+
+
+def test_negative_tolerance_is_one_error_line(block):
+    assert_one_error_line(run_cli("compare", block, "--atol", "-1"), "--atol")
+
+
+def test_trt_backend_without_an_engine_is_one_error_line(block):
+    """No TensorRT, no GPU or no engine built: each is a user error naming TensorRT."""
+    assert_one_error_line(run_cli("compare", block, "--backend", "trt"), "TensorRT")
+    assert not (block / "report").exists()
