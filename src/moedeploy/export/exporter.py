@@ -48,7 +48,7 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.reference import build_decoder, save_reference_weights
+from moedeploy.export.reference import build_decoder, save_reference_weights, weights_fingerprint
 from moedeploy.utils.io import atomic_directory, atomic_write_json
 
 Progress = Callable[[str], None]
@@ -175,6 +175,7 @@ def export_decoder(
         progress(f"building the {preset_name!r} decoder with random weights (seed {seed})")
         source = {"preset": preset_name}
     decoder = build_decoder(preset_name, checkpoint, seed, torch_dtype)
+    source["weights_sha256"] = weights_fingerprint(decoder)
     config = decoder.config
     wrapper = DecoderWithPast(decoder).eval()
     generator = torch.Generator().manual_seed(seed + 1)

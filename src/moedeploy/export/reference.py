@@ -7,6 +7,7 @@ pure function of both) or the checkpoint folder, so a 500 MB model is not stored
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -22,6 +23,16 @@ def save_reference_weights(module: nn.Module, folder: Path) -> list[str]:
     state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(folder / REFERENCE_FILE))
     return [REFERENCE_FILE]
+
+
+def weights_fingerprint(module: nn.Module) -> str:
+    """sha256 over every tensor of the state dict, in order: proves a rebuild is the exported model."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        t = tensor.detach().contiguous().cpu()
+        digest.update(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def build_decoder(preset_name: str | None, checkpoint: str | Path | None, seed: int, dtype: torch.dtype):
@@ -54,6 +65,14 @@ def load_reference(artifact: Artifact) -> nn.Module:
                 "the eager reference needs it"
             )
         decoder = build_decoder(source.get("preset"), checkpoint, artifact.manifest["seed"], dtype)
+        expected = source.get("weights_sha256")
+        if expected and weights_fingerprint(decoder) != expected:
+            origin = f"checkpoint {checkpoint}" if checkpoint else f"preset {source.get('preset')!r}, seed {artifact.manifest['seed']}"
+            raise ArtifactError(
+                f"the eager model rebuilt from {origin} is not the one {artifact.path} was exported from "
+                "(its weights fingerprint differs: the checkpoint changed, or another moedeploy version "
+                "made the artifact); re-export it"
+            )
         return DecoderWithPast(decoder).eval()
     from moedeploy.export.blocks import build_block, get_block
 

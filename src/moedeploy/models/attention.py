@@ -121,11 +121,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)  # (B, nkv, T, hd), T = start_pos + S
-        groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
-            v = v.repeat_interleave(groups, dim=1)
         drop = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
+        # enable_gqa: each KV head serves n_heads // n_kv_heads query heads without copying
+        # K/V; exported as one ONNX Attention with fewer KV heads than query heads.
+        gqa = self.n_kv_heads != self.n_heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, nh*hd)
         return self.wo(out)

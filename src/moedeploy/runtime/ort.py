@@ -72,10 +72,25 @@ def create_session(
         )
     model = onnx.load(str(artifact.model_path))
     lowered, counts = lower_for_ort(model, provider, moe_lowering)
+    del model
+    serialized = lowered.SerializeToString()
+    del lowered
     try:
-        session = ort.InferenceSession(
-            lowered.SerializeToString(), session_options(threads, profile), providers=providers
-        )
+        session = ort.InferenceSession(serialized, session_options(threads, profile), providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
+    del serialized
+    release_freed_memory()
     return LoweredSession(session, provider, counts)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed by the model protos (three copies of the weights on the way in)
+    back to the OS, so the process keeps only ONNX Runtime's own copy resident."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
