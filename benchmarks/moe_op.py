@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import onnx
 import torch
 import torch.nn.functional as F
 
-from moedeploy.bench.machine import describe
+from moedeploy.bench.machine import describe, median_seconds
 from moedeploy.export.onnx_export import to_onnx
 from moedeploy.models import SparseMoE, preset
 from moedeploy.runtime.lowering import lower_for_ort
@@ -62,17 +60,6 @@ def seed_loop(stack: MoEStack, x: torch.Tensor) -> torch.Tensor:
             out[rows] = h @ layer.w_down[e].T
         x = x + (out.view(*w.shape, -1) * w.unsqueeze(-1)).sum(1)
     return x
-
-
-def timed(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -126,7 +113,7 @@ def main() -> None:
             impls["triton (GPU)"] = triton_stack
         with torch.inference_mode():
             for name, fn in impls.items():
-                seconds = timed(fn, args.repeat)
+                seconds = median_seconds(fn, args.repeat)
                 rows.append({"tokens": n, "impl": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3,
                              "fraction_of_floor": floor / seconds, "bytes": bytes_moved, "flops": flops})
     print(f"{machine['cpu']}, {args.threads} threads, {machine['bandwidth_gbs']} GB/s, {machine['gemm_gflops']} GFLOP/s; "

@@ -10,6 +10,18 @@ import time
 import torch
 
 
+def median_seconds(fn, repeat: int, warmup: int = 3) -> float:
+    """Median wall time of fn() after a few warm-up calls (the benchmarks' one timing rule)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -31,7 +43,7 @@ def measure_bandwidth_gbs(threads: int, size_mb: int = 512, repeat: int = 5) -> 
         start = time.perf_counter()
         buf.sum()
         times.append(time.perf_counter() - start)
-    return buf.numel() * 4 / min(times) / 1e9
+    return buf.numel() * 4 / statistics.median(times) / 1e9  # median: a min would flatter the floor
 
 
 def measure_gemm_gflops(threads: int, n: int = 1024, repeat: int = 5) -> float:

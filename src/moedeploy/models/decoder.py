@@ -9,7 +9,7 @@ from torch import nn
 
 from moedeploy.models.attention import LayerCache, RotaryEmbedding, StaticLayerCache, causal_mask
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.models.generation import generate
 from moedeploy.models.layers import DecoderLayer
 from moedeploy.models.moe import SparseMoE
 from moedeploy.models.norms import RMSNorm
@@ -93,19 +93,13 @@ class MoEDecoder(nn.Module):
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation over the KV cache. Returns (B, S + new)."""
-        total = input_ids.shape[1] + max_new_tokens
-        if total > self.config.max_positions:
-            raise ValueError(
-                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_positions {self.config.max_positions}"
-            )
-        cache = self.new_cache(input_ids.shape[0], total)
+        cache = self.new_cache(input_ids.shape[0], min(input_ids.shape[1] + max_new_tokens, self.config.max_positions))
 
         def step(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
             return self(ids, cache, start_pos)
 
-        sampling = SamplingConfig(temperature, top_k, top_p, seed)
-        return generate_tokens(step, input_ids, max_new_tokens, sampling, eos_token_id)
+        return generate(step, input_ids, self.config.max_positions, max_new_tokens, temperature, top_k, top_p,
+                        seed, eos_token_id)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> MoEDecoder:

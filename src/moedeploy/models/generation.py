@@ -96,3 +96,26 @@ def generate_tokens(
         logits = step(tokens[-1].to(prompt.device), pos)[:, -1]
         pos += 1
     return torch.cat(tokens, dim=1)
+
+
+def generate(
+    step: StepFn,
+    prompt: torch.Tensor,
+    max_positions: int,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """The `generate` API every backend exposes: checks the length, then runs the shared loop.
+
+    `step` must start from an empty cache sized for prompt + max_new_tokens.
+    """
+    if prompt.dim() == 2 and prompt.shape[1] + max_new_tokens > max_positions:
+        raise ValueError(
+            f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_positions {max_positions}"
+        )
+    sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    return generate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id)

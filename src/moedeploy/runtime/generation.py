@@ -12,7 +12,7 @@ import torch
 
 from moedeploy.export.artifact import Artifact
 from moedeploy.export.decoder import past_names
-from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.models.generation import generate
 from moedeploy.runtime.lowering import MoELowering
 from moedeploy.runtime.ort import create_session
 
@@ -71,11 +71,6 @@ class OrtDecoder:
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
         """Same arguments and result as MoEDecoder.generate: (B, S + new) token ids."""
-        if input_ids.shape[1] + max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_positions {self.max_positions}"
-            )
         self.reset(input_ids.shape[0])
-        sampling = SamplingConfig(temperature, top_k, top_p, seed)
-        return generate_tokens(self.step, input_ids, max_new_tokens, sampling, eos_token_id)
+        return generate(self.step, input_ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
+                        seed, eos_token_id)

@@ -207,6 +207,17 @@ def default_config(n_tokens: int, top_k: int, n_experts: int) -> TileConfig:
     return TileConfig(64, 64, 32, 4)
 
 
+def dense_biases(w_up: torch.Tensor, b_gate, b_up, b_down) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous (E, I), (E, I), (E, H) biases, zeros for the missing ones: kernels take pointers."""
+    e, i, h = w_up.shape
+    zeros = lambda *shape: torch.zeros(*shape, dtype=w_up.dtype, device=w_up.device)  # noqa: E731
+    return (
+        (zeros(e, i) if b_gate is None else b_gate).contiguous(),
+        (zeros(e, i) if b_up is None else b_up).contiguous(),
+        (zeros(e, h) if b_down is None else b_down).contiguous(),
+    )
+
+
 def _check(x, router_logits, w_gate, w_up, w_down, top_k, activation) -> None:
     if x.dim() != 2 or router_logits.dim() != 2:
         raise ValueError(f"x must be (N, H) and router_logits (N, E); got {tuple(x.shape)}, {tuple(router_logits.shape)}")
@@ -253,10 +264,7 @@ def moe(
     x, router_logits, w_up, w_down = (t.contiguous() for t in (x, router_logits, w_up, w_down))
     w_gate = w_up if w_gate is None else w_gate.contiguous()
     has_bias = any(b is not None for b in (b_gate, b_up, b_down))
-    zeros_i = torch.zeros(e, i, dtype=dtype, device=device)
-    b_gate = (zeros_i if b_gate is None else b_gate).contiguous()
-    b_up = (zeros_i if b_up is None else b_up).contiguous()
-    b_down = (torch.zeros(e, h, dtype=dtype, device=device) if b_down is None else b_down).contiguous()
+    b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     block_e = triton.next_power_of_2(e)
     n_slots = n * top_k

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moedeploy.plugins.kernels._launch import check_device
-from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, _check
+from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, _check, dense_biases
 
 
 @triton.jit
@@ -103,12 +103,8 @@ def moe_fused(
     y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
     if n == 0:
         return y
-    zeros = lambda *shape: torch.zeros(*shape, dtype=x.dtype, device=x.device)  # noqa: E731
-    args = [t.contiguous() for t in (
-        x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down,
-        zeros(e, i) if b_gate is None else b_gate, zeros(e, i) if b_up is None else b_up,
-        zeros(e, h) if b_down is None else b_down,
-    )]
+    weights = [t.contiguous() for t in (x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down)]
+    args = [*weights, *dense_biases(w_up, b_gate, b_up, b_down)]
     grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
     moe_fused_kernel[grid](
         *args, h, i, e, y, TOP_K=top_k, NORMALIZE=bool(normalize_topk), ACT=ACTIVATION_IDS[activation],
