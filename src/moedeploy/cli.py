@@ -396,6 +396,11 @@ def bench_cmd(
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
 
 
+from moedeploy.serving.cli import register as register_serving  # noqa: E402 (after the shared helpers it uses)
+
+register_serving(app)
+
+
 def main() -> None:
     app()
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 
 from moedeploy.export.artifact import Artifact
 from moedeploy.runtime.lowering import MoELowering, lower_for_ort
+from moedeploy.utils.io import atomic_write_json
+
+CACHE_DIR = "cache"
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -70,18 +77,44 @@ def create_session(
             "ONNX Runtime's CPU provider has no bfloat16 kernels for these graphs; run bf16 "
             "artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16"
         )
+    path, counts = lowered_model_path(artifact, provider, moe_lowering)
+    try:
+        session = ort.InferenceSession(str(path), session_options(threads, profile), providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
+    release_freed_memory()
+    return LoweredSession(session, provider, counts)
+
+
+def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[Path, dict[str, int]]:
+    """The lowered graph as a file with its weights in external data, made once per artifact.
+
+    ONNX Runtime memory-maps external initializers it loads from a path, where a model given
+    as bytes is parsed and copied: on the small decoder the session's resident memory is
+    half. The file lives in <artifact>/cache/, named by the model's sha256 and the lowering,
+    so a re-exported model never meets a stale cache; deleting the folder is always safe.
+    """
+    digest = artifact.manifest.get("files", {}).get("model.onnx", "unsigned")[:16]
+    name = f"ort_{provider.removesuffix('ExecutionProvider').lower()}_{moe_lowering}_{digest}"
+    folder = artifact.path / CACHE_DIR
+    path, counts_file = folder / f"{name}.onnx", folder / f"{name}.json"
+    if path.is_file() and counts_file.is_file():
+        return path, json.loads(counts_file.read_text())
     model = onnx.load(str(artifact.model_path))
     lowered, counts = lower_for_ort(model, provider, moe_lowering)
     del model
-    serialized = lowered.SerializeToString()
+    folder.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # complete files appear, or none
+        staged = Path(tmp) / path.name
+        onnx.save_model(lowered, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{name}.onnx.data", size_threshold=1024)
+        data = Path(tmp) / f"{name}.onnx.data"
+        if data.exists():  # absent when every tensor is under the threshold
+            os.replace(data, folder / data.name)
+        os.replace(staged, path)
+    atomic_write_json(counts_file, counts)
     del lowered
-    try:
-        session = ort.InferenceSession(serialized, session_options(threads, profile), providers=providers)
-    except Exception as e:  # onnxruntime raises its own exception types
-        raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
-    del serialized
-    release_freed_memory()
-    return LoweredSession(session, provider, counts)
+    return path, counts
 
 
 def release_freed_memory() -> None:

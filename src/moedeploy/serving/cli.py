@@ -1,0 +1,116 @@
+"""`moedeploy serve` and `moedeploy triton-repo`: thin commands over moedeploy.serving.
+
+`register(app)` adds them to the `moedeploy` Typer app; the CLI helpers are imported inside
+it, because moedeploy.cli imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the serving commands to `app`."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from moedeploy.cli import UserError, check_writable, err, handle_errors, out
+
+    @app.command("serve")
+    @handle_errors
+    def serve_cmd(
+        artifacts: list[Path] = typer.Argument(..., help="Artifact folder(s) made by `moedeploy export`; one Triton server serves them all.", show_default=False),
+        backend: str = typer.Option("ort", "--backend", help="Runner behind every model: ort, trt or torch (eager PyTorch)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address every endpoint binds to (0.0.0.0 to serve beyond this machine)."),
+        http_port: int = typer.Option(8000, "--http-port", help="KServe v2 HTTP/REST port (also /v2/health/live and /v2/health/ready)."),
+        grpc_port: int = typer.Option(8001, "--grpc-port", help="KServe v2 gRPC port."),
+        metrics_port: int = typer.Option(8002, "--metrics-port", help="Prometheus metrics port (/metrics)."),
+        max_batch_size: int = typer.Option(None, "--max-batch-size", help="Largest batch one execution takes (default: the artifact's batch range max)."),
+        max_queue_delay_us: int = typer.Option(100, "--max-queue-delay-us", help="How long the dynamic batcher may hold a request to grow a batch."),
+        dynamic_batching: bool = typer.Option(True, "--dynamic-batching/--no-dynamic-batching", help="Let Triton merge concurrent requests into one execution."),
+        instances: int = typer.Option(1, "--instances", help="Model instances (each with its own runner) per model."),
+        exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
+        log_file: Path = typer.Option(None, "--log-file", help="Write Triton's own log here instead of the console."),
+    ) -> None:
+        """Serve artifacts on Triton Inference Server: KServe v2 HTTP and gRPC, dynamic batching, metrics.
+
+        Model names are the artifacts' manifest names, input and output names the artifacts'.
+        A decoder is served twice: [bold]<name>[/bold] (logits; leave out past_key_values.* for
+        the prefill) and [bold]<name>_generate[/bold] (input_ids -> output_ids, the prompt and
+        its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
+        eos_token_id, one value per sequence, shape \\[batch, 1]). Runs until SIGINT or SIGTERM.
+
+        Example:
+          moedeploy serve artifacts/moe artifacts/decoder --max-batch-size 8
+        """
+        from moedeploy.serving import ModelServer, ServeOptions, ServingUnavailable, wait_for_signal
+
+        options = ServeOptions(
+            backend=backend, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+            max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
+            instances=instances, exit_timeout_s=exit_timeout, log_file=log_file,
+        )
+        if log_file is not None:
+            check_writable(log_file.parent)
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+        server = ModelServer(artifacts, options)
+        with err.status(f"starting Triton Inference Server ({backend})", spinner="dots"):
+            try:
+                server.start()
+            except ServingUnavailable as e:  # a missing optional dependency: one line, like the rest
+                raise UserError(str(e)) from None
+        try:
+            table = Table(title_justify="left", title="models")
+            for col in ("model", "inputs", "outputs", "max batch"):
+                table.add_column(col)
+            for _, spec in server.specs:
+                def names(tensors):
+                    return ", ".join(t.name + ("?" if t.optional else "") for t in tensors)
+
+                table.add_row(spec.name, escape(names(spec.inputs)), escape(names(spec.outputs)), str(spec.max_batch_size))
+            out.print(table)
+            batching = f"dynamic batching, delay {max_queue_delay_us} us" if dynamic_batching else "no dynamic batching"
+            out.print(f"[green]serving[/green] HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
+                      f"({backend}, {instances} instance(s) per model, {batching}; ? = optional input)", highlight=False)
+            out.print("[dim]Ctrl-C or SIGTERM stops it[/dim]")
+            received = wait_for_signal(server)
+        finally:
+            with err.status("stopping", spinner="dots"):
+                server.stop()
+        out.print(f"stopped ({received})", highlight=False)
+
+    @app.command("triton-repo")
+    @handle_errors
+    def triton_repo_cmd(
+        artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
+        out_dir: Path = typer.Option(None, "--out", "-o", help="Model repository folder; <out>/<name>/ is (re)written, other models stay."),
+        backend: str = typer.Option("onnxruntime", "--backend", help="Triton backend: onnxruntime (model.onnx) or tensorrt (an AOT plan)."),
+        max_batch_size: int = typer.Option(None, "--max-batch-size", help="Largest batch one execution takes (default: the artifact's batch max)."),
+        max_queue_delay_us: int = typer.Option(100, "--max-queue-delay-us", help="How long the dynamic batcher may hold a request to grow a batch."),
+        dynamic_batching: bool = typer.Option(True, "--dynamic-batching/--no-dynamic-batching", help="Write a dynamic_batching block."),
+        instances: int = typer.Option(1, "--instances", help="Instances in the instance group."),
+        kind: str = typer.Option("auto", "--kind", help="Instance kind: auto, cpu or gpu (TensorRT: always gpu)."),
+        engine: Path = typer.Option(None, "--engine", help="The plan to deploy when <artifact>/engines holds several."),
+        plugin_lib: list[Path] = typer.Option(None, "--plugin-lib", help="Extra TensorRT plugin library to ship and load (repeatable); AOT plans need none."),
+    ) -> None:
+        """Write a model repository for a standalone Triton: config.pbtxt, version folder, model file.
+
+        The config declares the artifact's inputs and outputs (dims without the batch dim),
+        max_batch_size, dynamic batching and the instance group. Start Triton with the printed
+        command. The decoder's generation loop is Python and is not part of it (`moedeploy serve` runs it).
+        """
+        from moedeploy.serving.repository import RepositoryOptions, write_repository
+
+        if out_dir is None:
+            raise UserError("missing --out DIR: the model repository folder to write")
+        check_writable(out_dir)
+        options = RepositoryOptions(
+            backend=backend, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
+            dynamic_batching=dynamic_batching, instances=instances, kind=kind, engine=engine,
+            plugin_libs=list(plugin_lib or []),
+        )
+        result = write_repository(artifact, out_dir, options)
+        out.print(f"[green]wrote[/green] {result.model_dir} ({result.config.name}, {result.model_file.relative_to(result.model_dir)})", highlight=False)
+        out.print(f"start it with: {escape(result.launch)}", highlight=False)

@@ -1,0 +1,182 @@
+"""The decoder on the server: its logits graph with an optional KV cache, and generation.
+
+Generation runs the shared loop (`moedeploy.models.generation.generate_tokens`) over any
+backend runner's KV-cache graph, so the server's tokens are eager PyTorch's whenever the
+backend's logits agree, whatever the backend. Greedy requests with the same prompt length
+and token budget are decoded together (rows of a batch do not influence each other's
+argmax); a sampled request runs alone, because a seeded sampler draws for its whole batch
+at once and another request's rows would change what this one gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.export.decoder import past_names, present_names
+from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.serving.batching import Feed, RequestError, RunFn
+from moedeploy.serving.specs import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GENERATE_INPUT,
+    GENERATE_OPTIONS,
+    GENERATE_OUTPUT,
+)
+
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a request is checked against, from the manifest's config."""
+
+    vocab_size: int
+    max_positions: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: Any
+
+    @classmethod
+    def of(cls, artifact: Artifact) -> DecoderShape:
+        c = artifact.manifest["config"]
+        return cls(c["vocab_size"], c["max_positions"], c["n_layers"], c["n_kv_heads"], c["head_dim"],
+                   _NP_DTYPES.get(artifact.dtype, np.float32))
+
+    def empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        empty = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.dtype)  # (B, nkv, 0, hd)
+        return dict.fromkeys(past_names(self.n_layers), empty)
+
+    def check_ids(self, ids: np.ndarray, name: str = "input_ids") -> None:
+        if ids.shape[1] == 0:
+            raise RequestError(f"{name} is empty; send at least one token")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise RequestError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+
+
+def logits_prepare(shape: DecoderShape):
+    """Feed check for the logits model: ids in the vocabulary, positions within max_positions,
+    and the KV cache either complete or absent (absent = the prefill's empty cache)."""
+    names = past_names(shape.n_layers)
+
+    def prepare(feed: Feed) -> Feed:
+        ids = feed["input_ids"]
+        shape.check_ids(ids)
+        given = [n for n in names if n in feed]
+        if not given:
+            return {**feed, **shape.empty_past(len(ids))}
+        if len(given) != len(names):
+            missing = [n for n in names if n not in feed]
+            raise RequestError(f"send all {len(names)} past_key_values.* inputs or none (none = empty cache); missing {missing[0]}")
+        past_len = feed[names[0]].shape[2]
+        if any(feed[n].shape[2] != past_len for n in names):
+            raise RequestError("every past_key_values.* input must hold the same number of positions")
+        if past_len + ids.shape[1] > shape.max_positions:
+            raise RequestError(
+                f"past ({past_len}) + input_ids ({ids.shape[1]}) positions exceed max_positions {shape.max_positions}"
+            )
+        return feed
+
+    return prepare
+
+
+class RunnerDecoder:
+    """Prefill + decode over a runner's graph: it feeds back the cache the graph returned."""
+
+    def __init__(self, run: RunFn, shape: DecoderShape) -> None:
+        self.run = run
+        self.shape = shape
+        self.present = present_names(shape.n_layers)
+        self._past: dict[str, np.ndarray] = {}
+
+    def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        feed = {"input_ids": ids.numpy().astype(np.int64), **self._past}
+        outputs = self.run(feed)
+        # Copies: the next step's feed must not alias a runner's reusable output buffers.
+        self._past = {p: np.array(outputs[n]) for p, n in zip(past_names(self.shape.n_layers), self.present, strict=True)}
+        return torch.from_numpy(np.array(outputs["logits"]))  # (B, S, V)
+
+    def generate(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: int | None) -> np.ndarray:
+        self._past = self.shape.empty_past(len(ids))
+        tokens = generate_tokens(self.step, torch.from_numpy(ids), max_new_tokens, sampling, eos)
+        return tokens.numpy()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    ids: np.ndarray  # (B, S) int64
+    max_new_tokens: int
+    sampling: SamplingConfig
+    eos_token_id: int | None
+
+    @property
+    def batchable(self) -> bool:
+        """Greedy without EOS: its rows' tokens do not depend on what else is in the batch."""
+        return self.sampling.greedy and self.eos_token_id is None
+
+
+def _option(feed: Feed, name: str) -> Any:
+    """The one value of an optional [batch, 1] input, or None when the request left it out."""
+    if name not in feed:
+        return None
+    values = feed[name].reshape(-1)
+    if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+        raise RequestError(f"{name} must be a finite number")
+    if not (values == values[0]).all():
+        raise RequestError(f"{name} must be the same for every sequence of one request, got {values.tolist()}")
+    return values[0].item()
+
+
+def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
+    ids = feed[GENERATE_INPUT]
+    shape.check_ids(ids, GENERATE_INPUT)
+    options = {name: _option(feed, name) for name in GENERATE_OPTIONS}
+    new = options["max_new_tokens"]
+    new = DEFAULT_MAX_NEW_TOKENS if new is None else new
+    if new < 0:
+        raise RequestError(f"max_new_tokens must be >= 0, got {new}")
+    if ids.shape[1] + new > shape.max_positions:
+        raise RequestError(
+            f"prompt ({ids.shape[1]}) + max_new_tokens ({new}) exceeds max_positions {shape.max_positions}"
+        )
+    eos = options["eos_token_id"]
+    if eos is not None and not 0 <= eos < shape.vocab_size:
+        raise RequestError(f"eos_token_id {eos} is outside the vocabulary [0, {shape.vocab_size})")
+    temperature = options["temperature"]
+    try:
+        sampling = SamplingConfig(
+            0.0 if temperature is None else float(temperature), options["top_k"],
+            None if options["top_p"] is None else float(options["top_p"]), options["seed"],
+        )
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return GenerationRequest(ids, int(new), sampling, eos)
+
+
+class GenerationModel:
+    """PyTriton callable of `<name>_generate`: checks every request, then decodes in groups."""
+
+    def __init__(self, decoder: RunnerDecoder) -> None:
+        self.decoder = decoder
+
+    def __call__(self, requests: list[Any]) -> list[Feed]:
+        parsed = [parse_generation({n: np.asarray(a) for n, a in r.items()}, self.decoder.shape) for r in requests]
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(parsed):
+            key = (r.ids.shape[1], r.max_new_tokens) if r.batchable else ("alone", i)
+            groups.setdefault(key, []).append(i)
+        results: list[Feed] = [{}] * len(parsed)
+        for members in groups.values():
+            first = parsed[members[0]]
+            ids = np.concatenate([parsed[i].ids for i in members], axis=0)  # (sum B, S)
+            tokens = self.decoder.generate(ids, first.max_new_tokens, first.sampling, first.eos_token_id)
+            rows = np.cumsum([len(parsed[i].ids) for i in members])[:-1]
+            for i, part in zip(members, np.split(tokens, rows), strict=True):
+                results[i] = {GENERATE_OUTPUT: part}
+        return results

@@ -1,0 +1,184 @@
+"""A Triton model repository for a standalone server: `<repo>/<name>/{config.pbtxt, 1/model.*}`.
+
+  onnxruntime  the artifact's model.onnx as it is (every custom node carries a standard-op
+               function body, so any ONNX Runtime that implements its opset runs it)
+  tensorrt     an AOT plan from `moedeploy build --aot`: the plugin kernels are compiled into
+               the plan, so Triton's TensorRT backend needs no Python and no plugin library.
+               A JIT plan calls back into Python and cannot run there. Extra plugin
+               libraries (`--plugin-lib`) are copied beside the model and loaded with
+               `--backend-config=tensorrt,plugins=<a.so;b.so>`.
+
+The config is written by hand from the same specs the PyTriton server uses (dims without
+the batch dim, dynamic batching along dim 0); tests parse it with tritonclient's
+`model_config_pb2`. Only the model folder is replaced (atomically): a repository may hold
+models of other artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moedeploy.export.artifact import MODEL_FILE, Artifact
+from moedeploy.serving.specs import (
+    ModelSpec,
+    ServingError,
+    TensorSpec,
+    default_max_batch_size,
+    graph_model,
+)
+from moedeploy.utils.io import atomic_directory
+
+REPO_BACKENDS = ("onnxruntime", "tensorrt")
+KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+VERSION = "1"
+PLAN_FILE = "model.plan"
+CONFIG_FILE = "config.pbtxt"
+PLUGINS_DIR = "plugins"
+
+
+@dataclass
+class RepositoryOptions:
+    backend: str = "onnxruntime"
+    max_batch_size: int | None = None  # None: the manifest's batch max (capped by the plan's profile)
+    max_queue_delay_us: int = 100
+    dynamic_batching: bool = True
+    instances: int = 1
+    kind: str = "auto"  # instance kind; TensorRT plans always run on the GPU
+    engine: Path | None = None  # which plan, when the artifact holds several
+    plugin_libs: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class RepositoryResult:
+    model_dir: Path
+    config: Path
+    model_file: Path
+    launch: str  # the tritonserver command line for this repository
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text)  # protobuf text format reads JSON's escapes of ASCII names
+
+
+def _tensor_block(tensors: tuple[TensorSpec, ...]) -> list[str]:
+    lines = []
+    for i, t in enumerate(tensors):
+        dims = ", ".join(str(d) for d in t.dims)
+        lines += ["  {", f"    name: {_quote(t.name)}", f"    data_type: {t.triton_dtype}", f"    dims: [ {dims} ]"]
+        if t.optional:
+            lines.append("    optional: true")
+        lines.append("  }," if i < len(tensors) - 1 else "  }")
+    return lines
+
+
+def config_text(
+    spec: ModelSpec, backend: str, options: RepositoryOptions, kind: str, model_file: str
+) -> str:
+    """config.pbtxt in protobuf text format (the ModelConfig message of Triton's model_config.proto)."""
+    engine = 'platform: "tensorrt_plan"' if backend == "tensorrt" else 'backend: "onnxruntime"'
+    lines = [f"name: {_quote(spec.name)}", engine, f"max_batch_size: {spec.max_batch_size}",
+             f"default_model_filename: {_quote(model_file)}", "input ["]
+    lines += [*_tensor_block(spec.inputs), "]", "output [", *_tensor_block(spec.outputs), "]"]
+    if options.dynamic_batching:
+        lines += ["dynamic_batching {", f"  max_queue_delay_microseconds: {options.max_queue_delay_us}", "}"]
+    lines += ["instance_group [", "  {", f"    count: {options.instances}", f"    kind: {kind}", "  }", "]"]
+    return "\n".join(lines) + "\n"
+
+
+def _plan_metadata(plan: Path) -> dict:
+    meta = plan.with_suffix(".json")
+    if not meta.is_file():
+        return {}
+    try:
+        return json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path, dict]:
+    """The plan to deploy and its build metadata, without importing TensorRT (no GPU needed here)."""
+    build_hint = f"build one on the target GPU with `moedeploy build {artifact.path} --aot`"
+    if engine is not None:
+        if not engine.is_file():
+            raise ServingError(f"TensorRT plan {engine} does not exist; {build_hint}")
+        candidates = [engine]
+    else:
+        candidates = sorted((artifact.path / "engines").glob("*.plan"))
+        candidates = [p for p in candidates if _plan_metadata(p).get("dtype", artifact.dtype) == artifact.dtype]
+    aot = [p for p in candidates if _plan_metadata(p).get("aot", p.stem.endswith("_aot"))]
+    if not aot:
+        if candidates:
+            raise ServingError(
+                f"{candidates[0].name} is a JIT plan: its plugins call back into Python, which Triton's TensorRT "
+                f"backend does not have; {build_hint}"
+            )
+        raise ServingError(f"no TensorRT plan for {artifact.dtype} under {artifact.path / 'engines'}; {build_hint}")
+    if len(aot) > 1:
+        names = ", ".join(p.name for p in aot)
+        raise ServingError(f"{artifact.path / 'engines'} holds several AOT plans ({names}); choose one with --engine")
+    return aot[0], _plan_metadata(aot[0])
+
+
+def _profile_max_batch(meta: dict) -> int | None:
+    """The largest batch every input's optimisation profile allows (dim 0 of its max shape)."""
+    maxima = [shapes["max"][0] for shapes in meta.get("profile", {}).values() if shapes.get("max")]
+    return min(maxima) if maxima else None
+
+
+def write_repository(artifact: Artifact | str | Path, out: str | Path, options: RepositoryOptions | None = None) -> RepositoryResult:
+    """Write (or replace) `<out>/<artifact name>/` for a standalone Triton Inference Server."""
+    artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
+    options = options or RepositoryOptions()
+    if options.backend not in REPO_BACKENDS:
+        raise ServingError(f"unknown backend {options.backend!r}; choose from: {', '.join(REPO_BACKENDS)}")
+    if options.kind not in KINDS:
+        raise ServingError(f"unknown instance kind {options.kind!r}; choose from: {', '.join(KINDS)}")
+    if options.instances < 1:
+        raise ServingError(f"--instances must be >= 1, got {options.instances}")
+    if options.max_queue_delay_us < 0:
+        raise ServingError(f"--max-queue-delay-us must be >= 0, got {options.max_queue_delay_us}")
+    for lib in options.plugin_libs:
+        if not lib.is_file():
+            raise ServingError(f"plugin library {lib} does not exist")
+    if options.plugin_libs and options.backend != "tensorrt":
+        raise ServingError("--plugin-lib is for TensorRT plans; the onnxruntime backend loads no plugins")
+
+    kind = KINDS[options.kind]
+    max_batch = options.max_batch_size
+    if options.backend == "tensorrt":
+        if options.kind == "cpu":
+            raise ServingError("TensorRT plans run on the GPU; use --kind gpu or auto")
+        kind = KINDS["gpu"]
+        plan, meta = find_aot_plan(artifact, options.engine)
+        limit = _profile_max_batch(meta)
+        if max_batch is None:
+            max_batch = min(default_max_batch_size(artifact), limit or default_max_batch_size(artifact))
+        elif limit is not None and max_batch > limit:
+            raise ServingError(f"--max-batch-size {max_batch} exceeds the plan's optimisation profile (batch <= {limit})")
+        sources, model_file = [(plan, PLAN_FILE)], PLAN_FILE
+    else:
+        sources = [(artifact.path / name, name) for name in (MODEL_FILE, MODEL_FILE + ".data")
+                   if (artifact.path / name).is_file()]
+        model_file = MODEL_FILE
+    spec = graph_model(artifact, max_batch)
+
+    out = Path(out)
+    model_dir = out / spec.name
+    with atomic_directory(model_dir) as tmp:
+        (tmp / VERSION).mkdir()
+        for src, name in sources:
+            shutil.copyfile(src, tmp / VERSION / name)
+        if options.plugin_libs:
+            (tmp / PLUGINS_DIR).mkdir()
+            for lib in options.plugin_libs:
+                shutil.copyfile(lib, tmp / PLUGINS_DIR / lib.name)
+        (tmp / CONFIG_FILE).write_text(config_text(spec, options.backend, options, kind, model_file))
+
+    launch = f"tritonserver --model-repository={out.resolve()}"
+    if options.plugin_libs:
+        libs = ";".join(str((model_dir / PLUGINS_DIR / lib.name).resolve()) for lib in options.plugin_libs)
+        launch += f" --backend-config=tensorrt,plugins=\"{libs}\""
+    return RepositoryResult(model_dir, model_dir / CONFIG_FILE, model_dir / VERSION / model_file, launch)

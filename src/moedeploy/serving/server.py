@@ -1,0 +1,321 @@
+"""Artifacts on a real Triton Inference Server, through PyTriton (which bundles the server).
+
+Triton speaks KServe v2 over HTTP and gRPC, batches requests dynamically, answers health
+and readiness probes and exports Prometheus metrics; PyTriton runs our Python callables as
+its models. Each model instance gets its own backend runner (a Polygraphy runner: torch,
+ONNX Runtime or TensorRT), because a TensorRT execution context serves one thread at a time.
+
+Triton itself rejects a request with an unknown input, a wrong dtype or shape, or a batch
+over `max_batch_size`, before it reaches a model, and keeps serving; `strict=True` makes
+PyTriton check what our callables return against the declared outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import os
+import signal
+import socket
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.serving.batching import BatchedModel
+from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
+from moedeploy.serving.specs import GENERATE_SUFFIX, ModelSpec, ServingError, served_models
+
+BACKENDS = ("ort", "trt", "torch")
+INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install nvidia-pytriton 'tritonclient[all]'"
+
+
+class ServingUnavailable(RuntimeError):
+    """PyTriton is not installed; the message says how to get it."""
+
+
+def require_pytriton() -> None:
+    if importlib.util.find_spec("pytriton") is None:
+        raise ServingUnavailable(INSTALL_HINT)
+
+
+@dataclass
+class ServeOptions:
+    """How `moedeploy serve` runs; ports and batching as Triton names them."""
+
+    backend: str = "ort"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    max_batch_size: int | None = None  # None: the manifest's batch range max
+    max_queue_delay_us: int = 100
+    dynamic_batching: bool = True
+    instances: int = 1
+    exit_timeout_s: int = 5  # how long shutdown waits for in-flight requests
+    log_file: Path | None = None  # Triton's own log; None prints it to stdout
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ServingError(f"unknown backend {self.backend!r}; choose from: {', '.join(BACKENDS)}")
+        ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+        for label, port in ports.items():
+            if not 0 < port < 65536:
+                raise ServingError(f"--{label}-port must lie in 1..65535, got {port}")
+        if len(set(ports.values())) != len(ports):
+            raise ServingError(f"the http, grpc and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ServingError(f"--max-batch-size must be >= 1 (Triton batches along dim 0), got {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise ServingError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
+        if self.instances < 1:
+            raise ServingError(f"--instances must be >= 1, got {self.instances}")
+        if self.exit_timeout_s < 0:
+            raise ServingError(f"the exit timeout must be >= 0 s, got {self.exit_timeout_s}")
+
+
+def check_port_free(host: str, port: int, label: str) -> None:
+    """Fail in one line before start-up: Triton on a taken port would only time out."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # like Triton: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ServingError(f"cannot listen on {host}:{port} for {label} ({e.strerror}); choose another --{label}-port") from None
+
+
+@contextlib.contextmanager
+def python_library_first() -> Iterator[None]:
+    """Put this interpreter's libpython first on LD_LIBRARY_PATH while Triton starts.
+
+    PyTriton's python-backend stub links libpython dynamically; with a pyenv (or any
+    non-system) Python the loader would find the system's libpython, which then runs
+    against this interpreter's standard library and crashes. Triton and the stubs it
+    spawns inherit the environment at start, so it is restored right after.
+    """
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not (libdir and soname and (Path(libdir) / soname).is_file()):
+        yield
+        return
+    old = os.environ.get("LD_LIBRARY_PATH")
+    os.environ["LD_LIBRARY_PATH"] = libdir + (f":{old}" if old else "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LD_LIBRARY_PATH", None)
+        else:
+            os.environ["LD_LIBRARY_PATH"] = old
+
+
+def activated_runner(backend: str, artifact: Artifact):
+    """An activated Polygraphy runner; errors (no TensorRT, no engine, bf16 on CPU) surface here."""
+    from moedeploy.runtime.runners import make_runner as runtime_runner
+
+    quiet_polygraphy()
+    runner = runtime_runner(backend, artifact)
+    runner.activate()
+    return runner
+
+
+def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any):
+    """The PyTriton callable of one served model over one runner."""
+    run = runner.infer
+    if artifact.kind != "decoder":
+        return BatchedModel(run, [t.name for t in spec.outputs])
+    shape = DecoderShape.of(artifact)
+    if spec.name.endswith(GENERATE_SUFFIX):
+        return GenerationModel(RunnerDecoder(run, shape))
+    return BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(shape))
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids (Linux /proc; Triton runs on Linux only)."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def _is_tritonserver(pid: int, http_port: int) -> bool:
+    """Whether `pid` is the tritonserver listening on `http_port` (not another server of this process)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    pairs = set(itertools.pairwise(argv))
+    return exe.endswith("/tritonserver") and (("--http-port", str(http_port)) in pairs or f"--http-port={http_port}" in argv)
+
+
+def _from_triton(error: BaseException) -> bool:
+    module = type(error).__module__
+    return module.startswith(("pytriton", "tritonclient")) or isinstance(error, TimeoutError)
+
+
+class ModelServer:
+    """One Triton server for one or more artifacts: `start()`, infer with any KServe v2 client, `stop()`."""
+
+    def __init__(self, artifacts: Sequence[Artifact | str | Path], options: ServeOptions | None = None) -> None:
+        self.options = options or ServeOptions()
+        self.options.validate()
+        self.artifacts = [a if isinstance(a, Artifact) else Artifact.load(a) for a in artifacts]
+        if not self.artifacts:
+            raise ServingError("name at least one artifact to serve")
+        self.specs: list[tuple[Artifact, ModelSpec]] = []
+        for artifact in self.artifacts:
+            if artifact.dtype == "bf16":
+                raise ServingError(
+                    f"{artifact.path} is bf16: NumPy, and so PyTriton, has no bfloat16; export fp32 or fp16 to serve it "
+                    "(`moedeploy triton-repo --backend tensorrt` deploys bf16 plans on a standalone Triton)"
+                )
+            self.specs += [(artifact, spec) for spec in served_models(artifact, self.options.max_batch_size)]
+        names = [spec.name for _, spec in self.specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
+        self._runners: list[Any] = []
+        self._triton: Any = None
+
+    @property
+    def model_names(self) -> list[str]:
+        return [spec.name for _, spec in self.specs]
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._host_for_url()}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._host_for_url()}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._host_for_url()}:{self.options.metrics_port}/metrics"
+
+    def _host_for_url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.options.host, self.options.host)
+        return f"[{host}]" if ":" in host else host
+
+    def start(self) -> ModelServer:
+        """Load every runner, then start Triton and wait until every model is ready."""
+        require_pytriton()
+        o = self.options
+        for label, port in (("http", o.http_port), ("grpc", o.grpc_port), ("metrics", o.metrics_port)):
+            check_port_free(o.host, port, label)
+        try:
+            callables = []
+            for artifact, spec in self.specs:
+                runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
+                self._runners += runners
+                callables.append([model_callable(artifact, spec, r) for r in runners])
+            self._triton = self._bind(callables)
+            with python_library_first():
+                self._triton.run()
+        except BaseException as e:
+            self.stop()
+            if _from_triton(e):  # a model that would not load, a server that never came up
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" Traceback")[0].rstrip(": ")
+                log = f" (Triton's log: {o.log_file})" if o.log_file else ""
+                raise ServingError(f"Triton Inference Server did not start: {first}{log}") from e
+            raise
+        return self
+
+    def _bind(self, callables: list[list[Any]]):
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        o = self.options
+        config = TritonConfig(
+            http_address=o.host, grpc_address=o.host, metrics_address=o.host,
+            http_port=o.http_port, grpc_port=o.grpc_port, metrics_port=o.metrics_port,
+            exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
+            log_file=Path(o.log_file) if o.log_file else None,
+        )
+        triton = Triton(config=config)
+        batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
+        for (_, spec), infer_funcs in zip(self.specs, callables, strict=True):
+            def tensors(specs):
+                return [Tensor(name=t.name, dtype=np.dtype(t.dtype), shape=t.dims, optional=t.optional) for t in specs]
+
+            triton.bind(
+                model_name=spec.name, infer_func=infer_funcs, inputs=tensors(spec.inputs), outputs=tensors(spec.outputs),
+                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher), strict=True,
+            )
+        return triton
+
+    def is_alive(self) -> bool:
+        return self._triton is not None and self._triton.is_alive()
+
+    def stop(self) -> None:
+        """Unload every model, stop Triton, then free the runners.
+
+        The unload drains in-flight requests (for up to the exit timeout) and lets PyTriton's
+        Python-backend stubs finalize. Left to Triton's exit timeout instead, some stubs hang
+        on as orphan processes (they ignore SIGTERM), one or two per stopped server.
+        """
+        if self._triton is not None:
+            with contextlib.suppress(Exception):  # best effort: the server may be gone already
+                self._unload_models()
+            self._triton.stop()
+            self._triton = None
+        for runner in self._runners:
+            with contextlib.suppress(Exception):
+                runner.deactivate()
+        self._runners = []
+
+    def _unload_models(self) -> None:
+        import tritonclient.http as http
+        from pytriton.triton import TRITON_ACCESS_HEADER
+
+        # PyTriton restricts the model-repository API to holders of its access token.
+        headers = {TRITON_ACCESS_HEADER: self._triton.get_access_token()}
+        servers = [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+        client = http.InferenceServerClient(self.http_url, network_timeout=self.options.exit_timeout_s + 10.0)
+        try:
+            for name in self.model_names:
+                client.unload_model(name, headers=headers)
+        finally:
+            client.close()
+        # An unload returns at once; it is done when the model's stub process has exited.
+        deadline = time.monotonic() + self.options.exit_timeout_s + 10.0
+        while any(_children(pid) for pid in servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def wait_for_signal(server: ModelServer, poll_s: float = 0.5) -> str:
+    """Block until SIGINT or SIGTERM (returns its name); raise if the server dies first.
+
+    Call from the main thread (Python delivers signals there); the caller then stops the server.
+    """
+    stop = threading.Event()
+    received: list[str] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(poll_s):
+            # Ctrl-C reaches Triton too (same process group); give our handler the first word.
+            if not server.is_alive() and not stop.wait(poll_s):
+                raise ServingError("Triton Inference Server stopped unexpectedly; see its log above (or --log-file)")
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    return received[0]

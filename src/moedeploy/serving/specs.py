@@ -1,0 +1,123 @@
+"""What Triton is told about an artifact: model names, tensors, dims without the batch dim.
+
+Triton batches along dim 0 when a model declares `max_batch_size >= 1` and then wants every
+tensor's shape *without* that dim. Our artifacts name dim 0 of every input and output
+"batch" (the decoder's KV cache included), so the server and the model repository writer
+both read the dims from the manifest here, in one place: symbolic dims become -1.
+
+The decoder gets a second model beside its logits graph: `<name>_generate`, the whole
+generation loop behind one request (token ids in, the sequence with its continuation out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from moedeploy.export.artifact import Artifact
+
+BATCH_DIM = "batch"
+GENERATE_SUFFIX = "_generate"
+TRITON_DTYPES = {
+    "float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
+    "int64": "TYPE_INT64", "int32": "TYPE_INT32", "bool": "TYPE_BOOL",
+}
+
+# The generation model's tensors. Each optional input holds one value per sequence
+# ([batch, 1]); an absent one takes the default of MoEDecoder.generate.
+GENERATE_INPUT = "input_ids"
+GENERATE_OUTPUT = "output_ids"
+DEFAULT_MAX_NEW_TOKENS = 32
+GENERATE_OPTIONS = {  # name -> dtype
+    "max_new_tokens": "int64",
+    "temperature": "float32",
+    "top_k": "int64",
+    "top_p": "float32",
+    "seed": "int64",
+    "eos_token_id": "int64",
+}
+
+
+class ServingError(ValueError):
+    """An artifact or a setting that cannot be served as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output as Triton declares it: dims exclude the batch dim, -1 is dynamic."""
+
+    name: str
+    dtype: str  # NumPy dtype name, as in the manifest
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def triton_dtype(self) -> str:
+        return TRITON_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model on the server: its name, tensors and the largest batch one execution takes."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+
+
+def default_max_batch_size(artifact: Artifact) -> int:
+    """The batch range's max in the manifest: the TensorRT profile's limit, and the tested one."""
+    return int(artifact.manifest["dynamic_ranges"][BATCH_DIM]["max"])
+
+
+def _tensor(artifact: Artifact, spec: dict) -> TensorSpec:
+    shape = spec["shape"]
+    if not shape or shape[0] != BATCH_DIM:
+        raise ServingError(
+            f"{artifact.path}: tensor {spec['name']!r} has shape {shape}; Triton's dynamic batching "
+            f"needs dim 0 of every tensor to be the {BATCH_DIM!r} dim"
+        )
+    dims = tuple(d if isinstance(d, int) else -1 for d in shape[1:])
+    return TensorSpec(spec["name"], spec["dtype"], dims)
+
+
+def graph_model(artifact: Artifact, max_batch_size: int | None = None) -> ModelSpec:
+    """The artifact's graph as a Triton model: its manifest name and its own I/O names."""
+    batch = max_batch_size if max_batch_size is not None else default_max_batch_size(artifact)
+    if batch < 1:
+        raise ServingError(f"max batch size must be >= 1 (Triton batches along dim 0), got {batch}")
+    return ModelSpec(
+        artifact.name,
+        tuple(_tensor(artifact, s) for s in artifact.manifest["inputs"]),
+        tuple(_tensor(artifact, s) for s in artifact.manifest["outputs"]),
+        batch,
+    )
+
+
+def with_optional_past(model: ModelSpec) -> ModelSpec:
+    """The logits model with its past_key_values.* inputs optional: absent means an empty cache.
+
+    PyTriton's transport cannot carry a zero-sized tensor, so the prefill (past length 0)
+    is asked for by leaving the cache out instead of sending it empty.
+    """
+    inputs = tuple(replace(t, optional=True) if t.name.startswith("past_key_values.") else t for t in model.inputs)
+    return replace(model, inputs=inputs)
+
+
+def generation_model(artifact: Artifact, max_batch_size: int | None = None) -> ModelSpec:
+    """`<name>_generate`: input_ids [batch, seq] -> output_ids [batch, seq + new], options optional."""
+    batch = graph_model(artifact, max_batch_size).max_batch_size
+    options = tuple(TensorSpec(name, dtype, (1,), optional=True) for name, dtype in GENERATE_OPTIONS.items())
+    return ModelSpec(
+        artifact.name + GENERATE_SUFFIX,
+        (TensorSpec(GENERATE_INPUT, "int64", (-1,)), *options),
+        (TensorSpec(GENERATE_OUTPUT, "int64", (-1,)),),
+        batch,
+    )
+
+
+def served_models(artifact: Artifact, max_batch_size: int | None = None) -> list[ModelSpec]:
+    """Every model `moedeploy serve` puts on the server for this artifact."""
+    if artifact.kind == "decoder":
+        return [with_optional_past(graph_model(artifact, max_batch_size)), generation_model(artifact, max_batch_size)]
+    return [graph_model(artifact, max_batch_size)]

@@ -1,0 +1,96 @@
+"""Shared by the serving tests: free loopback ports and one-call KServe v2 inference through
+tritonclient (HTTP or gRPC), so each test reads as request -> expected value."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import ExitStack, suppress
+from pathlib import Path
+
+import numpy as np
+
+HOST = "127.0.0.1"
+PROTOCOLS = ("http", "grpc")
+CLIENT_TIMEOUT_S = 60.0
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel had free on loopback a moment ago."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((HOST, 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def client_module(protocol: str):
+    if protocol == "http":
+        import tritonclient.http as module
+    else:
+        import tritonclient.grpc as module
+    return module
+
+
+def client(protocol: str, server):
+    module = client_module(protocol)
+    if protocol == "http":
+        return module.InferenceServerClient(server.http_url, network_timeout=CLIENT_TIMEOUT_S, connection_timeout=CLIENT_TIMEOUT_S)
+    return module.InferenceServerClient(server.grpc_url)
+
+
+def infer(protocol: str, c, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    """One request; raises tritonclient's InferenceServerException on an error response."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    module = client_module(protocol)
+    tensors = []
+    for name, array in inputs.items():
+        t = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+    requested = [module.InferRequestedOutput(name) for name in outputs]
+    kwargs = {"client_timeout": CLIENT_TIMEOUT_S} if protocol == "grpc" else {}
+    result = c.infer(model, tensors, outputs=requested, **kwargs)
+    return {name: np.array(result.as_numpy(name)) for name in outputs}  # writable copies
+
+
+def metric(text: str, name: str, model: str) -> float:
+    """Sum of a Prometheus counter's samples for one model (all versions, all reasons)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'model="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def stub_pids(root: int) -> list[int]:
+    """PyTriton's Python-backend stub processes under `root` (they are tritonserver's children)."""
+    def children(pid: int) -> list[int]:
+        pids: list[int] = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with suppress(OSError):
+                pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
+
+    def exe(pid: int) -> str:
+        try:
+            return os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return ""
+
+    servers = [pid for pid in children(root) if exe(pid).endswith("/tritonserver")]
+    return [stub for server in servers for stub in children(server)]
+
+
+def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every process has exited (waiting up to timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,110 @@
+"""A bad request gets an error naming the problem, and the server keeps serving.
+
+Triton rejects unknown names, wrong dtypes and shapes, oversized batches and malformed
+bodies itself (HTTP 400/500, gRPC INVALID_ARGUMENT); requests that are well-formed but
+unservable (too long, token ids outside the vocabulary) are refused by our model callables.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from tests.export.artifacts import eager_block
+from tests.serving.helpers import PROTOCOLS, client, infer
+
+InferenceServerException = pytest.importorskip("tritonclient.utils", reason="needs tritonclient[all]").InferenceServerException
+
+
+def still_serving(server) -> None:
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    y = infer("http", client("http", server), "moe", {"x": x.numpy()}, ["y"])["y"]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(y), eager_block("moe")(x), atol=1e-5, rtol=1e-5)
+    assert server.is_alive()
+
+
+def refused(protocol: str, server, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> str:
+    with pytest.raises(InferenceServerException) as info:
+        infer(protocol, client(protocol, server), model, inputs, outputs)
+    return info.value.message()
+
+
+X = np.zeros((2, 3, 64), np.float32)
+IDS = np.zeros((1, 4), np.int64)
+
+CASES = {
+    "unknown input name": ("moe", {"x": X, "z": X}, "Got input(s) ['z','x']"),
+    "missing input": ("moe", {"z": X}, "unexpected inference input 'z'"),
+    "wrong dtype": ("moe", {"x": X.astype(np.float64)}, "inference input 'x' data-type is 'FP64', but model 'moe' expects 'FP32'"),
+    "wrong shape": ("moe", {"x": np.zeros((2, 3, 32), np.float32)}, "unexpected shape for input 'x' for model 'moe'"),
+    "wrong rank": ("moe", {"x": np.zeros((2, 64), np.float32)}, "unexpected shape for input 'x'"),
+    "batch over the limit": ("moe", {"x": np.zeros((17, 3, 64), np.float32)}, "batch-size must be <= 16"),
+    "prompt too long": ("decoder_generate", {"input_ids": IDS, "max_new_tokens": np.array([[300]])},
+                        "prompt (4) + max_new_tokens (300) exceeds max_positions 256"),
+    "token outside the vocabulary": ("decoder_generate", {"input_ids": np.array([[1, 2, 256]])},
+                                     "input_ids holds token id 256, outside the vocabulary [0, 256)"),
+    "bad top_p": ("decoder_generate", {"input_ids": IDS, "temperature": np.array([[1.0]], np.float32),
+                                       "top_p": np.array([[1.5]], np.float32)}, "top_p must lie in (0, 1], got 1.5"),
+    "options differ within a request": ("decoder_generate", {"input_ids": np.zeros((2, 4), np.int64),
+                                                              "max_new_tokens": np.array([[3], [4]])},
+                                        "max_new_tokens must be the same for every sequence of one request"),
+    "half a KV cache": ("decoder", {"input_ids": IDS, "past_key_values.0.key": np.zeros((1, 2, 3, 16), np.float32)},
+                        "send all 4 past_key_values.* inputs or none"),
+}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_is_refused_by_name(server, protocol: str, case: str) -> None:
+    model, inputs, message = CASES[case]
+    outputs = ["output_ids"] if model.endswith("_generate") else ["y"] if model == "moe" else ["logits"]
+    assert message in refused(protocol, server, model, inputs, outputs)
+    still_serving(server)
+
+
+def test_unknown_model_is_refused(server) -> None:
+    assert "no_such_model" in refused("grpc", server, "no_such_model", {"x": X}, ["y"])
+
+
+def post(server, path: str, body: bytes) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_malformed_json_body_is_refused(server) -> None:
+    status, body = post(server, "/v2/models/moe/infer", b'{"inputs": [ {"name": "x",')
+    assert status >= 400
+    assert "failed to parse the request JSON buffer" in json.loads(body)["error"]
+    still_serving(server)
+
+
+def test_data_that_does_not_fill_the_shape_is_refused(server) -> None:
+    body = {"inputs": [{"name": "x", "shape": [1, 2, 64], "datatype": "FP32", "data": [0.0] * 5}]}
+    status, text = post(server, "/v2/models/moe/infer", json.dumps(body).encode())
+    assert status >= 400  # Triton 2.51 answers 500 for a body it cannot parse
+    assert "Shape does not match true shape of 'data' field" in json.loads(text)["error"]
+    still_serving(server)
+
+
+def test_a_json_request_without_the_client_library_works(server) -> None:
+    """Plain KServe v2 JSON, as curl would send it."""
+    x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(1, 2, 64)
+    body = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    status, text = post(server, "/v2/models/moe/infer", json.dumps(body).encode())
+    assert status == 200
+    out = json.loads(text)["outputs"][0]
+    assert out["name"] == "y" and out["shape"] == [1, 2, 64]
+    with torch.no_grad():
+        expected = eager_block("moe")(torch.from_numpy(x)).numpy().ravel()
+    np.testing.assert_allclose(out["data"], expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,160 @@
+"""`triton-repo`: model repositories for a standalone Triton, each config.pbtxt parsed with
+tritonclient's model_config_pb2 (Triton's own schema) and checked field by field.
+
+No standalone Triton runs here (PyTriton bundles only the Python backend); the ONNX model
+file is instead run at the config's shapes in a plain ONNX Runtime session, against eager
+PyTorch. The TensorRT cases use a placeholder file as the plan: they test which plan is
+chosen and what is written, never a TensorRT run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnxruntime as ort
+import pytest
+import torch
+
+from moedeploy.export.artifact import sha256
+from moedeploy.export.decoder import past_names, present_names
+from moedeploy.serving.repository import RepositoryOptions, write_repository
+from moedeploy.serving.specs import ServingError
+from tests.export.artifacts import eager_block
+
+pb = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="needs tritonclient[all]")
+text_format = pytest.importorskip("google.protobuf.text_format")
+
+
+def parse(path) -> object:
+    return text_format.Parse(path.read_text(), pb.ModelConfig())
+
+
+def dtype_name(value: int) -> str:
+    return pb.DataType.Name(value)
+
+
+def test_block_repository(store, tmp_path) -> None:
+    artifact = store.block("moe")
+    result = write_repository(artifact, tmp_path / "repo", RepositoryOptions(instances=2, kind="cpu", max_queue_delay_us=500))
+    assert result.model_dir == tmp_path / "repo" / "moe"
+    assert sorted(p.relative_to(result.model_dir).as_posix() for p in result.model_dir.rglob("*")) == [
+        "1", "1/model.onnx", "config.pbtxt",
+    ]
+    assert sha256(result.model_file) == artifact.manifest["files"]["model.onnx"]
+    config = parse(result.config)
+    assert config.name == "moe" and config.backend == "onnxruntime"
+    assert config.max_batch_size == 16
+    assert config.default_model_filename == "model.onnx"
+    assert [(i.name, dtype_name(i.data_type), list(i.dims)) for i in config.input] == [("x", "TYPE_FP32", [-1, 64])]
+    assert [(o.name, dtype_name(o.data_type), list(o.dims)) for o in config.output] == [("y", "TYPE_FP32", [-1, 64])]
+    assert config.HasField("dynamic_batching") and config.dynamic_batching.max_queue_delay_microseconds == 500
+    [group] = config.instance_group
+    assert group.count == 2 and pb.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_CPU"
+    assert result.launch == f"tritonserver --model-repository={(tmp_path / 'repo').resolve()}"
+
+
+def test_the_model_file_runs_at_the_configs_shapes(store, tmp_path) -> None:
+    """Batch dim + config dims (-1 filled in) into the repository's model.onnx = eager PyTorch."""
+    result = write_repository(store.block("moe"), tmp_path / "repo")
+    config = parse(result.config)
+    [x_spec] = config.input
+    shape = [config.max_batch_size, *(7 if d == -1 else d for d in x_spec.dims)]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(result.model_file), options, providers=["CPUExecutionProvider"])
+    [y] = session.run([config.output[0].name], {x_spec.name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(y), eager_block("moe")(x), atol=1e-5, rtol=1e-5)
+
+
+def test_decoder_repository_declares_the_kv_cache(store, tmp_path) -> None:
+    config = parse(write_repository(store.decoder("fp32"), tmp_path / "repo", RepositoryOptions(max_batch_size=4)).config)
+    assert config.name == "decoder" and config.max_batch_size == 4
+    assert [i.name for i in config.input] == ["input_ids", *past_names(2)]
+    assert [o.name for o in config.output] == ["logits", *present_names(2)]
+    inputs = {i.name: i for i in config.input}
+    assert dtype_name(inputs["input_ids"].data_type) == "TYPE_INT64" and list(inputs["input_ids"].dims) == [-1]
+    assert list(inputs["past_key_values.1.value"].dims) == [2, -1, 16]
+    assert not inputs["past_key_values.1.value"].optional  # a standalone ONNX Runtime takes an empty cache
+    assert list(config.output[0].dims) == [-1, 256]
+
+
+def test_fp16_and_no_dynamic_batching(store, tmp_path) -> None:
+    options = RepositoryOptions(dynamic_batching=False)
+    config = parse(write_repository(store.block("rmsnorm", "fp16"), tmp_path / "repo", options).config)
+    assert dtype_name(config.input[0].data_type) == "TYPE_FP16"
+    assert not config.HasField("dynamic_batching")
+    assert pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_AUTO"
+
+
+def test_rewriting_one_model_keeps_the_others(store, tmp_path) -> None:
+    repo = tmp_path / "repo"
+    write_repository(store.block("moe"), repo)
+    write_repository(store.decoder("fp32"), repo)
+    write_repository(store.block("moe"), repo, RepositoryOptions(max_batch_size=2))
+    assert sorted(p.name for p in repo.iterdir()) == ["decoder", "moe"]
+    assert parse(repo / "moe" / "config.pbtxt").max_batch_size == 2
+
+
+def fake_plan(artifact, tmp_path, aot: bool, max_batch: int = 16, name: str | None = None):
+    """A copy of the artifact with a placeholder plan + build metadata as `moedeploy build` writes it."""
+    import shutil
+
+    copy = tmp_path / "artifact"
+    if not copy.exists():
+        shutil.copytree(artifact.path, copy)
+    engines = copy / "engines"
+    engines.mkdir(exist_ok=True)
+    stem = name or f"nvidia-h100_trt10.13_fp32_{'aot' if aot else 'jit'}"
+    (engines / f"{stem}.plan").write_bytes(b"placeholder, not a TensorRT plan")
+    meta = {"dtype": "fp32", "aot": aot, "profile": {"x": {"min": [1, 1, 64], "opt": [2, 16, 64], "max": [max_batch, 256, 64]}}}
+    (engines / f"{stem}.json").write_text(json.dumps(meta))
+    return copy
+
+
+def test_tensorrt_repository_from_an_aot_plan(store, tmp_path) -> None:
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True, max_batch=8)
+    lib = tmp_path / "libextra_plugins.so"
+    lib.write_bytes(b"placeholder")
+    result = write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=[lib]))
+    config = parse(result.config)
+    assert config.platform == "tensorrt_plan" and config.default_model_filename == "model.plan"
+    assert config.max_batch_size == 8  # capped by the plan's optimisation profile
+    assert pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_GPU"
+    assert result.model_file.read_bytes() == b"placeholder, not a TensorRT plan"
+    assert (result.model_dir / "plugins" / lib.name).is_file()
+    assert f'--backend-config=tensorrt,plugins="{(result.model_dir / "plugins" / lib.name).resolve()}"' in result.launch
+
+
+@pytest.mark.parametrize(("setup", "options", "message"), [
+    ("none", {}, "no TensorRT plan for fp32"),
+    ("jit", {}, "is a JIT plan"),
+    ("two", {}, "holds several AOT plans"),
+    ("aot", {"max_batch_size": 32}, r"--max-batch-size 32 exceeds the plan's optimisation profile \(batch <= 16\)"),
+    ("aot", {"kind": "cpu"}, "TensorRT plans run on the GPU"),
+])
+def test_tensorrt_repository_refusals(store, tmp_path, setup: str, options: dict, message: str) -> None:
+    artifact = store.block("moe").path
+    if setup in ("jit", "aot", "two"):
+        artifact = fake_plan(store.block("moe"), tmp_path, aot=setup != "jit")
+    if setup == "two":
+        fake_plan(store.block("moe"), tmp_path, aot=True, name="nvidia-a100_trt10.13_fp32_aot")
+    with pytest.raises(ServingError, match=message):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", **options))
+    assert not (tmp_path / "repo" / "moe").exists()
+
+
+def test_unknown_backend_is_refused(store, tmp_path) -> None:
+    with pytest.raises(ServingError, match="unknown backend 'triton'; choose from: onnxruntime, tensorrt"):
+        write_repository(store.block("moe"), tmp_path / "repo", RepositoryOptions(backend="triton"))
+
+
+def test_bf16_repository_for_tensorrt_keeps_bf16(store) -> None:
+    """Triton has TYPE_BF16 even though NumPy (and so PyTriton) has no bfloat16."""
+    from moedeploy.serving.repository import config_text
+    from moedeploy.serving.specs import graph_model
+
+    text = config_text(graph_model(store.block("rmsnorm", "bf16")), "tensorrt", RepositoryOptions(), "KIND_GPU", "model.plan")
+    config = text_format.Parse(text, pb.ModelConfig())
+    assert dtype_name(config.input[0].data_type) == "TYPE_BF16"
