@@ -6,8 +6,10 @@ callables do not share a GIL with the clients); the clients are threads here, ea
 own tritonclient connection, each sending `--requests` requests back to back. Block
 artifacts get `[--batch, --seq, hidden]` inputs; a decoder artifact is measured through
 its `<name>_generate` model (`--seq` prompt tokens, `--new-tokens` greedy tokens). The
-average batch per execution comes from Triton's Prometheus counters. Numbers are measured
-in one run on one machine, never asserted in tests.
+average batch per execution comes from Triton's Prometheus counters. Beside each figure
+stands its roofline: the requests/s of the model alone on ONNX Runtime, at the batch size
+Triton formed, and the fraction the server achieves. Numbers are measured in one run on one
+machine, never asserted in tests.
 
     python benchmarks/serving.py [--artifact DIR] [--clients 16] [--requests 50] [--protocol http] [--json out.json]
 """
@@ -158,6 +160,28 @@ def load(server: Server, model: str, protocol: str, inputs: dict[str, np.ndarray
     }
 
 
+def bare_ceiling(artifact, inputs: dict[str, np.ndarray], rows: int, new_tokens: int) -> float:
+    """The roofline of serving: requests/s of the model alone (ONNX Runtime, no server), when
+    `rows` requests are stacked into one execution as Triton's batcher would."""
+    import torch
+
+    from moedeploy.bench.machine import median_seconds
+
+    stacked = {k: np.concatenate([v] * rows) for k, v in inputs.items()}
+    if artifact.kind == "decoder":
+        from moedeploy.runtime.generation import OrtDecoder
+
+        decoder = OrtDecoder(artifact)
+        ids = torch.from_numpy(stacked["input_ids"])
+        seconds = median_seconds(lambda: decoder.generate(ids, max_new_tokens=new_tokens), repeat=10)
+    else:
+        from moedeploy.runtime.ort import create_session
+
+        session = create_session(artifact)
+        seconds = median_seconds(lambda: session.run(stacked), repeat=30)
+    return rows / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=None, help="default: the tiny MoE block, exported to a temp folder")
@@ -198,15 +222,22 @@ def main() -> None:
                 result = load(server, model, args.protocol, inputs, args.clients, args.requests)
             finally:
                 server.stop()
+            rows = max(1, round(result["avg_batch_per_execution"] or 1)) if dynamic else 1
+            ceiling = bare_ceiling(artifact, inputs, rows, args.new_tokens) if args.backend == "ort" else None
+            result["bare_model_requests_per_s"] = round(ceiling, 1) if ceiling else None
+            result["fraction_of_bare_model"] = round(result["requests_per_s"] / ceiling, 3) if ceiling else None
             results.append({"dynamic_batching": dynamic, **result})
 
     print(f"{artifact.name} -> model {model} ({args.backend}, {args.protocol}), {args.clients} clients x "
           f"{args.requests} requests, input {', '.join(f'{k}{list(v.shape)}' for k, v in inputs.items())}, "
           f"max queue delay {args.max_queue_delay_us} us, {args.instances} instance(s)")
-    print(f"{'dynamic batching':<18}{'req/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'avg batch':>11}{'errors':>8}")
+    print(f"{'dynamic batching':<18}{'req/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'avg batch':>11}{'errors':>8}"
+          f"{'bare model req/s':>18}{'of bare':>9}")
     for r in results:
+        frac = f"{r['fraction_of_bare_model']:.0%}" if r["fraction_of_bare_model"] else "n/a"
         print(f"{'on' if r['dynamic_batching'] else 'off':<18}{r['requests_per_s']:>9}{r['latency_p50_ms']:>10}"
-              f"{r['latency_p99_ms']:>10}{r['avg_batch_per_execution']!s:>11}{r['errors']:>8}")
+              f"{r['latency_p99_ms']:>10}{r['avg_batch_per_execution']!s:>11}{r['errors']:>8}"
+              f"{r['bare_model_requests_per_s']!s:>18}{frac:>9}")
     on, off = results
     if on["requests_per_s"] and off["requests_per_s"]:
         print(f"dynamic batching: throughput x{on['requests_per_s'] / off['requests_per_s']:.2f}, "
