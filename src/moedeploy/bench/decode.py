@@ -115,11 +115,10 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
     if settings.backend == "ort":
         return _ort_stepper(artifact, settings.threads)
     if settings.backend == "trt":
-        from moedeploy.runtime.tensorrt import require_gpu, require_tensorrt
+        from moedeploy.runtime.generation import TrtDecoder
 
-        require_tensorrt()
-        require_gpu()
-        raise NotImplementedError("the TensorRT decode benchmark needs a GPU session; not available in this build")
+        decoder = TrtDecoder(artifact)  # says in one line what is missing without TensorRT or a GPU
+        return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
     raise ValueError(f"unknown backend {settings.backend!r}")
 
 

@@ -1,4 +1,4 @@
-"""Generation over the exported decoder on ONNX Runtime, with the eager `generate` API.
+"""Generation over the exported decoder (ONNX Runtime, TensorRT), with the eager `generate` API.
 
 The loop and the sampling rules are the same code as eager PyTorch's
 (`moedeploy.models.generation`), so the two produce identical tokens whenever their
@@ -19,20 +19,17 @@ from moedeploy.runtime.ort import create_session
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
-class OrtDecoder:
-    """A decoder artifact on ONNX Runtime: `step(ids, start_pos)` and `generate(...)`."""
+class KVDecoder:
+    """A decoder artifact on some runtime: `step(ids, start_pos)` and `generate(...)`.
 
-    def __init__(
-        self,
-        artifact: Artifact | str,
-        providers: list[str] | None = None,
-        moe_lowering: MoELowering = "auto",
-        threads: int | None = None,
-    ) -> None:
+    Subclasses only say how to run the graph once (`_run`: feed -> outputs in the
+    artifact's order); the cache bookkeeping and the generation loop are shared.
+    """
+
+    def __init__(self, artifact: Artifact | str) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
         if self.artifact.kind != "decoder":
             raise ValueError(f"{self.artifact.path} holds a {self.artifact.kind!r}, not a decoder artifact")
-        self.lowered = create_session(self.artifact, providers, moe_lowering, threads)
         config = self.artifact.manifest["config"]
         self.n_layers = config["n_layers"]
         self.kv_shape = (config["n_kv_heads"], config["head_dim"])
@@ -41,9 +38,8 @@ class OrtDecoder:
         self.past_names = past_names(self.n_layers)
         self._past: list[np.ndarray] = []
 
-    @property
-    def lowering(self) -> dict[str, int]:
-        return self.lowered.lowering
+    def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
 
     def reset(self, batch: int) -> None:
         """Empty KV cache (past length 0) for a new batch of prompts."""
@@ -56,7 +52,7 @@ class OrtDecoder:
         if start_pos != past_len:
             raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
         feed = {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
-        logits, *present = self.lowered.run(feed)
+        logits, *present = self._run(feed)
         self._past = present
         return torch.from_numpy(logits)
 
@@ -74,3 +70,40 @@ class OrtDecoder:
         self.reset(input_ids.shape[0])
         return generate(self.step, input_ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
                         seed, eos_token_id)
+
+
+class OrtDecoder(KVDecoder):
+    """The decoder on ONNX Runtime, with moe::MoE / moe::RMSNorm lowered for the provider."""
+
+    def __init__(
+        self,
+        artifact: Artifact | str,
+        providers: list[str] | None = None,
+        moe_lowering: MoELowering = "auto",
+        threads: int | None = None,
+    ) -> None:
+        super().__init__(artifact)
+        self.lowered = create_session(self.artifact, providers, moe_lowering, threads)
+
+    @property
+    def lowering(self) -> dict[str, int]:
+        return self.lowered.lowering
+
+    def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.lowered.run(feed)
+
+
+class TrtDecoder(KVDecoder):
+    """The decoder on its TensorRT engine (Polygraphy's TrtRunner; needs TensorRT and a GPU)."""
+
+    def __init__(self, artifact: Artifact | str) -> None:
+        super().__init__(artifact)
+        from moedeploy.runtime.tensorrt import trt_runner
+
+        self.runner = trt_runner(self.artifact)
+        self.runner.activate()
+        self.output_names = self.artifact.output_names()
+
+    def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outputs = self.runner.infer(feed)
+        return [np.asarray(outputs[name]) for name in self.output_names]
