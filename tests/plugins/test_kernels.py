@@ -153,3 +153,45 @@ def test_default_config_grows_tiles_with_rows_per_expert() -> None:
     decode, prefill = default_config(1, 2, 8), default_config(4096, 2, 8)
     assert decode.block_m == 16 and prefill.block_m == 64
     assert all(v >= 16 for v in (decode.block_m, decode.block_n, decode.block_k))
+
+
+# The single-kernel MoE that TensorRT's AOT plugin launches (one program per token and
+# output tile). H = 300 > BLOCK_H = 256 spans two output tiles; E = 5 pads BLOCK_E to 8.
+FUSED_CASES = [(1, 16, 32, 4, 2), (3, 300, 24, 5, 2), (7, 24, 40, 3, 3), (4, 8, 16, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", MOE_DTYPES)
+@pytest.mark.parametrize(("n", "h", "i", "e", "k"), FUSED_CASES)
+def test_fused_moe_matches_reference(n: int, h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
+
+    x, logits, wg, wu, wd, *_ = _moe_case(n, h, i, e, dtype, seed=n + h, bias=False)
+    expected = moe_reference(x, logits, wg, wu, wd, k, True)
+    actual = moe_fused(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), k, True).cpu()
+    atol, rtol = MOE_TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu", "gelu"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_moe_activations_biases_and_normalisation(activation: str, normalize: bool) -> None:
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
+
+    x, logits, wg, wu, wd, bg, bu, bd = _moe_case(5, 24, 20, 4, torch.float32, seed=7, bias=True)
+    gate = wg if activation == "swiglu" else None
+    b_gate = bg if gate is not None else None
+    expected = moe_reference(x, logits, gate, wu, wd, 2, normalize, activation, b_gate, bu, bd)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, logits, gate, wu, wd, b_gate, bu, bd)]
+    actual = moe_fused(*dev[:5], 2, normalize, activation, *dev[5:]).cpu()
+    torch.testing.assert_close(actual, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_fused_moe_writes_into_out_and_handles_no_tokens() -> None:
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
+
+    x, logits, wg, wu, wd, *_ = _moe_case(6, 16, 16, 4, torch.float32, seed=2, bias=False, dead_expert=True)
+    out = torch.empty(6, 16, device=DEVICE)
+    result = moe_fused(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.cpu(), moe_reference(x, logits, wg, wu, wd, 2, True), atol=2e-6, rtol=2e-6)
+    assert moe_fused(x[:0].to(DEVICE), logits[:0].to(DEVICE), *(t.to(DEVICE) for t in (wg, wu, wd)), 2).shape == (0, 16)

@@ -236,6 +236,16 @@ def _check(x, router_logits, w_gate, w_up, w_down, top_k, activation) -> None:
         raise ValueError(f"top_k {top_k} must lie in [1, E={e}]")
 
 
+def prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out) -> tuple[int, int, int, int, torch.Tensor]:
+    """Validate a MoE call and give its sizes (N, H, E, I) and the output tensor."""
+    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
+    check_device(x)
+    n, h = x.shape
+    e, i, _ = w_up.shape
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
+    return n, h, e, i, y
+
+
 def moe(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -252,12 +262,8 @@ def moe(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (N, H) = sum over each token's top-k experts of weight * expert(x); see the module doc."""
-    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
-    check_device(x)
-    n, h = x.shape
-    e, i, _ = w_up.shape
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out)
     device, dtype = x.device, x.dtype
-    y = torch.empty(n, h, dtype=dtype, device=device) if out is None else out
     if n == 0:
         return y
     cfg = config or default_config(n, top_k, e)

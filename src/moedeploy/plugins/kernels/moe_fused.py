@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moedeploy.plugins.kernels._launch import check_device
-from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, _check, dense_biases
+from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, dense_biases, prepare
 
 
 @triton.jit
@@ -96,11 +95,7 @@ def moe_fused(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches)."""
-    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
-    check_device(x)
-    n, h = x.shape
-    e, i, _ = w_up.shape
-    y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out)
     if n == 0:
         return y
     weights = [t.contiguous() for t in (x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down)]
