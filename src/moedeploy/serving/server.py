@@ -34,7 +34,7 @@ from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecod
 from moedeploy.serving.specs import GENERATE_SUFFIX, ModelSpec, ServingError, served_models
 
 BACKENDS = ("ort", "trt", "torch")
-INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install nvidia-pytriton 'tritonclient[all]'"
+INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
 
 
 class ServingUnavailable(RuntimeError):
