@@ -202,8 +202,12 @@ def _print_report(report: dict) -> None:
             )
         out.print(table)
     if report.get("first_divergent_layer"):
+        from moedeploy.compare.report import routing_note
+
         out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
                   f"(module {report['first_divergent_module']})", highlight=False)
+        if note := routing_note(report):
+            out.print(note, highlight=False)
 
 
 @app.command("compare")

@@ -97,6 +97,7 @@ def compare(
         "comparisons": comparisons,
         "first_divergent_layer": None,
         "first_divergent_module": None,
+        "first_divergent_routing_flips": None,
         "polygraphy": {"run_results": RUN_RESULTS, "accuracy": ACCURACY},
         "versions": library_versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -111,6 +112,7 @@ def compare(
         if report["first_divergent_layer"] is None:
             report["first_divergent_layer"] = comparison["layerwise"]["first_divergent_layer"]
             report["first_divergent_module"] = comparison["layerwise"]["first_divergent_module"]
+            report["first_divergent_routing_flips"] = comparison["layerwise"]["first_divergent_routing_flips"]
 
     progress(f"writing the report to {artifact.path / REPORT_DIR}")
     with atomic_directory(artifact.path / REPORT_DIR) as tmp:

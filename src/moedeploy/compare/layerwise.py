@@ -19,6 +19,7 @@ import torch
 from moedeploy.compare.metrics import error_stats
 from moedeploy.export.artifact import Artifact, to_numpy
 from moedeploy.export.reference import load_reference
+from moedeploy.models.moe import SparseMoE
 
 SCOPE_KEY = "pkg.torch.onnx.name_scopes"
 WRAPPER_PREFIX = "decoder."  # DecoderWithPast holds the model as `.decoder`
@@ -134,13 +135,18 @@ def localize(
     folding = (artifact.manifest["config"].get("batchnorm_folding") or {}) if artifact.kind == "block" else {}
     folded = set(folding.get("into_linear", {})) | set(folding.get("into_linear", {}).values())
     modules = [m for m in tracked_modules(reference, artifact.kind) if m not in folded]
+    # Each MoE's router logits too: top-k routing is discontinuous, so a near-tie that rounds
+    # differently sends a token to other experts. Counting those tokens tells a routing flip
+    # (inherent to reduced precision) from an error in the experts' arithmetic.
+    moes = {name: m for name, m in reference.named_modules() if isinstance(m, SparseMoE) and name in modules}
+    routers = [f"{name}.router" for name in moes]
     runner = TorchRunner(artifact, module_loader=lambda: reference)
 
     def run_torch() -> None:
         with runner:
             runner.infer(feed, check_inputs=False)
 
-    eager = _hook_outputs(reference, modules, run_torch)
+    eager = _hook_outputs(reference, modules + routers, run_torch)
     original = onnx.load(str(artifact.model_path))
     candidates = escaping_values(original, list(eager))
     lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering)
@@ -149,17 +155,36 @@ def localize(
     names = [o.name for o in session.get_outputs()]
     graph_values = dict(zip(names, session.run(names, feed), strict=True))
 
+    def graph_value(module: str, expected: np.ndarray) -> np.ndarray | None:
+        match = [v for v in candidates.get(module, []) if v in graph_values and graph_values[v].shape == expected.shape]
+        return graph_values[match[-1]] if match else None  # None: folded away or fused beyond recognition
+
     results: list[ModuleResult] = []
     for module, expected in eager.items():
-        match = [v for v in candidates.get(module, []) if v in graph_values and graph_values[v].shape == expected.shape]
-        if not match:
-            continue  # folded away (e.g. a BatchNorm) or fused beyond recognition
+        actual = graph_value(module, expected)
+        if module in routers or actual is None:
+            continue
         shown = display_name(module) if artifact.kind == "decoder" else module
-        stats = error_stats(expected, graph_values[match[-1]], atol, rtol)
+        stats = error_stats(expected, actual, atol, rtol)
+        router = f"{module}.router"
+        if module in moes and router in eager and (logits := graph_value(router, eager[router])) is not None:
+            stats["routing_flips"] = routing_flips(eager[router], logits, moes[module].top_k)
+            stats["routed_tokens"] = int(eager[router].shape[0])
+            stats["router_logits_passed"] = bool(error_stats(eager[router], logits, atol, rtol)["passed"])
         results.append(ModuleResult(shown, layer_of(shown), stats))
     first = next((r for r in results if not r.stats["passed"]), None)
     return {
         "modules": [{"module": r.module, "layer": r.layer, **r.stats} for r in results],
         "first_divergent_layer": first.layer if first else None,
         "first_divergent_module": first.module if first else None,
+        # flips with agreeing router logits are rounding near-ties; with disagreeing ones, the router is wrong
+        "first_divergent_routing_flips": first.stats.get("routing_flips")
+        if first and first.stats.get("router_logits_passed") else None,
     }
+
+
+def routing_flips(reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int) -> int:
+    """Tokens whose set of top-k experts differs between the two backends' router logits."""
+    ref = np.sort(np.argsort(-reference_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
+    act = np.sort(np.argsort(-actual_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
+    return int((ref != act).any(axis=-1).sum())

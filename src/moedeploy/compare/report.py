@@ -17,6 +17,20 @@ def fmt(value, spec: str = "%.2e") -> str:
     return spec % value if np.isfinite(value) else str(value)
 
 
+def _flips(module: dict) -> str:
+    return f"{module['routing_flips']}/{module['routed_tokens']}" if "routing_flips" in module else ""
+
+
+def routing_note(report: dict[str, Any]) -> str | None:
+    """Why an MoE layer diverged, when the cause is tokens routed to other experts."""
+    flips = report.get("first_divergent_routing_flips")
+    if not flips:
+        return None
+    return (f"{flips} token(s) took a different top-k expert set in `{report['first_divergent_module']}` "
+            "although its router logits agree within tolerance: near-ties that round differently in this "
+            "precision. Top-k routing is discontinuous, so such tokens differ by a whole expert's output.")
+
+
 def _mark(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
@@ -33,6 +47,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("first_divergent_layer"):
         lines += [f"First divergent layer: `{report['first_divergent_layer']}` "
                   f"(module `{report['first_divergent_module']}`)", ""]
+        if note := routing_note(report):
+            lines += [note, ""]
     for c in report["comparisons"]:
         lines += [
             f"## {c['backend']} vs {c['reference']}: {_mark(c['passed'])}",
@@ -49,8 +65,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {fmt(s['cosine'], '%.8f')} | {s['atol']:.0e} | {s['rtol']:.0e} | {_mark(s['passed'])} |"
             )
         if c.get("layerwise"):
-            lines += ["", "Layer-wise (first iteration):", "", "| module | max abs | result |", "|---|---:|---|"]
-            lines += [f"| `{m['module']}` | {fmt(m['max_abs'])} | {_mark(m['passed'])} |" for m in c["layerwise"]["modules"]]
+            lines += ["", "Layer-wise (first iteration):", "", "| module | max abs | routing flips | result |",
+                      "|---|---:|---:|---|"]
+            lines += [f"| `{m['module']}` | {fmt(m['max_abs'])} | {_flips(m)} | {_mark(m['passed'])} |"
+                      for m in c["layerwise"]["modules"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -73,4 +91,4 @@ def render_html(report: dict[str, Any], errors: dict[str, dict[str, np.ndarray]]
     template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
-    return env.from_string(template_text).render(r=view, fmt=fmt)
+    return env.from_string(template_text).render(r=view, fmt=fmt, flips=_flips, routing_note=routing_note(report))
