@@ -160,3 +160,21 @@ def test_fp16_node_is_not_contrib_eligible_on_cpu() -> None:
         lower_for_ort(model, "CPUExecutionProvider", "contrib")
     _, counts = lower_for_ort(model, "CPUExecutionProvider", "auto")
     assert counts["moe_contrib"] == 0 and counts["moe_function"] == 1
+
+
+def test_session_works_when_the_cache_cannot_be_written(tmp_path) -> None:
+    """A read-only artifact (simulated: a file where cache/ would go, which defeats root too)
+    still loads, lowered the same way, and matches a session built from the cached file."""
+    import numpy as np
+
+    from moedeploy.export import export
+    from moedeploy.runtime.ort import CACHE_DIR, create_session
+
+    writable = export("moe", tmp_path / "ok")
+    blocked = export("moe", tmp_path / "blocked")
+    (blocked.path / CACHE_DIR).write_text("not a folder")
+    cached, uncached = create_session(writable), create_session(blocked)
+    assert uncached.lowering == cached.lowering and uncached.lowering["moe_contrib"] == 1
+    feed = blocked.golden_inputs()[0]
+    np.testing.assert_allclose(uncached.run(feed)[0], blocked.golden_outputs()[0]["y"], rtol=1e-5, atol=1e-5)
+    assert (blocked.path / CACHE_DIR).is_file()  # left alone

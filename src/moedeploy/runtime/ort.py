@@ -77,11 +77,18 @@ def create_session(
             "ONNX Runtime's CPU provider has no bfloat16 kernels for these graphs; run bf16 "
             "artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16"
         )
-    path, counts = lowered_model_path(artifact, provider, moe_lowering)
     try:
-        session = ort.InferenceSession(str(path), session_options(threads, profile), providers=providers)
+        model, counts = lowered_model_path(artifact, provider, moe_lowering)
+        model = str(model)
+    except OSError:  # a read-only artifact: the cache is an optimisation, never a requirement
+        lowered, counts = lower_for_ort(onnx.load(str(artifact.model_path)), provider, moe_lowering)
+        model = lowered.SerializeToString()
+        del lowered
+    try:
+        session = ort.InferenceSession(model, session_options(threads, profile), providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
+    del model
     release_freed_memory()
     return LoweredSession(session, provider, counts)
 
