@@ -20,6 +20,7 @@ from moedeploy.compare.layerwise import localize
 from moedeploy.compare.metrics import error_stats
 from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
 from moedeploy.runtime.runners import BACKENDS, TorchRunner, make_runner
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
@@ -27,14 +28,13 @@ from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write
 REPORT_DIR = "report"
 RUN_RESULTS = "run_results.json"
 ACCURACY = "accuracy.json"
-DEFAULT_TOLERANCES = {"fp32": (1e-5, 1e-5), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 5e-2)}
 
 Progress = Callable[[str], None]
 
 
 def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | None) -> dict[str, tuple[float, float]]:
     """Per-output (atol, rtol): the manifest's, else the dtype default; CLI values override all."""
-    default = DEFAULT_TOLERANCES[artifact.dtype]
+    default = TOLERANCES[artifact.dtype]
     declared = artifact.manifest.get("tolerances", {})
     result = {}
     for name in artifact.output_names():

@@ -27,6 +27,8 @@ SCHEMA_VERSION = 1
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: NumPy element type of an artifact's float tensors (NumPy has no bfloat16: bf16 travels as fp32)
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
 
 
 class ArtifactError(ValueError):

@@ -10,13 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moedeploy.export.artifact import Artifact
+from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names
 from moedeploy.models.generation import generate
 from moedeploy.runtime.lowering import MoELowering
 from moedeploy.runtime.ort import create_session
-
-_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class KVDecoder:
@@ -34,7 +32,7 @@ class KVDecoder:
         self.n_layers = config["n_layers"]
         self.kv_shape = (config["n_kv_heads"], config["head_dim"])
         self.max_positions = config["max_positions"]
-        self.np_dtype = _NP_DTYPES.get(self.artifact.dtype, np.float32)
+        self.np_dtype = NP_DTYPES[self.artifact.dtype]
         self.past_names = past_names(self.n_layers)
         self._past: list[np.ndarray] = []
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moedeploy.export.artifact import Artifact
+from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, present_names
 from moedeploy.models.generation import SamplingConfig, generate_tokens
 from moedeploy.serving.batching import Feed, RequestError, RunFn
@@ -26,8 +26,6 @@ from moedeploy.serving.specs import (
     GENERATE_OPTIONS,
     GENERATE_OUTPUT,
 )
-
-_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class DecoderShape:
     def of(cls, artifact: Artifact) -> DecoderShape:
         c = artifact.manifest["config"]
         return cls(c["vocab_size"], c["max_positions"], c["n_layers"], c["n_kv_heads"], c["head_dim"],
-                   _NP_DTYPES.get(artifact.dtype, np.float32))
+                   NP_DTYPES[artifact.dtype])
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
         empty = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.dtype)  # (B, nkv, 0, hd)
