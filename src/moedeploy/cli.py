@@ -6,28 +6,77 @@ line naming the problem and the fix and exit 1; `--debug` shows the traceback in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Usage mistakes (an unknown option, a missing value) as one line, like every other error.
+
+    Click prints a usage block and a boxed message and exits 2; moedeploy prints
+    `error: <what> (see `moedeploy <command> --help`)` and exits 2, the code every
+    command-line tool uses for a command line it does not understand. A bare `moedeploy`
+    prints the help and exits 0: asking for help is not an error.
+    """
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        exceptions = _click_exceptions()
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except exceptions.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else self.get_help(self.make_context(prog_name or "moedeploy", [])))
+            rv = 0
+        except exceptions.UsageError as e:
+            where = e.ctx.command_path if e.ctx else "moedeploy"
+            err.print(f"[bold red]error:[/bold red] {escape(e.format_message())} (see `{where} --help`)",
+                      highlight=False, soft_wrap=True)
+            rv = e.exit_code
+        except exceptions.ClickException as e:
+            err.print(f"[bold red]error:[/bold red] {escape(e.format_message())}", highlight=False, soft_wrap=True)
+            rv = e.exit_code
+        except exceptions.Abort:
+            rv = 1
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _click_exceptions() -> Any:
+    """The click exceptions typer raises: its vendored copy where it has one (typer >= 0.17)."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
 
 app = typer.Typer(
     name="moedeploy",
+    cls=_OneLineUsageErrors,
     help=(
         "Export PyTorch transformer blocks and MoE decoders to ONNX Runtime and TensorRT, "
-        "and prove every step matches eager PyTorch."
+        "and prove every step matches eager PyTorch.\n\n"
+        "Start with `moedeploy all --out out` (every block and the decoder, compared with eager "
+        "PyTorch, reports in out/index.html), or `moedeploy export --list` and then "
+        "`moedeploy export moe --out artifacts/moe`. Every command has --help."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain click help: wrapped to the terminal, no boxes, \b blocks kept
 )
 err = Console(stderr=True)
 out = Console()
@@ -82,19 +131,15 @@ def handle_errors(fn: F) -> F:
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
 ) -> None:
-    """[bold]moedeploy[/bold]: model -> ONNX artifact -> ONNX Runtime / TensorRT -> compare, serve, bench.
-
-    Start with [cyan]moedeploy export --list[/cyan], then
-    [cyan]moedeploy export moe --out artifacts/moe[/cyan].
-    """
     _state["debug"] = debug
 
 
 def check_writable(path: Path) -> None:
     """Fail before any work if `path` cannot become a folder we write."""
+    path = Path(os.path.abspath(path))  # `--out .` has no parents to walk
     if path.exists() and not path.is_dir():
         raise UserError(f"output path {path} exists and is not a folder; choose another --out")
-    ancestor = next(p for p in path.parents if p.exists())
+    ancestor = next(p for p in (path, *path.parents) if p.exists())
     problem = None
     if not ancestor.is_dir():
         problem = f"{ancestor} is not a folder"
@@ -102,9 +147,38 @@ def check_writable(path: Path) -> None:
         try:  # os.access says yes to root everywhere; a real probe does not lie
             os.rmdir(tempfile.mkdtemp(prefix=".moedeploy-probe-", dir=ancestor))
         except OSError as e:
-            problem = f"{ancestor} is not writable ({e.strerror})"
+            problem = f"{ancestor} does not accept new folders ({e.strerror})"
     if problem:
         raise UserError(f"cannot write to {path}: {problem}; choose another --out")
+
+
+@contextlib.contextmanager
+def progress_steps(title: str, echo_on_terminal: bool = False) -> Iterator[Callable[[str], None]]:
+    """Report the stages of a long command and, at the end, its total time.
+
+    On a terminal a spinner shows the current stage (and, with `echo_on_terminal`, each stage
+    stays as a line). Anywhere else (a CI log, a pipe) a spinner would print nothing for a
+    minute, so every stage is a plain line with the seconds elapsed.
+    """
+    start = time.perf_counter()
+
+    def elapsed() -> float:
+        return time.perf_counter() - start
+
+    if err.is_terminal:
+        with err.status(title, spinner="dots") as status:
+            def update(stage: str) -> None:
+                status.update(f"{title}: {stage}")
+                if echo_on_terminal:
+                    err.print(f"  [dim]•[/dim] {escape(stage)}", highlight=False, soft_wrap=True)
+
+            yield update
+    else:
+        def line(stage: str) -> None:
+            err.print(f"  • {elapsed():6.1f} s  {escape(title)}: {escape(stage)}", highlight=False, soft_wrap=True)
+
+        yield line
+    err.print(f"  [dim]• {escape(title)}: done in {elapsed():.1f} s[/dim]", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -120,21 +194,25 @@ def version() -> None:
 @app.command("export")
 @handle_errors
 def export_cmd(
+    ctx: typer.Context,
     target: str = typer.Argument(None, help="A block name (see --list) or 'decoder'.", show_default=False),
-    out_dir: Path = typer.Option(None, "--out", "-o", help="Artifact folder to write (replaced atomically)."),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Artifact folder to write: new, empty, or an artifact to replace.", show_default=False),
     list_blocks: bool = typer.Option(False, "--list", help="List the exportable blocks, one per line, name first."),
-    preset_name: str = typer.Option("tiny", "--preset", help="Decoder preset when no --checkpoint: tiny or small."),
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="Hugging Face Mixtral or moedeploy checkpoint folder (decoder only)."),
+    preset_name: str = typer.Option(None, "--preset", help="Decoder shape with random weights: tiny (default) or small.", show_default=False),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="Hugging Face Mixtral or moedeploy checkpoint folder (decoder only).", show_default=False),
     dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
-    fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="Fold BatchNorm (frozen EMA stats) into Linear / scale+shift."),
-    calibration_batches: int = typer.Option(8, "--calibration-batches", help="Train-mode batches that update BatchNorm EMA stats before freezing."),
+    fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="BatchNorm blocks: fold the frozen EMA stats into Linear / scale+shift."),
+    calibration_batches: int = typer.Option(8, "--calibration-batches", help="BatchNorm blocks: train-mode batches that update the EMA stats first."),
     seed: int = typer.Option(0, "--seed", help="Seed for random weights and golden inputs."),
+    force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
-    The folder holds [bold]model.onnx[/bold] (opset 23, custom moe::RMSNorm / moe::MoE nodes with
-    standard-op function bodies), [bold]manifest.json[/bold] and [bold]golden/[/bold] eager-PyTorch I/O.
+    The folder holds model.onnx (opset 23, custom moe::RMSNorm / moe::MoE nodes with
+    standard-op function bodies), manifest.json and golden/ eager-PyTorch I/O.
+    An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
 
+    \b
     Examples:
       moedeploy export --list
       moedeploy export rmsnorm --out artifacts/rmsnorm --dtype fp16
@@ -156,23 +234,29 @@ def export_cmd(
     if out_dir is None:
         raise UserError("missing --out DIR: the artifact folder to write")
     parse_dtype(dtype)
-    if preset_name not in PRESETS:
+    if preset_name is not None and preset_name not in PRESETS:
         raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    uses_batchnorm = target != DECODER and BLOCKS[target].uses_batchnorm
+    for option in ("fold_bn", "calibration_batches"):
+        if not uses_batchnorm and given(ctx, option):
+            flag = "--calibration-batches" if option == "calibration_batches" else "--fold-bn/--no-fold-bn"
+            raise UserError(f"{flag} applies to blocks with BatchNorm only; {target!r} has none, so drop it")
     check_writable(out_dir)
 
-    with err.status(f"exporting {target}", spinner="dots") as status:
-        def progress(stage: str) -> None:
-            status.update(f"{target}: {stage}")
-            if err.is_terminal:  # a log or a pipe gets only the outcome (and errors, one line)
-                err.print(f"  [dim]•[/dim] {escape(stage)}", highlight=False, soft_wrap=True)
-
+    with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
-            fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, progress=progress,
+            fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = artifact.model_path.stat().st_size / 1e6
     out.print(f"[green]exported[/green] {target} ({dtype}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]", highlight=False)
+
+
+def given(ctx: typer.Context, param: str) -> bool:
+    """Whether the user typed this option (an option that would be ignored is refused, not dropped)."""
+    source = ctx.get_parameter_source(param)  # typer vendors its own click: compare by name
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _split_backends(value: str) -> list[str]:
@@ -250,6 +334,7 @@ def all_cmd(
     preset_name: str = typer.Option("tiny", "--preset", help="Decoder preset: tiny or small."),
     iterations: int = typer.Option(3, "--iterations", help="Seeded random inputs per comparison."),
     seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs."),
+    force: bool = typer.Option(False, "--force", help="Write into --out even when it holds files moedeploy did not write."),
 ) -> None:
     """Export every block and the decoder, compare each on every backend, write <out>/index.html.
 
@@ -258,7 +343,7 @@ def all_cmd(
     """
     from rich.table import Table
 
-    from moedeploy.compare.suite import run_all
+    from moedeploy.compare.suite import check_run_folder, run_all
     from moedeploy.export import parse_dtype
     from moedeploy.models import PRESETS
 
@@ -267,8 +352,9 @@ def all_cmd(
         raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
     backends = _split_backends(backend) if backend else None
     check_writable(out_dir)
-    with err.status("moedeploy all", spinner="dots") as status:
-        summary = run_all(out_dir, backends, dtype, preset_name, iterations, seed, progress=lambda s: status.update(s))
+    check_run_folder(out_dir, force)
+    with progress_steps("moedeploy all") as progress:
+        summary = run_all(out_dir, backends, dtype, preset_name, iterations, seed, progress=progress, force=force)
     table = Table(title=f"moedeploy all ({', '.join(summary['backends'])}, {dtype})", title_justify="left")
     for col in ("artifact", "result", "max abs error", "first divergent layer", "s"):
         table.add_column(col, justify="right" if col in ("max abs error", "s") else "left")
@@ -406,7 +492,20 @@ register_serving(app)
 
 
 def main() -> None:
+    exit_on_sigterm()
     app()
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143), so it unwinds like Ctrl-C: a write in progress removes
+    its temp folder on the way out instead of leaving it beside the output (`kill`, a CI
+    timeout or a container stop all send SIGTERM)."""
+    import signal
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
 
 
 if __name__ == "__main__":

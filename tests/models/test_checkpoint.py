@@ -292,7 +292,17 @@ def test_error_wrong_shape(hf_folder: Path) -> None:
 def test_error_missing_expert(hf_folder: Path) -> None:
     _rewrite(hf_folder, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight"))
     msg = _load_error(hf_folder)
-    assert "layer 0" in msg and "w_up" in msg and "missing [2]" in msg
+    assert "layer 0" in msg and "w_up" in msg and "(missing 2)" in msg
+    assert str(hf_folder) in msg and "num_local_experts=" in msg  # names the folder and the config key
+
+
+def test_error_expert_count_names_the_folder(hf_folder: Path) -> None:
+    """config.json says more experts than the weights hold: the message names the folder."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["num_local_experts"] += 1
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    msg = _load_error(hf_folder)
+    assert msg.startswith(f"{hf_folder}: ") and f"num_local_experts={config['num_local_experts']}" in msg
 
 
 def test_error_extra_expert(hf_folder: Path) -> None:
@@ -300,7 +310,7 @@ def test_error_extra_expert(hf_folder: Path) -> None:
         t["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = torch.zeros(48, 32)
 
     _rewrite(hf_folder, edit)
-    assert "found [0, 1, 2, 3, 4]" in _load_error(hf_folder)
+    assert "num_local_experts=4, but the weights hold 5: 0, 1, 2, 3, 4" in _load_error(hf_folder)
 
 
 def test_error_unknown_tensor(hf_folder: Path) -> None:

@@ -115,7 +115,8 @@ def compare(
             report["first_divergent_routing_flips"] = comparison["layerwise"]["first_divergent_routing_flips"]
 
     progress(f"writing the report to {artifact.path / REPORT_DIR}")
-    with atomic_directory(artifact.path / REPORT_DIR) as tmp:
+    # report/ is the artifact's own subfolder, replaced on every run; anything else there is refused
+    with atomic_directory(artifact.path / REPORT_DIR, owned=lambda p: (p / "report.json").is_file()) as tmp:
         run_results.save(str(tmp / RUN_RESULTS))
         accuracy.save(str(tmp / ACCURACY))
         atomic_write_json(tmp / "report.json", strict_json(report))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from moedeploy.compare.api import compare
 from moedeploy.export import BLOCKS, DECODER, export
 from moedeploy.export.exporter import library_versions
 from moedeploy.runtime.tensorrt import tensorrt_available
-from moedeploy.utils.io import atomic_write_json, atomic_write_text
+from moedeploy.utils.io import OutputRefused, atomic_write_json, atomic_write_text
 
 Progress = Callable[[str], None]
 
@@ -38,10 +39,16 @@ def run_all(
     seed: int = 0,
     targets: list[str] | None = None,
     progress: Progress | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Returns summary.json's dict; writes <out>/<target>/ artifacts, <out>/index.html."""
+    """Returns summary.json's dict; writes <out>/<target>/ artifacts, <out>/index.html.
+
+    `out` must be new, empty or an earlier run's folder (it has our summary.json), so a typo'd
+    --out never mixes artifacts into, or replaces, a user's files; `force` writes there anyway.
+    """
     progress = progress or (lambda _: None)
     out = Path(out)
+    check_run_folder(out, force)
     backends = backends or default_backends()
     targets = targets or [*BLOCKS, DECODER]
     rows = []
@@ -50,7 +57,8 @@ def run_all(
         start = time.perf_counter()
         row: dict[str, Any] = {"name": target, "artifact": target, "report": f"{target}/report/report.html"}
         try:
-            artifact = export(target, out / target, preset_name=preset_name, dtype=dtype, seed=seed)
+            artifact = export(target, out / target, preset_name=preset_name if target == DECODER else None,
+                              dtype=dtype, seed=seed, force=force)
             if "trt" in backends:
                 from moedeploy.runtime.tensorrt import build_engine
 
@@ -81,9 +89,46 @@ def run_all(
         "versions": library_versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "index.html", render_index(summary))
+    atomic_write_json(out / SUMMARY, summary)
+    atomic_write_text(out / INDEX, render_index(summary))
     return summary
+
+
+SUMMARY = "summary.json"
+INDEX = "index.html"
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder `run_all` wrote: only its summary, its index and artifacts (an interrupted run
+    has artifacts but no summary yet, and may be run again)."""
+    from moedeploy.export.exporter import is_artifact_folder
+
+    for entry in path.iterdir():
+        if entry.name == SUMMARY:
+            try:
+                summary = json.loads(entry.read_text())
+            except (OSError, ValueError):
+                return False
+            if not (isinstance(summary, dict) and isinstance(summary.get("results"), list)):
+                return False
+        elif entry.name == INDEX or entry.name.startswith("."):  # index.html, temp files of our writes
+            continue
+        elif not (entry.is_dir() and not entry.is_symlink() and is_artifact_folder(entry)):
+            return False
+    return True
+
+
+def check_run_folder(out: Path, force: bool = False) -> None:
+    """Refuse an --out that holds something other than an earlier `moedeploy all` run."""
+    if not out.exists() or force:
+        return
+    if not out.is_dir():
+        raise OutputRefused(f"output path {out} exists and is not a folder; choose another --out")
+    if any(out.iterdir()) and not is_run_folder(out):
+        raise OutputRefused(
+            f"{out} already holds files that `moedeploy all` did not write; choose another --out, "
+            "or pass --force to write the artifacts into it (folders named like a target are replaced)"
+        )
 
 
 def render_index(summary: dict[str, Any]) -> str:

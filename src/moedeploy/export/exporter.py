@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,12 @@ from moedeploy.export.decoder import (
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
 from moedeploy.export.reference import build_decoder, save_reference_weights, weights_fingerprint
-from moedeploy.utils.io import atomic_directory, atomic_write_json
+from moedeploy.utils.io import (
+    atomic_directory,
+    atomic_write_json,
+    check_replaceable,
+    require_free_space,
+)
 
 Progress = Callable[[str], None]
 DECODER = "decoder"
@@ -76,25 +82,51 @@ def export(
     target: str,
     out: str | Path,
     *,
-    preset_name: str = "tiny",
+    preset_name: str | None = None,
     checkpoint: str | Path | None = None,
     dtype: str = "fp32",
     fold_bn: bool = True,
     calibration_batches: int = 8,
     seed: int = 0,
+    force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
-    """Export `target` (a block name or "decoder") to the artifact folder `out`."""
+    """Export `target` (a block name or "decoder") to the artifact folder `out`.
+
+    `out` is replaced only when it is absent, empty or an artifact moedeploy wrote; `force`
+    replaces any other folder too. The decoder's shape comes from `preset_name` (default
+    "tiny") or from `checkpoint`, never both: an option that would be ignored is refused.
+    """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
         raise ValueError(f"--calibration-batches must be >= 0, got {calibration_batches}")
     if target == DECODER:
-        return export_decoder(out, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype, seed=seed, progress=progress)
-    if checkpoint is not None:
-        raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
+        if preset_name is not None and checkpoint is not None:
+            raise ValueError("--preset and --checkpoint both given: a checkpoint brings its own shape; drop --preset")
+    else:
+        get_block(target)
+        if checkpoint is not None:
+            raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
+        if preset_name is not None:
+            raise ValueError(f"--preset applies to the decoder only; block {target!r} has one fixed shape")
+    check_replaceable(out, is_artifact_folder, force)
+    if target == DECODER:
+        return export_decoder(out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed,
+                              force=force, progress=progress)
     return export_block(
-        target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, progress=progress
+        target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force,
+        progress=progress,
     )
+
+
+def is_artifact_folder(path: Path) -> bool:
+    """Whether `path` is an artifact moedeploy wrote (its manifest names a schema and a kind), so
+    export may replace it. Anything else in the way is the user's, and is refused."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest and "kind" in manifest
 
 
 def export_block(
@@ -105,6 +137,7 @@ def export_block(
     fold_bn: bool = True,
     calibration_batches: int = 8,
     seed: int = 0,
+    force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
     progress = progress or _noop
@@ -154,7 +187,7 @@ def export_block(
         dynamic_ranges=spec.dynamic_ranges,
         tolerances={spec.output_name: {"atol": atol, "rtol": rtol}},
     )
-    return _write(out, model, manifest, golden_in, golden_out, progress, reference)
+    return _write(out, model, manifest, golden_in, golden_out, progress, reference, force=force)
 
 
 def export_decoder(
@@ -164,6 +197,7 @@ def export_decoder(
     checkpoint: str | Path | None = None,
     dtype: str = "fp32",
     seed: int = 0,
+    force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
     progress = progress or _noop
@@ -206,7 +240,7 @@ def export_decoder(
         dynamic_ranges=decoder_dynamic_ranges(config.max_positions),
         tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
     )
-    return _write(out, model, manifest, golden_in, golden_out, progress)
+    return _write(out, model, manifest, golden_in, golden_out, progress, force=force)
 
 
 def _manifest(
@@ -239,11 +273,15 @@ def _write(
     out: str | Path, model: onnx.ModelProto, manifest: dict[str, Any],
     golden_in: list[dict[str, np.ndarray]], golden_out: list[dict[str, np.ndarray]], progress: Progress,
     reference: torch.nn.Module | None = None,
+    *,
+    force: bool = False,
 ) -> Artifact:
     out = Path(out)
     progress(f"writing the artifact to {out}")
     _check_dim_names(manifest)
-    with atomic_directory(out) as tmp:
+    golden_bytes = sum(a.nbytes for d in (*golden_in, *golden_out) for a in d.values())
+    require_free_space(out, model.ByteSize() + 3 * golden_bytes)  # Polygraphy JSON is base64: ~1.4x
+    with atomic_directory(out, owned=is_artifact_folder, force=force) as tmp:
         files = save_model(model, tmp) + save_golden(tmp, golden_in, golden_out)
         if reference is not None:
             files += save_reference_weights(reference, tmp)

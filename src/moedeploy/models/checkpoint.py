@@ -36,12 +36,20 @@ def save_decoder(model: torch.nn.Module, path: str | Path) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses aliased tensors
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, owned=_is_moedeploy_checkpoint) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(
             tmp / "config.json",
             {"format": FORMAT, "architecture": "MoEDecoder", "config": model.config.to_dict()},
         )
+
+
+def _is_moedeploy_checkpoint(path: Path) -> bool:
+    """A folder `save_decoder` wrote (its config.json says format "moedeploy"): safe to replace."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
@@ -58,7 +66,10 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
         tensors = _read_tensors(path)
     elif raw_config.get("model_type") == "mixtral":
         config = _parse(lambda: DecoderConfig.from_hf_mixtral(raw_config), path)
-        tensors = _hf_mixtral_to_ours(_read_tensors(path), config)
+        try:
+            tensors = _hf_mixtral_to_ours(_read_tensors(path), config)
+        except CheckpointError as e:  # name the folder: the weights and its config.json disagree
+            raise CheckpointError(f"{path}: {e}") from None
     else:
         kind = raw_config.get("model_type", "<no model_type>")
         raise CheckpointError(
@@ -198,8 +209,10 @@ def _hf_mixtral_to_ours(hf: dict[str, torch.Tensor], config: DecoderConfig) -> d
         missing = sorted(set(range(config.n_experts)) - set(experts))
         if missing or len(experts) != config.n_experts:
             raise CheckpointError(
-                f"layer {layer} {w}: expected {config.n_experts} experts, missing {missing}, "
-                f"found {sorted(experts)}"
+                f"layer {layer} {w}: config.json says num_local_experts={config.n_experts}, but the weights "
+                f"hold {len(experts)}: {_few([str(j) for j in sorted(experts)], 8)}"
+                + (f" (missing {_few([str(j) for j in missing])})" if missing else "")
+                + "; fix config.json or the weight files"
             )
         ours[f"layers.{layer}.ffn.{w}"] = torch.stack([experts[j] for j in range(config.n_experts)])
     return ours

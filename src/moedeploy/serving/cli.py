@@ -94,6 +94,7 @@ def register(app: typer.Typer) -> None:
         kind: str = typer.Option("auto", "--kind", help="Instance kind: auto, cpu or gpu (TensorRT: always gpu)."),
         engine: Path = typer.Option(None, "--engine", help="The plan to deploy when <artifact>/engines holds several."),
         plugin_lib: list[Path] = typer.Option(None, "--plugin-lib", help="Extra TensorRT plugin library to ship and load (repeatable); AOT plans need none."),
+        force: bool = typer.Option(False, "--force", help="Replace <out>/<name>/ even when moedeploy did not write it."),
     ) -> None:
         """Write a model repository for a standalone Triton: config.pbtxt, version folder, model file.
 
@@ -111,6 +112,6 @@ def register(app: typer.Typer) -> None:
             dynamic_batching=dynamic_batching, instances=instances, kind=kind, engine=engine,
             plugin_libs=list(plugin_lib or []),
         )
-        result = write_repository(artifact, out_dir, options)
+        result = write_repository(artifact, out_dir, options, force=force)
         out.print(f"[green]wrote[/green] {result.model_dir} ({result.config.name}, {result.model_file.relative_to(result.model_dir)})", highlight=False)
         out.print(f"start it with: {escape(result.launch)}", highlight=False)

@@ -37,6 +37,8 @@ VERSION = "1"
 PLAN_FILE = "model.plan"
 CONFIG_FILE = "config.pbtxt"
 PLUGINS_DIR = "plugins"
+#: First line of every config.pbtxt moedeploy writes: the model folders it may replace carry it.
+CONFIG_MARKER = "# written by `moedeploy triton-repo`; the next run replaces this model folder"
 
 
 @dataclass
@@ -79,7 +81,7 @@ def config_text(
 ) -> str:
     """config.pbtxt in protobuf text format (the ModelConfig message of Triton's model_config.proto)."""
     engine = 'platform: "tensorrt_plan"' if backend == "tensorrt" else 'backend: "onnxruntime"'
-    lines = [f"name: {_quote(spec.name)}", engine, f"max_batch_size: {spec.max_batch_size}",
+    lines = [CONFIG_MARKER, f"name: {_quote(spec.name)}", engine, f"max_batch_size: {spec.max_batch_size}",
              f"default_model_filename: {_quote(model_file)}", "input ["]
     lines += [*_tensor_block(spec.inputs), "]", "output [", *_tensor_block(spec.outputs), "]"]
     if options.dynamic_batching:
@@ -128,8 +130,22 @@ def _profile_max_batch(meta: dict) -> int | None:
     return min(maxima) if maxima else None
 
 
-def write_repository(artifact: Artifact | str | Path, out: str | Path, options: RepositoryOptions | None = None) -> RepositoryResult:
-    """Write (or replace) `<out>/<artifact name>/` for a standalone Triton Inference Server."""
+def is_repository_model(model_dir: Path) -> bool:
+    """A model folder `write_repository` wrote (its config.pbtxt starts with our marker)."""
+    try:
+        with (model_dir / CONFIG_FILE).open() as f:
+            return f.readline().rstrip("\n") == CONFIG_MARKER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_repository(
+    artifact: Artifact | str | Path, out: str | Path, options: RepositoryOptions | None = None, *, force: bool = False
+) -> RepositoryResult:
+    """Write (or replace) `<out>/<artifact name>/` for a standalone Triton Inference Server.
+
+    An existing model folder of that name is replaced only when moedeploy wrote it (or `force`).
+    """
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     options = options or RepositoryOptions()
     if options.backend not in REPO_BACKENDS:
@@ -167,7 +183,7 @@ def write_repository(artifact: Artifact | str | Path, out: str | Path, options: 
 
     out = Path(out)
     model_dir = out / spec.name
-    with atomic_directory(model_dir) as tmp:
+    with atomic_directory(model_dir, owned=is_repository_model, force=force) as tmp:
         (tmp / VERSION).mkdir()
         for src, name in sources:
             shutil.copyfile(src, tmp / VERSION / name)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,37 +46,129 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]:
+def atomic_directory(
+    path: str | Path, *, owned: Callable[[Path], bool] | None = None, force: bool = False
+) -> Iterator[Path]:
     """Yield a temp folder beside `path`; on success it replaces `path`, on failure it vanishes.
 
     The rename is atomic for the folder itself; an existing `path` is moved aside first and
-    deleted only once the new one is in place.
+    deleted only once the new one is in place. An existing `path` is replaced only when it is
+    empty or `owned(path)` says moedeploy wrote it (or `force`): see `check_replaceable`.
+    Temp folders carry the writer's PID, so ones left by a killed process are swept here.
     """
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists")
+    check_replaceable(path, owned, force)
     parent = path.parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]
     parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temp(path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent))
     except BaseException:
         _remove_empty(created)
         raise
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+        normalise_modes(tmp)
         old = None
         if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))
+            check_replaceable(path, owned, force)  # it may have changed while we worked
+            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".old", dir=parent))
             os.replace(path, old / "x")
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on the device while writing {path}; free space "
+                                        "or choose another --out") from None
         raise
+
+
+class OutputRefused(ValueError):
+    """An output path moedeploy will not replace: it holds something moedeploy did not write."""
+
+
+def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = None, force: bool = False) -> None:
+    """Refuse, before any work, to replace what moedeploy did not write.
+
+    A path may be replaced when it does not exist, is an empty folder, or `owned(path)` says
+    moedeploy wrote it (an artifact has its manifest, a report folder its report.json).
+    `force` replaces any other folder too, but never the current folder, one holding it, the
+    home folder or a filesystem root: replacing those would pull the ground from under the
+    user's shell.
+    """
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    resolved = path.resolve()
+    if not path.is_dir() or path.is_symlink():
+        raise OutputRefused(f"output path {path} exists and is not a folder moedeploy wrote; choose another --out")
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents or resolved == Path.home().resolve() or resolved == resolved.parent:
+        raise OutputRefused(
+            f"refusing to replace {resolved}: it is the current folder, holds it, or is the home or root folder; "
+            f"choose a new subfolder, e.g. --out {path / 'artifact'}"
+        )
+    if force or not any(resolved.iterdir()) or (owned is not None and owned(resolved)):
+        return
+    raise OutputRefused(
+        f"{path} already exists and was not written by moedeploy; it would be replaced with everything in it. "
+        "Choose another --out, empty the folder, or pass --force to replace it"
+    )
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.{os.getpid()}."
+
+
+def sweep_stale_temp(path: str | Path) -> list[Path]:
+    """Remove temp folders beside `path` that an interrupted write of `path` left behind.
+
+    Only folders named as `atomic_directory` names them, for this very `path`, whose writer
+    process no longer runs: a concurrent writer's work in progress is never touched.
+    """
+    path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)$")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in path.parent.iterdir():
+            match = pattern.match(entry.name)
+            if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def normalise_modes(folder: Path) -> None:
+    """Give every file and folder under `folder` the mode the umask asks for.
+
+    mkdtemp makes 0700 folders, and some writers (tempfile-based ones) leave 0600 files; an
+    artifact is meant to be shared like any other output.
+    """
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            file = os.path.join(root, name)
+            if not os.path.islink(file):
+                os.chmod(file, 0o666 & ~mask)
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -82,3 +176,31 @@ def _remove_empty(folders: list[Path]) -> None:
     for folder in folders:
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+#: Head room kept free beyond an estimate: file-system metadata, a report, a log.
+FREE_SPACE_MARGIN = 64 << 20
+
+
+def require_free_space(path: str | Path, needed_bytes: int) -> None:
+    """Fail before writing when the file system that will hold `path` has too little room.
+
+    Writing first and failing on ENOSPC halfway wastes the work and, without this, names no
+    path; the estimate is the caller's (the serialised model plus golden data for an export).
+    """
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # cannot tell: let the write itself report
+    if free < needed_bytes + FREE_SPACE_MARGIN:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space to write {path}: it needs about {_megabytes(needed_bytes)}, "
+            f"{_megabytes(free)} free on {existing}; free space or choose another --out",
+        )
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e6:.1f} MB"

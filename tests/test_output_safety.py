@@ -1,0 +1,225 @@
+"""Outputs: moedeploy replaces only what it wrote, leaves nothing behind when interrupted,
+names the path when the disk is full, and writes files with the modes the umask asks for."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from moedeploy.compare.suite import check_run_folder
+from moedeploy.export import export
+from moedeploy.serving.repository import write_repository
+from moedeploy.utils.io import OutputRefused, atomic_directory, check_replaceable
+
+
+def _user_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "important.txt").write_text("the user's work")
+    return path
+
+
+def _write_one(path: Path, **kwargs) -> None:
+    with atomic_directory(path, **kwargs) as tmp:
+        (tmp / "new.txt").write_text("new")
+
+
+def _dead_pid() -> int:
+    """A PID that no process has any more (a child that already exited and was reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture(scope="module")
+def rmsnorm_artifact(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("safety") / "rmsnorm"
+    export("rmsnorm", out)
+    return out
+
+
+# --- what may be replaced -----------------------------------------------------------------------
+
+
+def test_a_folder_moedeploy_did_not_write_is_refused_and_kept(tmp_path: Path) -> None:
+    mine = _user_folder(tmp_path / "mine")
+    with pytest.raises(OutputRefused, match=r"not written by moedeploy.*--force"):
+        _write_one(mine, owned=lambda p: (p / "marker").exists())
+    assert (mine / "important.txt").read_text() == "the user's work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temp folder either
+
+
+def test_new_empty_and_owned_folders_are_replaced(tmp_path: Path) -> None:
+    _write_one(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    _write_one(tmp_path / "empty")
+    owned = _user_folder(tmp_path / "owned")
+    (owned / "marker").write_text("")
+    _write_one(owned, owned=lambda p: (p / "marker").exists())
+    for name in ("new", "empty", "owned"):
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "new", "owned"]
+
+
+def test_force_replaces_a_user_folder(tmp_path: Path) -> None:
+    _write_one(_user_folder(tmp_path / "mine"), force=True)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["new.txt"]
+
+
+@pytest.mark.parametrize("target", [".", "..", "~"])
+def test_the_current_home_and_enclosing_folders_are_never_replaced(tmp_path: Path, monkeypatch, target: str) -> None:
+    cwd = _user_folder(tmp_path / "work" / "scratch")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(OutputRefused, match="current folder"):
+        check_replaceable(Path(target).expanduser(), owned=lambda p: True, force=True)
+    assert (cwd / "important.txt").exists()
+
+
+def test_a_symlinked_out_is_refused(tmp_path: Path) -> None:
+    mine = _user_folder(tmp_path / "mine")
+    (tmp_path / "link").symlink_to(mine)
+    with pytest.raises(OutputRefused, match="not a folder moedeploy wrote"):
+        _write_one(tmp_path / "link", owned=lambda p: True)
+    assert (mine / "important.txt").exists() and (tmp_path / "link").is_symlink()
+
+
+def test_export_refuses_a_user_folder_before_any_work(tmp_path: Path) -> None:
+    mine = _user_folder(tmp_path / "mine")
+    with pytest.raises(OutputRefused, match="not written by moedeploy"):
+        export("decoder", mine, preset_name="small")  # refused before the minute a small export takes
+    assert sorted(p.name for p in mine.iterdir()) == ["important.txt"]
+
+
+def test_export_replaces_its_own_artifact(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, out)
+    export("rmsnorm", out, seed=7)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["seed"] == 7
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert files == {*manifest["files"], "manifest.json"}
+
+
+def test_triton_repo_replaces_only_its_own_model_folders(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    theirs = _user_folder(repo / "rmsnorm")  # a hand-made model of the same name
+    with pytest.raises(OutputRefused, match="not written by moedeploy"):
+        write_repository(rmsnorm_artifact, repo)
+    assert sorted(p.name for p in theirs.iterdir()) == ["important.txt"]
+    write_repository(rmsnorm_artifact, repo, force=True)
+    write_repository(rmsnorm_artifact, repo)  # now it is ours: replaced without --force
+    assert (repo / "rmsnorm" / "config.pbtxt").is_file() and not (repo / "rmsnorm" / "important.txt").exists()
+
+
+def test_all_writes_only_into_a_new_empty_or_earlier_run_folder(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    check_run_folder(tmp_path / "new")
+    with pytest.raises(OutputRefused, match="did not write"):
+        check_run_folder(_user_folder(tmp_path / "mine"))
+    check_run_folder(_user_folder(tmp_path / "forced"), force=True)
+    interrupted = tmp_path / "interrupted"  # an earlier run stopped before its summary
+    interrupted.mkdir()
+    shutil.copytree(rmsnorm_artifact, interrupted / "rmsnorm")
+    check_run_folder(interrupted)
+    (interrupted / "summary.json").write_text(json.dumps({"results": [], "versions": {}}))
+    (interrupted / "index.html").write_text("<html></html>")
+    check_run_folder(interrupted)
+    (interrupted / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused):
+        check_run_folder(interrupted)
+
+
+# --- interrupted writes -------------------------------------------------------------------------
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from moedeploy.cli import exit_on_sigterm
+    from moedeploy.utils.io import atomic_directory
+    if sys.argv[2] == "handled":
+        exit_on_sigterm()  # what `moedeploy` (cli.main) installs first
+    with atomic_directory(Path(sys.argv[1])) as tmp:
+        (tmp / "model.onnx.data").write_bytes(bytes(1 << 20))
+        print("writing", flush=True)
+        time.sleep(60)
+""")
+
+
+def _start_writer(out: Path, mode: str) -> subprocess.Popen:
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(out), mode], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    assert [p.name for p in out.parent.glob(f".{out.name}.{writer.pid}.*.tmp")]  # mid-write
+    return writer
+
+
+def test_sigterm_mid_write_removes_the_temp_folder(tmp_path: Path) -> None:
+    writer = _start_writer(tmp_path / "art", "handled")
+    writer.send_signal(signal.SIGTERM)
+    assert writer.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_writers_temp_folder_is_swept_by_the_next_write(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    writer = _start_writer(out, "unhandled")
+    writer.send_signal(signal.SIGKILL)  # nothing can clean up after SIGKILL
+    writer.wait(timeout=30)
+    left = list(tmp_path.glob(".art.*.tmp"))
+    assert len(left) == 1
+    _write_one(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_sweeping_spares_live_writers_and_other_outputs(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    stale = tmp_path / f".art.{dead}.k2j4_x.tmp"
+    live = tmp_path / f".art.{os.getppid()}.abc123.tmp"  # our parent: alive
+    other = tmp_path / f".other.{dead}.abc123.tmp"  # another output's
+    users_file = tmp_path / f".art.{dead}.abc123.old"  # a file, not a folder we make
+    for folder in (stale, live, other):
+        folder.mkdir()
+    users_file.write_text("x")
+    _write_one(tmp_path / "art")
+    assert not stale.exists()
+    assert live.is_dir() and other.is_dir() and users_file.is_file()
+
+
+# --- disk full, file modes ----------------------------------------------------------------------
+
+
+def test_too_little_free_space_is_refused_before_writing_with_the_path(tmp_path: Path, monkeypatch) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("moedeploy.utils.io.shutil.disk_usage", lambda _: usage(10 << 30, 10 << 30, 1 << 20))
+    out = tmp_path / "art"
+    with pytest.raises(OSError, match=f"not enough free space to write {out}") as e:
+        export("rmsnorm", out)
+    assert e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_mid_write_names_the_output_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    with pytest.raises(OSError, match=f"no space left on the device while writing {out}"), atomic_directory(out):
+        raise OSError(errno.ENOSPC, "No space left on device")  # what a full disk raises, with no path
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_artifact_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        out = export("rmsnorm", tmp_path / "art").path
+    finally:
+        os.umask(old)
+    for path in [out, *out.rglob("*")]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == expected, path
