@@ -152,6 +152,23 @@ def check_writable(path: Path) -> None:
         raise UserError(f"cannot write to {path}: {problem}; choose another --out")
 
 
+def make_table(title: str | None, columns: list[str], text_columns: int = 1) -> Any:
+    """A rich Table that fits 80 columns (a CI log, a pipe) without cutting anything off.
+
+    No vertical rules, so the figures fit; the first `text_columns` columns (names) wrap
+    inside their cells when space runs out, and figures never wrap or get an ellipsis.
+    """
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  collapse_padding=True, header_style="bold")
+    for i, column in enumerate(columns):
+        text = i < text_columns
+        table.add_column(column, justify="left" if text else "right", overflow="fold", no_wrap=not text)
+    return table
+
+
 @contextlib.contextmanager
 def progress_steps(title: str, echo_on_terminal: bool = False) -> Iterator[Callable[[str], None]]:
     """Report the stages of a long command and, at the end, its total time.
