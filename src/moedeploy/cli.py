@@ -110,11 +110,12 @@ def check_writable(path: Path) -> None:
 @app.command()
 @handle_errors
 def version() -> None:
-    """Print the versions of moedeploy and the libraries it uses."""
+    """Print the versions of moedeploy and the libraries it uses ("not installed" for missing optional ones)."""
     from moedeploy.export.exporter import library_versions
+    from moedeploy.utils.versions import supporting_versions
 
-    for name, v in library_versions().items():
-        out.print(f"{name} {v}", highlight=False)
+    for name, v in {**library_versions(), **supporting_versions()}.items():
+        out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
 
 
 @app.command("export")
