@@ -78,8 +78,8 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
 
 
 def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
-            progress: Progress) -> tuple[Artifact, dict[str, Any] | None]:
-    """The artifact to time, and for a preset where its cached export lives and how big it is.
+            progress: Progress) -> tuple[Artifact, bool | None]:
+    """The artifact to time, and for a preset whether its cached export was written now (None: the user's folder).
 
     A preset is exported only after every check that needs no export has passed.
     """
@@ -91,9 +91,17 @@ def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
         require_ort_dtype(artifact)
     if Path(target).is_dir():
         return artifact, None
-    written = artifact is None
-    artifact = artifact or export_preset(target, progress)
-    return artifact, {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
+    if artifact is not None:
+        return artifact, False
+    return export_preset(target, progress), True
+
+
+def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
+    """Where a preset's cached export lives and its size, measured after the run: the ort backend
+    adds its lowered graph (as big again) under <artifact>/cache/."""
+    if written is None:
+        return None
+    return {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
 
 
 def bench(
@@ -111,7 +119,7 @@ def bench(
     progress = progress or (lambda _: None)
     backends = require_backends(backends)
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
-    artifact, cache = prepare(target, backends, prompt_len, new_tokens, progress)
+    artifact, written = prepare(target, backends, prompt_len, new_tokens, progress)
     config = config_of(artifact)
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
@@ -158,7 +166,7 @@ def bench(
         "warnings": warnings,
         "ratios": _ratios(ok),
         "greedy_tokens_agree": agree,
-        "cache": cache,
+        "cache": cache_report(artifact, written),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
     }
     if json_path:
