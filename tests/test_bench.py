@@ -6,11 +6,14 @@ the same weights generate the same greedy tokens.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
 from moedeploy.models import preset
@@ -35,7 +38,7 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "moedeploy.cli", "bench", "tiny", "--backend", "torch,ort", "--prompt-len", "8",
-         "--new-tokens", "6", "--repeat", "1", "--json", str(out)],
+         "--new-tokens", "6", "--repeat", "2", "--json", str(out)],
         capture_output=True, text=True, check=False, env={**os.environ, "MOEDEPLOY_CACHE": str(tmp_path / "cache")},
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -49,6 +52,20 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path) -> None:
             assert row["unit"] == unit and row["value"] > 0
     assert report["greedy_tokens_agree"] is True  # same weights, same greedy tokens
     assert "ort_vs_torch" in report["ratios"]
+    for raw in report["raw"]:  # the spread is min / median / max of every timed run
+        for key in ("decode_tokens_per_s", "prefill_ms"):
+            runs = raw[f"{key}_all"]
+            assert len(runs) == 2
+            spread = report["spread"][raw["backend"]][key]
+            assert spread["min"] == min(runs) and spread["max"] == max(runs)
+            assert spread["median"] == pytest.approx((runs[0] + runs[1]) / 2, rel=1e-12)
+            assert spread["median"] == raw[key]  # the table's figure
+    assert "min / median / max over 2 runs:" in done.stdout
+    # the cache's size is measured after the run: ort's lowered graph is in it too
+    folder = tmp_path / "cache" / "bench" / "decoder-tiny-fp32-seed0"
+    assert any((folder / "cache").iterdir())
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+    assert report["cache"] == {"path": str(folder), "bytes": size, "written": True}
 
 
 def test_bench_rejects_a_block_and_an_unknown_backend(tmp_path: Path) -> None:
@@ -60,3 +77,204 @@ def test_bench_rejects_a_block_and_an_unknown_backend(tmp_path: Path) -> None:
         assert done.returncode == 1
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), done.stderr
+
+
+# --- up-front checks: a backend that cannot run fails in one line, before any export or timing
+
+BLOCK_TRANSFORMERS = "import sys\nsys.modules['transformers'] = None  # import fails, find_spec answers None\n"
+
+
+def test_hf_without_transformers_fails_first_with_the_install_command(tmp_path: Path) -> None:
+    """A real interpreter where `import transformers` fails (sitecustomize), running the real command."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_TRANSFORMERS)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "MOEDEPLOY_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    probe = subprocess.run([sys.executable, "-c", "import transformers"], env=env, capture_output=True, text=True, check=False)
+    assert probe.returncode != 0 and "transformers" in probe.stderr  # the block works
+    done = subprocess.run([sys.executable, "-m", "moedeploy.cli", "bench", "tiny", "--backend", "torch,hf"],
+                          capture_output=True, text=True, check=False, env=env, timeout=120)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: backend 'hf' needs Hugging Face transformers")
+    assert "pip install 'transformers" in lines[0]
+    assert not cache.exists()  # nothing exported
+
+
+def _forbid_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moedeploy.bench.api as api
+
+    def fail(*_: object, **__: object) -> None:
+        raise AssertionError("timing started before the backends were checked")
+
+    monkeypatch.setattr(api, "describe", fail)
+    monkeypatch.setattr(api, "run_in_subprocess", fail)
+
+
+def test_missing_transformers_is_found_by_find_spec_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moedeploy.bench.api import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    with pytest.raises(ValueError, match=r"backend 'hf' needs Hugging Face transformers.*pip install"):
+        bench("tiny", ["torch", "hf"])
+    assert not (tmp_path / "cache").exists()
+
+
+def test_torch_compile_without_a_cxx_compiler_fails_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own compiler setting points at a compiler that does not exist."""
+    from torch._inductor import config
+
+    from moedeploy.bench.api import bench
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    with pytest.raises(ValueError, match=r"backend 'torch-compile' needs a C\+\+ compiler.*set CXX"):
+        bench("tiny", ["torch-compile"])
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_trt_without_tensorrt_names_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moedeploy.bench.api import bench
+    from moedeploy.runtime.tensorrt import TensorRTUnavailable
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    with pytest.raises(TensorRTUnavailable, match=r"backend 'trt': TensorRT is not installed.*pip install 'moedeploy\[gpu\]'"):
+        bench("tiny", ["ort", "trt"])
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("backends", "message"), [
+    ([], "--backend needs at least one of"),
+    (["ort", "tpu"], "unknown backend 'tpu'"),
+    (["ort", "ort"], "backend 'ort' is listed twice"),
+])
+def test_backend_lists_are_checked_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   backends: list[str], message: str) -> None:
+    from moedeploy.bench.api import bench
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        bench("tiny", backends)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_too_many_positions_fail_before_the_preset_is_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moedeploy.bench.api import bench
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    positions = preset("tiny").max_positions
+    with pytest.raises(ValueError, match=f"exceeds the model's {positions} positions"):
+        bench("tiny", ["ort"], prompt_len=positions, new_tokens=1)
+    assert not (tmp_path / "cache").exists()
+
+
+# --- the cache: where (XDG), how much, how to remove it
+
+def test_cache_folder_follows_moedeploy_cache_then_xdg_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moedeploy.bench.api import cache_dir
+
+    monkeypatch.delenv("MOEDEPLOY_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "moedeploy"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec: ignore a relative path
+    assert cache_dir() == Path.home() / ".cache" / "moedeploy"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "moedeploy"
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_readme_outputs_are_ignored_by_git() -> None:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("bench.json", "repo/", "repo/decoder/config.pbtxt"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, check=False)
+        assert done.returncode == 0, f"{path} is not ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", "src/moedeploy/bench/api.py"], cwd=root, check=False).returncode == 1
+
+
+# --- spread over --repeat runs, and the busy-machine warning, on hand-computed numbers
+
+def test_spread_is_min_median_max_and_max_minus_min_over_median() -> None:
+    from moedeploy.bench.spread import Spread
+
+    s = Spread.of([110.0, 90.0, 100.0])
+    assert (s.low, s.median, s.high) == (90.0, 100.0, 110.0)
+    assert s.relative == pytest.approx(20.0 / 100.0)
+    assert Spread.of([4.0, 1.0, 2.0, 3.0]).median == 2.5  # even count: the mean of the middle two
+    assert Spread.of([7.0]).relative == 0.0
+
+
+def test_busy_warning_above_ten_percent_only() -> None:
+    from moedeploy.bench.spread import Spread, busy_warning
+
+    quiet = {"decode_tokens_per_s": Spread.of([100.0, 95.0, 104.0]), "prefill_ms": Spread.of([50.0, 51.0, 52.0])}
+    assert busy_warning("ort", quiet, 3) is None  # 9% and 4%
+    edge = {"decode_tokens_per_s": Spread.of([95.0, 100.0, 105.0]), "prefill_ms": Spread.of([50.0, 50.0, 50.0])}
+    assert busy_warning("ort", edge, 3) is None  # exactly 10% is not above it
+    busy = {"decode_tokens_per_s": Spread.of([90.0, 100.0, 110.0]), "prefill_ms": Spread.of([42.0, 50.0, 48.0])}
+    warning = busy_warning("ort", busy, 3)
+    assert warning is not None
+    assert warning.startswith("ort: runs spread decode tokens/s 20%, prefill ms 17%")  # 20 / 100, 8 / 48
+    assert "(max - min) / median over 3 runs, above 10%" in warning and "busy" in warning
+
+
+# --- what the command prints and its exit code, around one measured backend and one that failed
+
+FAKE_MACHINE = {"cpu": "test cpu", "cores": 2, "threads": 2, "python": "3", "torch": "x", "onnxruntime": "x",
+                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0}
+
+
+def _torch_result() -> dict:
+    return {"backend": "torch", "prefill_ms": 48.0, "prefill_ms_all": [42.0, 50.0, 48.0],
+            "decode_tokens_per_s": 100.0, "decode_tokens_per_s_all": [90.0, 110.0, 100.0],
+            "token_latency_p50_ms": 10.0, "token_latency_p99_ms": 12.0, "peak_rss_mb": 300.0,
+            "load_peak_rss_mb": 250.0, "load_s": 0.5, "tokens": [[1, 2, 3]]}
+
+
+def test_a_failed_backend_exits_1_and_the_spread_is_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers are replaced by their results (one measured, one failed); everything after is the real command."""
+    from typer.testing import CliRunner
+
+    import moedeploy.bench.api as api
+    from moedeploy.cli import app
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
+    results = {"torch": _torch_result(), "ort": {"backend": "ort", "error": "ONNX Runtime fell over"}}
+    monkeypatch.setattr(api, "run_in_subprocess", lambda settings: results[settings.backend])
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(app, ["bench", "tiny", "--backend", "torch,ort", "--repeat", "3", "--new-tokens", "4",
+                                    "--prompt-len", "4", "--json", str(out)])
+    assert done.exit_code == 1, done.output
+    assert "min / median / max over 3 runs:" in done.stdout
+    assert "torch: decode 90.0 / 100.0 / 110.0 tokens/s, prefill 42.0 / 48.0 / 50.0 ms" in done.stdout
+    assert "warning: torch: runs spread decode tokens/s 20%, prefill ms 17%" in done.stderr
+    assert "error: ort: ONNX Runtime fell over" in done.stderr
+    # the cache: where, how much (an independent walk of the folder), how to remove it
+    folder = tmp_path / "cache" / "bench" / "decoder-tiny-fp32-seed0"
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+    assert size > 0
+    assert 1e6 < size < 1e9  # the tiny preset: megabytes
+    assert f"was exported into the cache {folder} ({size / 1e6:.1f} MB); remove it with `rm -r {folder}`" in done.stderr
+    report = json.loads(out.read_text())  # written even though a backend failed
+    assert report["spread"]["torch"]["decode_tokens_per_s"] == {"min": 90.0, "median": 100.0, "max": 110.0, "relative": 0.2}
+    assert report["cache"] == {"path": str(folder), "bytes": size, "written": True}
+    # a second run reads the cache instead of exporting again
+    again = CliRunner().invoke(app, ["bench", "tiny", "--backend", "torch", "--repeat", "3", "--new-tokens", "4",
+                                     "--prompt-len", "4"])
+    assert again.exit_code == 0, again.output
+    assert f"was read from the cache {folder}" in again.stderr

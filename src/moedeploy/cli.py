@@ -201,11 +201,12 @@ def progress_steps(title: str, echo_on_terminal: bool = False) -> Iterator[Calla
 @app.command()
 @handle_errors
 def version() -> None:
-    """Print the versions of moedeploy and the libraries it uses."""
+    """Print the versions of moedeploy and the libraries it uses ("not installed" for missing optional ones)."""
     from moedeploy.export.exporter import library_versions
+    from moedeploy.utils.versions import supporting_versions
 
-    for name, v in library_versions().items():
-        out.print(f"{name} {v}", highlight=False)
+    for name, v in {**library_versions(), **supporting_versions()}.items():
+        out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
 
 
 @app.command("export")
@@ -457,25 +458,31 @@ def check_cmd(
 @app.command("bench")
 @handle_errors
 def bench_cmd(
-    target: str = typer.Argument(..., help="A decoder artifact folder, or a preset (tiny, small) exported once into ~/.cache/moedeploy."),
+    target: str = typer.Argument(..., help="A decoder artifact folder, or a preset (tiny, small) exported once into the cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, trt."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),
     threads: int = typer.Option(2, "--threads", help="Intra-op threads for every backend."),
-    repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (median and spread reported)."),
-    json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], ...} here."),
+    repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
+    json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here."),
 ) -> None:
     """Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend.
 
     Each backend runs in its own process on the same seeded prompt, and every figure is set
     against the machine's measured limits: decode against bytes of weights per token / memory
-    bandwidth, prefill against flops / GEMM rate.
+    bandwidth, prefill against flops / GEMM rate. Every backend is checked (packages, GPU,
+    engine) before any work; exit code 1 when one cannot run or fails.
     """
     from rich.table import Table
 
     from moedeploy.bench.api import bench
+    from moedeploy.bench.summary import cache_line, spread_lines
 
+    if json_file is not None:
+        if json_file.is_dir() or not json_file.parent.is_dir():
+            raise UserError(f"--json {json_file}: name a file in an existing folder")
+        check_writable(json_file.parent)
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     with err.status("benchmarking", spinner="dots") as status:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
@@ -493,14 +500,22 @@ def bench_cmd(
                       f"{r['token_latency_p50_ms']:.2f}", f"{r['token_latency_p99_ms']:.2f}", f"{r['peak_rss_mb']:.0f}",
                       f"{r['decode_tokens_per_s'] / roof['decode_bound_tokens_per_s']:.0%}")
     out.print(table)
-    for r in report["raw"]:
-        if "error" in r:
-            out.print(f"[red]{r['backend']}:[/red] {escape(r['error'])}", highlight=False)
+    for line in spread_lines(report):
+        out.print(escape(line), highlight=False)
+    for warning in report["warnings"]:
+        err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     for name, ratio in report["ratios"].items():
         out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}, prefill time x{ratio['prefill_time_ratio']:.2f}, "
                   f"peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if not report["greedy_tokens_agree"]:
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
+    if note := cache_line(report):
+        err.print(f"[dim]{escape(note)}[/dim]", highlight=False, soft_wrap=True)
+    failed = [r for r in report["raw"] if "error" in r]
+    for r in failed:
+        err.print(f"[bold red]error:[/bold red] {r['backend']}: {escape(r['error'])}", highlight=False, soft_wrap=True)
+    if failed:
+        raise typer.Exit(1)
 
 
 from moedeploy.serving.cli import register as register_serving  # noqa: E402 (after the shared helpers it uses)

@@ -7,23 +7,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moedeploy.bench.checks import BACKENDS, require_backends, require_engine, require_ort_dtype
 from moedeploy.bench.decode import Settings, run_in_subprocess
 from moedeploy.bench.machine import describe
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
+from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
-from moedeploy.models import PRESETS, DecoderConfig
+from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.utils.io import atomic_write_json
 
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "trt")
+__all__ = ["BACKENDS", "bench", "cache_dir"]
 Progress = Callable[[str], None]
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOEDEPLOY_CACHE", Path.home() / ".cache" / "moedeploy"))
+    """Where bench keeps its preset exports: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy.
+
+    The XDG base-directory rule: a relative XDG_CACHE_HOME is ignored.
+    """
+    if explicit := os.environ.get("MOEDEPLOY_CACHE"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "moedeploy"
 
 
-def resolve_target(target: str, progress: Progress) -> Artifact:
-    """An artifact folder, or a preset name (exported once into the cache, then reused)."""
+def preset_folder(name: str) -> Path:
+    return cache_dir() / "bench" / f"decoder-{name}-fp32-seed0"
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def existing_artifact(target: str) -> Artifact | None:
+    """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None)."""
     if Path(target).is_dir():
         artifact = Artifact.load(target)
         if artifact.kind != "decoder":
@@ -31,14 +48,60 @@ def resolve_target(target: str, progress: Progress) -> Artifact:
         return artifact
     if target not in PRESETS:
         raise ValueError(f"{target!r} is neither an artifact folder nor a preset ({', '.join(PRESETS)})")
-    folder = cache_dir() / "bench" / f"decoder-{target}-fp32-seed0"
+    folder = preset_folder(target)
     if (folder / "manifest.json").is_file():
         try:
             return Artifact.load(folder)
         except ValueError:
             pass  # stale or damaged: export again
-    progress(f"exporting the {target!r} decoder once into {folder}")
-    return export("decoder", folder, preset_name=target)
+    return None
+
+
+def config_of(artifact: Artifact) -> DecoderConfig:
+    return DecoderConfig.from_dict({k: v for k, v in artifact.manifest["config"].items() if k != "source"})
+
+
+def export_preset(name: str, progress: Progress) -> Artifact:
+    folder = preset_folder(name)
+    progress(f"exporting the {name!r} decoder once into the cache {folder} (MOEDEPLOY_CACHE moves it)")
+    return export("decoder", folder, preset_name=name)
+
+
+def check_sizes(batch: int, prompt_len: int, new_tokens: int, threads: int, repeat: int) -> None:
+    if min(batch, prompt_len, new_tokens, threads, repeat) < 1:
+        raise ValueError("--batch, --prompt-len, --new-tokens, --threads and --repeat must be >= 1")
+
+
+def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> None:
+    if prompt_len + new_tokens > config.max_positions:
+        raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
+
+
+def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
+            progress: Progress) -> tuple[Artifact, bool | None]:
+    """The artifact to time, and for a preset whether its cached export was written now (None: the user's folder).
+
+    A preset is exported only after every check that needs no export has passed.
+    """
+    artifact = existing_artifact(target)
+    check_positions(config_of(artifact) if artifact else preset(target), prompt_len, new_tokens)
+    if "trt" in backends:
+        require_engine(artifact, target)
+    if "ort" in backends:
+        require_ort_dtype(artifact)
+    if Path(target).is_dir():
+        return artifact, None
+    if artifact is not None:
+        return artifact, False
+    return export_preset(target, progress), True
+
+
+def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
+    """Where a preset's cached export lives and its size, measured after the run: the ort backend
+    adds its lowered graph (as big again) under <artifact>/cache/."""
+    if written is None:
+        return None
+    return {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
 
 
 def bench(
@@ -52,16 +115,12 @@ def bench(
     json_path: str | Path | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
+    """Time every backend; everything that can be checked is checked before any export or timing."""
     progress = progress or (lambda _: None)
-    for b in backends:
-        if b not in BACKENDS:
-            raise ValueError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
-    if min(batch, prompt_len, new_tokens, threads, repeat) < 1:
-        raise ValueError("--batch, --prompt-len, --new-tokens, --threads and --repeat must be >= 1")
-    artifact = resolve_target(target, progress)
-    config = DecoderConfig.from_dict({k: v for k, v in artifact.manifest["config"].items() if k != "source"})
-    if prompt_len + new_tokens > config.max_positions:
-        raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
+    backends = require_backends(backends)
+    check_sizes(batch, prompt_len, new_tokens, threads, repeat)
+    artifact, written = prepare(target, backends, prompt_len, new_tokens, progress)
+    config = config_of(artifact)
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
 
@@ -92,6 +151,8 @@ def bench(
                         "value": round(prefill_floor_ms / r["prefill_ms"], 3), "unit": ""})
 
     ok = [r for r in raw if "error" not in r]
+    spread = {r["backend"]: spreads(r) for r in ok}
+    warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat))]
     # hf runs transformers' Mixtral with its own random weights: only the others share weights
     agree = len({str(r["tokens"]) for r in ok if r["backend"] != "hf"}) <= 1
     report = {
@@ -101,8 +162,11 @@ def bench(
         "roofline": {"decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
                      "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2)},
         "results": results,
+        "spread": {name: {key: s.as_dict() for key, s in figures.items()} for name, figures in spread.items()},
+        "warnings": warnings,
         "ratios": _ratios(ok),
         "greedy_tokens_agree": agree,
+        "cache": cache_report(artifact, written),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
     }
     if json_path:

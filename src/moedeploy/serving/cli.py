@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         dynamic_batching: bool = typer.Option(True, "--dynamic-batching/--no-dynamic-batching", help="Let Triton merge concurrent requests into one execution."),
         instances: int = typer.Option(1, "--instances", help="Model instances (each with its own runner) per model."),
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
-        log_file: Path = typer.Option(None, "--log-file", help="Write Triton's own log here instead of the console."),
+        log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server: KServe v2 HTTP and gRPC, dynamic batching, metrics.
 

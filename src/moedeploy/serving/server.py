@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.serving import triton_output
 from moedeploy.serving.batching import BatchedModel
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.specs import GENERATE_SUFFIX, ModelSpec, ServingError, served_models
@@ -60,7 +61,7 @@ class ServeOptions:
     dynamic_batching: bool = True
     instances: int = 1
     exit_timeout_s: int = 5  # how long shutdown waits for in-flight requests
-    log_file: Path | None = None  # Triton's own log; None prints it to stdout
+    log_file: Path | None = None  # Triton's own log; None prints it to stdout, less known-harmless lines
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -184,6 +185,7 @@ class ModelServer:
             raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
         self._runners: list[Any] = []
         self._triton: Any = None
+        self._output: triton_output.TritonOutputFilter | None = None
 
     @property
     def model_names(self) -> list[str]:
@@ -217,7 +219,9 @@ class ModelServer:
                 runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                 self._runners += runners
                 callables.append([model_callable(artifact, spec, r) for r in runners])
-            self._triton = self._bind(callables)
+            gpu = triton_output.cuda_visible()
+            self._triton = self._bind(callables, gpu_metrics=gpu)
+            self._output = triton_output.install(triton_output.harmless_lines(gpu))  # what is hidden, and why
             with python_library_first():
                 self._triton.run()
         except BaseException as e:
@@ -229,7 +233,9 @@ class ModelServer:
             raise
         return self
 
-    def _bind(self, callables: list[list[Any]]):
+    def _bind(self, callables: list[list[Any]], gpu_metrics: bool):
+        """A PyTriton server with every model bound; GPU metrics only where a GPU is visible
+        (elsewhere Triton's NVML and DCGM probes print errors at start-up and measure nothing)."""
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
 
@@ -239,6 +245,7 @@ class ModelServer:
             http_port=o.http_port, grpc_port=o.grpc_port, metrics_port=o.metrics_port,
             exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
             log_file=Path(o.log_file) if o.log_file else None,
+            allow_gpu_metrics=None if gpu_metrics else False,
         )
         triton = Triton(config=config)
         batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
@@ -267,6 +274,9 @@ class ModelServer:
                 self._unload_models()
             self._triton.stop()
             self._triton = None
+        if self._output is not None:  # after Triton's last line
+            triton_output.uninstall(self._output)
+            self._output = None
         for runner in self._runners:
             with contextlib.suppress(Exception):
                 runner.deactivate()

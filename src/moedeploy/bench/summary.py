@@ -1,0 +1,35 @@
+"""The plain-text lines `moedeploy bench` prints beside its table, built from the report alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def spread_lines(report: dict[str, Any]) -> list[str]:
+    """min / median / max of decode tokens/s and prefill ms per backend (one line for a single run)."""
+    repeat = report["settings"]["repeat"]
+    if not report["spread"]:
+        return []
+    if repeat < 2:
+        return ["one run per backend: no spread to show (--repeat 3 or more shows min / median / max)"]
+    lines = [f"min / median / max over {repeat} runs:"]
+    for name, s in report["spread"].items():
+        d, p = s["decode_tokens_per_s"], s["prefill_ms"]
+        lines.append(f"  {name}: decode {d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s, "
+                     f"prefill {p['min']:.1f} / {p['median']:.1f} / {p['max']:.1f} ms")
+    return lines
+
+
+def readable_size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def cache_line(report: dict[str, Any]) -> str | None:
+    """Where a preset's export is cached, its size, and how to remove or move it (None for a user's folder)."""
+    cache = report["cache"]
+    if cache is None:
+        return None
+    done = "exported into" if cache["written"] else "read from"
+    return (f"the {report['settings']['target']!r} decoder was {done} the cache {cache['path']} "
+            f"({readable_size(cache['bytes'])}); remove it with `rm -r {cache['path']}`, "
+            "or set MOEDEPLOY_CACHE to keep it elsewhere")
