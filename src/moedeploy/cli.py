@@ -396,12 +396,12 @@ def build_cmd(
     workspace: int = typer.Option(None, "--workspace", help="Builder workspace limit in MB (default: TensorRT's)."),
     timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to read and update (speeds up rebuilds)."),
 ) -> None:
-    """Build a TensorRT engine from an artifact, with the moe::RMSNorm / moe::MoE plugins.
+    """Build a TensorRT engine from an artifact (needs TensorRT and a GPU).
 
-    One optimisation profile from the manifest's min/opt/max dynamic ranges; a strongly typed
-    network, so the precision is the graph's (export with --dtype fp16/bf16 for half precision).
-    Writes <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
-    Needs TensorRT and an NVIDIA GPU.
+    The moe::RMSNorm / moe::MoE nodes run as moedeploy's plugins. One optimisation profile
+    from the manifest's min/opt/max dynamic ranges; a strongly typed network, so the precision
+    is the graph's (export with --dtype fp16/bf16 for half precision). Writes
+    <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
     from moedeploy.export import Artifact
     from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
@@ -411,7 +411,7 @@ def build_cmd(
     require_gpu()
     if workspace is not None and workspace <= 0:
         raise UserError("--workspace must be a positive number of MB")
-    with err.status(f"building a TensorRT engine for {loaded.name}", spinner="dots"):
+    with progress_steps(f"building a TensorRT engine for {loaded.name}"):
         result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache)
     out.print(f"[green]built[/green] {result.plan} (log: {result.log.name})", highlight=False)
 
@@ -422,14 +422,12 @@ def check_cmd(
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     target: str = typer.Option("trt", "--target", help="Deployment target to check against (trt)."),
 ) -> None:
-    """Pre-flight check, no GPU needed: will TensorRT's ONNX parser take this graph?
+    """Will TensorRT's ONNX parser take this graph? No GPU needed.
 
     Lists every node the parser will not take (from its published operator support matrix,
     kept as data in moedeploy) and, for each custom node, the plugin that implements it.
     Exit code 1 when something cannot build.
     """
-    from rich.table import Table
-
     from moedeploy.export.preflight import check_tensorrt
 
     if target != "trt":
@@ -439,10 +437,7 @@ def check_cmd(
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
     out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)
     if report.plugins:
-        table = Table(title="custom nodes -> plugins", title_justify="left")
-        table.add_column("node")
-        table.add_column("op")
-        table.add_column("implemented by")
+        table = make_table("custom nodes -> plugins", ["node", "op", "implemented by"], text_columns=3)
         for f in report.plugins:
             table.add_row(f.node, f.op, f.detail)
         out.print(table)
@@ -467,15 +462,13 @@ def bench_cmd(
     repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
     json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here."),
 ) -> None:
-    """Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend.
+    """Benchmark prefill, decode and memory on each backend.
 
-    Each backend runs in its own process on the same seeded prompt, and every figure is set
+    Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend.     Each backend runs in its own process on the same seeded prompt, and every figure is set
     against the machine's measured limits: decode against bytes of weights per token / memory
     bandwidth, prefill against flops / GEMM rate. Every backend is checked (packages, GPU,
     engine) before any work; exit code 1 when one cannot run or fails.
     """
-    from rich.table import Table
-
     from moedeploy.bench.api import bench
     from moedeploy.bench.summary import cache_line, spread_lines
 
@@ -484,15 +477,13 @@ def bench_cmd(
             raise UserError(f"--json {json_file}: name a file in an existing folder")
         check_writable(json_file.parent)
     backends = [b.strip() for b in backend.split(",") if b.strip()]
-    with err.status("benchmarking", spinner="dots") as status:
+    with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
-                       progress=lambda s: status.update(s))
+                       progress=progress)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step)", highlight=False)
-    table = Table(title_justify="left")
-    for col in ("backend", "prefill ms", "decode tok/s", "p50 ms", "p99 ms", "peak RSS MB", "of bound"):
-        table.add_column(col, justify="left" if col == "backend" else "right")
+    table = make_table(None, ["backend", "prefill ms", "decode tok/s", "p50 ms", "p99 ms", "peak RSS MB", "of bound"])
     for r in report["raw"]:
         if "error" in r:
             continue

@@ -14,9 +14,8 @@ import typer
 def register(app: typer.Typer) -> None:
     """Add the serving commands to `app`."""
     from rich.markup import escape
-    from rich.table import Table
 
-    from moedeploy.cli import UserError, check_writable, err, handle_errors, out
+    from moedeploy.cli import UserError, check_writable, err, handle_errors, make_table, out
 
     @app.command("serve")
     @handle_errors
@@ -34,14 +33,15 @@ def register(app: typer.Typer) -> None:
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
-        """Serve artifacts on Triton Inference Server: KServe v2 HTTP and gRPC, dynamic batching, metrics.
+        """Serve artifacts on Triton Inference Server.
 
-        Model names are the artifacts' manifest names, input and output names the artifacts'.
-        A decoder is served twice: [bold]<name>[/bold] (logits; leave out past_key_values.* for
-        the prefill) and [bold]<name>_generate[/bold] (input_ids -> output_ids, the prompt and
+        KServe v2 over HTTP and gRPC, dynamic batching, health, Prometheus metrics. Model names are the artifacts' manifest names, input and output names the artifacts'.
+        A decoder is served twice: <name> (logits; leave out past_key_values.* for
+        the prefill) and <name>_generate (input_ids -> output_ids, the prompt and
         its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
-        eos_token_id, one value per sequence, shape \\[batch, 1]). Runs until SIGINT or SIGTERM.
+        eos_token_id, one value per sequence, shape [batch, 1]). Runs until SIGINT or SIGTERM.
 
+        \b
         Example:
           moedeploy serve artifacts/moe artifacts/decoder --max-batch-size 8
         """
@@ -62,9 +62,7 @@ def register(app: typer.Typer) -> None:
             except ServingUnavailable as e:  # a missing optional dependency: one line, like the rest
                 raise UserError(str(e)) from None
         try:
-            table = Table(title_justify="left", title="models")
-            for col in ("model", "inputs", "outputs", "max batch"):
-                table.add_column(col)
+            table = make_table("models", ["model", "inputs", "outputs", "max batch"], text_columns=3)
             for _, spec in server.specs:
                 def names(tensors):
                     return ", ".join(t.name + ("?" if t.optional else "") for t in tensors)
@@ -96,9 +94,9 @@ def register(app: typer.Typer) -> None:
         plugin_lib: list[Path] = typer.Option(None, "--plugin-lib", help="Extra TensorRT plugin library to ship and load (repeatable); AOT plans need none."),
         force: bool = typer.Option(False, "--force", help="Replace <out>/<name>/ even when moedeploy did not write it."),
     ) -> None:
-        """Write a model repository for a standalone Triton: config.pbtxt, version folder, model file.
+        """Write a model repository for a standalone Triton.
 
-        The config declares the artifact's inputs and outputs (dims without the batch dim),
+        <out>/<name>/ gets config.pbtxt, the version folder and the model file. The config declares the artifact's inputs and outputs (dims without the batch dim),
         max_batch_size, dynamic batching and the instance group. Start Triton with the printed
         command. The decoder's generation loop is Python and is not part of it (`moedeploy serve` runs it).
         """
