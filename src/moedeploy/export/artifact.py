@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -320,6 +321,14 @@ def _external_data_problems(model: onnx.ModelProto, files: dict[str, str]) -> Pr
 # --- the artifact folder ------------------------------------------------------------------
 
 
+def _mentions(path: Path, needle: bytes) -> bool:
+    """Whether the file's bytes contain `needle` (memory-mapped: no copy of a large file)."""
+    if path.stat().st_size == 0:
+        return False
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(needle) >= 0
+
+
 def _real_path(path: Path) -> Path:
     """Every symlink resolved; unlike Path.resolve, a symlink loop is no exception (it is then
     simply not a file)."""
@@ -386,6 +395,17 @@ class Artifact:
         for rel, digest in self.manifest["files"].items():
             if sha256(self.check_inside(rel)) != digest:
                 raise ArtifactError(f"{self.path}: {rel} does not match its sha256 in {MANIFEST}; it was modified")
+        self.check_external_data()
+
+    def check_external_data(self) -> None:
+        """model.onnx reads external data only from model.onnx.data, listed and hashed.
+
+        Parsing a graph with inline weights costs a second of every load on the small
+        decoder; a tensor can name external data only with the key "location" in the
+        file's bytes, so a graph without those bytes is not parsed at all.
+        """
+        if not _mentions(self.model_path, b"location"):
+            return
         try:
             model = onnx.load(str(self.model_path), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError and onnx's own errors share no base class
