@@ -110,34 +110,34 @@ def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELower
 
     ONNX Runtime memory-maps external initializers it loads from a path, where a model given
     as bytes is parsed and copied: on the small decoder the session's resident memory is
-    half. The files live in <artifact>/cache/, named by the sha256 of the model's files and
-    the lowering, so a re-exported model never meets a stale cache; deleting the folder is
-    always safe. The cache is checked like the artifact: its sidecar records the sha256 of
+    half. The files live in <artifact>/cache/, named by the provider, the lowering and what
+    they were made from, so a re-exported model never meets a stale cache; deleting the
+    folder is always safe. The cache is checked like the artifact: its sidecar records the sha256 of
     every cache file, and a cache that no longer matches is rebuilt, never loaded. Raises
     OSError when the cache must be (re)written and the folder is read-only.
     """
-    name = cache_name(artifact, provider, moe_lowering)
+    origin = cache_origin(artifact)
+    name = cache_name(origin, provider, moe_lowering)
     folder = artifact.path / CACHE_DIR
     sidecar = folder / f"{name}.json"
-    expected = cache_sidecar_base(artifact)
-    record = read_sidecar(sidecar, expected)
+    record = read_sidecar(sidecar, origin)
     if record is not None:
         problem = cache_file_problem(folder, record, f"{name}.onnx")
         if problem is None:
             return folder / f"{name}.onnx", record["lowering"]
         log.warning("%s; it is not used: %s is lowered again", problem, MODEL_FILE)
-    return write_cache(artifact, folder, name, provider, moe_lowering, expected)
+    return write_cache(artifact, folder, name, provider, moe_lowering, origin)
 
 
-def cache_name(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> str:
-    """Provider, lowering and the sha256 of every model file (model.onnx alone does not
-    change when only the weights in model.onnx.data do)."""
-    digests = "\n".join(artifact.manifest["files"][rel] for rel in artifact.model_files())
-    key = hashlib.sha256(digests.encode()).hexdigest()[:16]
+def cache_name(made_from: dict[str, Any], provider: str, moe_lowering: MoELowering) -> str:
+    """Provider, lowering and a digest of what the cache is made from: the sha256 of every
+    model file (model.onnx alone does not change when only the weights in model.onnx.data
+    do) and the library versions, so processes on different versions never share files."""
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
     return f"ort_{provider.removesuffix('ExecutionProvider').lower()}_{moe_lowering}_{key}"
 
 
-def cache_sidecar_base(artifact: Artifact) -> dict[str, Any]:
+def cache_origin(artifact: Artifact) -> dict[str, Any]:
     """What a usable cache was made from: this artifact's model files, and the libraries whose
     behaviour the lowering depends on (it probes ONNX Runtime's kernels)."""
     return {
@@ -147,7 +147,7 @@ def cache_sidecar_base(artifact: Artifact) -> dict[str, Any]:
     }
 
 
-def read_sidecar(sidecar: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+def read_sidecar(sidecar: Path, origin: dict[str, Any]) -> dict[str, Any] | None:
     """The sidecar's record when it describes a cache made the way this process would make it;
     None for none, a stale one (older format, other libraries) or an unreadable one: rebuilt quietly."""
     if not sidecar.exists():
@@ -156,7 +156,7 @@ def read_sidecar(sidecar: Path, expected: dict[str, Any]) -> dict[str, Any] | No
         record = json.loads(sidecar.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in origin.items()):
         return None
     if not isinstance(record.get("files"), dict) or not isinstance(record.get("lowering"), dict):
         return None
@@ -166,8 +166,8 @@ def read_sidecar(sidecar: Path, expected: dict[str, Any]) -> dict[str, Any] | No
 def cache_file_problem(folder: Path, record: dict[str, Any], graph: str) -> str | None:
     """Why the cache files do not match the sha256 the sidecar recorded when it wrote them.
 
-    Hashing reads every byte: the price of never loading a modified cache (a size or mtime
-    check misses an overwrite in place). The graph must be among them: the data file is
+    Hashing reads every byte: the price of never loading a modified cache (size and mtime
+    survive an overwrite in place that puts the mtime back). The graph must be among them: the data file is
     reached only through the graph that names it.
     """
     if graph not in record["files"]:
@@ -180,9 +180,9 @@ def cache_file_problem(folder: Path, record: dict[str, Any], graph: str) -> str 
 
 
 def write_cache(
-    artifact: Artifact, folder: Path, name: str, provider: str, moe_lowering: MoELowering, expected: dict[str, Any]
+    artifact: Artifact, folder: Path, name: str, provider: str, moe_lowering: MoELowering, origin: dict[str, Any]
 ) -> tuple[Path, dict[str, int]]:
-    """Lower, save the graph and its data, hash them, and write the sidecar last.
+    """Lower, save the graph and its data, hash them, and write the sidecar last (atomically).
 
     The old sidecar goes first: until the new one is in place no reader trusts the files,
     and one that reads them half-replaced finds a hash mismatch and rebuilds.
@@ -204,7 +204,7 @@ def write_cache(
         for f in written:  # the data first: the graph that names it must not appear before it
             os.chmod(f, 0o666 & ~_umask())  # onnx writes its data file 0600; follow the umask like the rest
             os.replace(f, folder / f.name)
-    atomic_write_json(sidecar, {**expected, "files": files, "lowering": counts})
+    atomic_write_json(sidecar, {**origin, "files": files, "lowering": counts})
     return path, counts
 
 
