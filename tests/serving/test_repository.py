@@ -158,3 +158,76 @@ def test_bf16_repository_for_tensorrt_keeps_bf16(store) -> None:
     text = config_text(graph_model(store.block("rmsnorm", "bf16")), "tensorrt", RepositoryOptions(), "KIND_GPU", "model.plan")
     config = text_format.Parse(text, pb.ModelConfig())
     assert dtype_name(config.input[0].data_type) == "TYPE_BF16"
+
+
+# --- nothing outside the artifact and the repository: names, symlinks, unlisted files ---------
+
+
+def _copy(artifact, dest):
+    import shutil
+
+    shutil.copytree(artifact.path, dest, ignore=shutil.ignore_patterns("cache", "report"))
+    return dest
+
+
+def _edit_manifest(folder, **fields) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(fields)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_name_that_climbs_out_of_the_repository_is_refused(store, tmp_path) -> None:
+    """Before, the name `../../escaped_model` wrote <out>/../../escaped_model."""
+    from moedeploy.export.artifact import ArtifactError
+
+    folder = _copy(store.block("moe"), tmp_path / "a" / "b" / "artifact")
+    _edit_manifest(folder, name="../../escaped_model")
+    out = tmp_path / "a" / "b" / "repo"
+    with pytest.raises(ArtifactError, match="is not a valid model name"):
+        write_repository(folder, out)
+    assert not [p for p in tmp_path.rglob("escaped_model*")]
+    assert not out.exists()
+
+
+def test_a_hand_built_artifact_with_such_a_name_is_refused_too(store, tmp_path) -> None:
+    """An Artifact made without Artifact.load (the API allows it) meets the same check."""
+    from moedeploy.export.artifact import Artifact
+
+    loaded = store.block("moe")
+    forged = Artifact(loaded.path, {**loaded.manifest, "name": "../escaped_model"})
+    with pytest.raises(ServingError, match="is not a valid model name"):
+        write_repository(forged, tmp_path / "repo" / "inner")
+    assert not (tmp_path / "repo" / "escaped_model").exists()
+
+
+def test_a_model_that_links_out_of_the_artifact_is_not_copied(store, tmp_path) -> None:
+    """Before, triton-repo copied whatever model.onnx pointed to (even /etc/passwd)."""
+    from moedeploy.export.artifact import ArtifactError
+
+    folder = _copy(store.block("moe"), tmp_path / "artifact")
+    outside = tmp_path / "secret.onnx"
+    (folder / "model.onnx").rename(outside)
+    (folder / "model.onnx").symlink_to(outside)
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        write_repository(folder, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_only_the_model_files_the_manifest_hashed_are_copied(store, tmp_path) -> None:
+    """A stray model.onnx.data that the manifest does not list is not shipped."""
+    folder = _copy(store.block("moe"), tmp_path / "artifact")
+    (folder / "model.onnx.data").write_bytes(b"not listed, not hashed")
+    result = write_repository(folder, tmp_path / "repo")
+    assert sorted(p.name for p in (result.model_dir / "1").iterdir()) == ["model.onnx"]
+    assert sha256(result.model_file) == store.block("moe").manifest["files"]["model.onnx"]
+
+
+def test_a_plan_that_links_out_of_the_artifact_is_refused(store, tmp_path) -> None:
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
+    plan = next((artifact / "engines").glob("*.plan"))
+    outside = tmp_path / "elsewhere.plan"
+    plan.rename(outside)
+    plan.symlink_to(outside)
+    with pytest.raises(ServingError, match="outside the artifact"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt"))
+    assert not (tmp_path / "repo").exists()

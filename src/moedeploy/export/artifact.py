@@ -4,27 +4,48 @@
     <artifact>/manifest.json     what the graph is, its I/O, dynamic ranges, sha256 of every file
     <artifact>/golden/inputs.json    Polygraphy JSON: a list of feed dicts
     <artifact>/golden/outputs.json   Polygraphy RunResults of eager PyTorch on those inputs
+    <artifact>/reference.safetensors the eager weights of a block (decoders are rebuilt instead)
+
+An artifact is only as safe as its manifest: `Artifact.load` checks the manifest against the
+schema below before any command trusts a field of it, and refuses files that are not listed,
+not hashed, or that lie outside the folder (a `..` path, an absolute path, a symlink out).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from pathlib import Path
+import math
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import onnx
 import torch
+from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+from moedeploy.models.config import DecoderConfig
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
+MODEL_DATA_FILE = MODEL_FILE + ".data"
 GOLDEN_INPUTS = "golden/inputs.json"
 GOLDEN_OUTPUTS = "golden/outputs.json"
 EAGER_RUNNER = "torch-eager"
 SCHEMA_VERSION = 1
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
+
+KINDS = ("block", "decoder")
+#: Triton model names become folder names: no separators, no `..`, nothing that needs quoting
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+DIM_NAME = re.compile(r"\w+")
+INT32_END = 2**31  # TensorRT profiles and Triton dims are int32
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: NumPy element type of an artifact's float tensors (NumPy has no bfloat16: bf16 travels as fp32)
@@ -85,9 +106,9 @@ def save_model(model: onnx.ModelProto, folder: Path) -> list[str]:
     if model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
         onnx.save_model(
             model, str(folder / MODEL_FILE), save_as_external_data=True,
-            all_tensors_to_one_file=True, location=MODEL_FILE + ".data",
+            all_tensors_to_one_file=True, location=MODEL_DATA_FILE,
         )
-        return [MODEL_FILE, MODEL_FILE + ".data"]
+        return [MODEL_FILE, MODEL_DATA_FILE]
     onnx.save_model(model, str(folder / MODEL_FILE))
     return [MODEL_FILE]
 
@@ -106,6 +127,214 @@ def save_golden(folder: Path, feeds: list[dict[str, np.ndarray]], outputs: list[
     return [GOLDEN_INPUTS, GOLDEN_OUTPUTS]
 
 
+# --- the manifest's schema -----------------------------------------------------------------
+# Each check yields the problems it finds; the caller takes the first one, so a check may
+# assume every check before it passed (a later one never runs on a malformed field).
+
+Problems = Iterator[str]
+
+
+def first_manifest_problem(manifest: Any) -> str | None:
+    """The first way `manifest` breaks the schema an exporter writes, or None when it is valid."""
+    return next(_manifest_problems(manifest), None)
+
+
+def model_name_problem(name: Any) -> str | None:
+    """Why `name` cannot be a Triton model name (it becomes a folder of the model repository)."""
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name) or ".." in name:
+        return f"name {name!r} is not a valid model name (letters, digits, '_', '.', '-'; no '..')"
+    return None
+
+
+def is_relative_inside(rel: Any) -> bool:
+    """A plain relative POSIX path that cannot climb out of the folder it is relative to."""
+    if not isinstance(rel, str) or not rel or "\\" in rel:
+        return False
+    path = PurePosixPath(rel)
+    return not path.is_absolute() and ".." not in path.parts and path.parts != ()
+
+
+def _manifest_problems(m: Any) -> Problems:
+    if not isinstance(m, dict):
+        yield f"holds a JSON {type(m).__name__}, not an object"
+        return
+    if m.get("schema_version") != SCHEMA_VERSION:
+        yield f"schema_version is {_shown(m, 'schema_version')}; this moedeploy reads version {SCHEMA_VERSION}"
+    yield from _choice_problems(m, "kind", KINDS)
+    yield from _choice_problems(m, "dtype", tuple(DTYPES))
+    if problem := model_name_problem(m.get("name")):
+        yield problem
+    for key in ("opset", "seed"):
+        if not _is_int(m.get(key)):
+            yield f"{key} is {_shown(m, key)}, not an integer"
+    yield from _custom_ops_problems(m.get("custom_ops"))
+    for key in ("inputs", "outputs"):
+        yield from _io_problems(key, m.get(key))
+    yield from _range_problems(m.get("dynamic_ranges"), m["inputs"])
+    yield from _tolerance_problems(m.get("tolerances", {}))
+    yield from _config_problems(m["kind"], m.get("config"))
+    yield from _files_problems(m["kind"], m.get("files"))
+
+
+def _shown(m: dict[str, Any], key: str) -> str:
+    return repr(m[key]) if key in m else "missing"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choice_problems(m: dict[str, Any], key: str, choices: tuple[str, ...]) -> Problems:
+    if m.get(key) not in choices:
+        yield f"{key} is {_shown(m, key)}, not one of {', '.join(choices)}"
+
+
+def _custom_ops_problems(ops: Any) -> Problems:
+    if not isinstance(ops, list):
+        yield "custom_ops is not a list"
+        return
+    for op in ops:
+        if not (isinstance(op, dict) and all(isinstance(op.get(k), str) for k in ("domain", "op_type"))
+                and _is_int(op.get("count"))):
+            yield f"custom_ops entry {op!r} needs a domain, an op_type and a count"
+
+
+def _io_problems(key: str, specs: Any) -> Problems:
+    """A non-empty list of {name, dtype, shape}: what ONNX Runtime, TensorRT and Triton are fed."""
+    if not isinstance(specs, list) or not specs:
+        yield f"{key} is not a non-empty list"
+        return
+    for spec in specs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            yield f"{key} entry {spec!r} has no name"
+        elif not _is_dtype_name(spec.get("dtype")):
+            yield f"{key} {spec['name']!r} has dtype {spec.get('dtype')!r}, not a NumPy dtype name"
+        elif not isinstance(spec.get("shape"), list) or not all(_is_dim(d) for d in spec["shape"]):
+            yield f"{key} {spec['name']!r} has shape {spec.get('shape')!r}; dims are names or ints in [0, 2**31)"
+    names = [spec["name"] for spec in specs]
+    if len(set(names)) != len(names):
+        yield f"{key} repeats a name: {names}"
+
+
+def _is_dtype_name(name: Any) -> bool:
+    if name == "bfloat16":  # NumPy has none; io_spec writes ONNX's name
+        return True
+    try:
+        return isinstance(name, str) and np.dtype(name).name == name
+    except TypeError:
+        return False
+
+
+def _is_dim(dim: Any) -> bool:
+    return (isinstance(dim, str) and bool(dim)) or (_is_int(dim) and 0 <= dim < INT32_END)
+
+
+def _range_problems(ranges: Any, inputs: list[dict[str, Any]]) -> Problems:
+    """min <= opt <= max, all int32: they become TensorRT profiles and random input sizes."""
+    if not isinstance(ranges, dict):
+        yield "dynamic_ranges is not an object"
+        return
+    for dim, r in ranges.items():
+        values = [r.get(k) for k in ("min", "opt", "max")] if isinstance(r, dict) else []
+        if not (len(values) == 3 and all(_is_int(v) for v in values) and 0 <= values[0] <= values[1] <= values[2] < INT32_END):
+            yield f"dynamic_ranges {dim!r} is {r!r}; it needs integers 0 <= min <= opt <= max < 2**31"
+    for spec in inputs:
+        for d in spec["shape"]:
+            if isinstance(d, str) and DIM_NAME.fullmatch(d) and d not in ranges:
+                yield f"input {spec['name']!r} has dim {d!r} with no entry in dynamic_ranges"
+
+
+def _tolerance_problems(tolerances: Any) -> Problems:
+    if not isinstance(tolerances, dict):
+        yield "tolerances is not an object"
+        return
+    for name, t in tolerances.items():
+        values = [t.get(k, 0.0) for k in ("atol", "rtol")] if isinstance(t, dict) else [None]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values):
+            yield f"tolerances {name!r} is {t!r}; atol and rtol are finite numbers >= 0"
+
+
+def _config_problems(kind: str, config: Any) -> Problems:
+    """What rebuilding the eager reference reads: the block's name, or every decoder field."""
+    if not isinstance(config, dict):
+        yield "config is not an object"
+    elif kind == "block":
+        if not isinstance(config.get("block"), str):
+            yield "config.block (the block's name) is missing"
+    else:
+        yield from _decoder_config_problems(config)
+
+
+def _decoder_config_problems(config: dict[str, Any]) -> Problems:
+    names = [f.name for f in fields(DecoderConfig)]
+    missing = [n for n in names if n not in config]
+    if missing:
+        yield f"config lacks the decoder fields {', '.join(missing)}"
+        return
+    if not isinstance(config.get("source", {}), dict):
+        yield "config.source is not an object"
+    not_ints = [f.name for f in fields(DecoderConfig) if f.type == "int" and not _is_int(config[f.name])]
+    if not_ints:
+        yield f"config fields {', '.join(not_ints)} are not integers"
+    try:
+        DecoderConfig(**{n: config[n] for n in names})
+    except (TypeError, ValueError) as e:
+        yield f"config is not a valid decoder configuration ({e})"
+
+
+def _files_problems(kind: str, files: Any) -> Problems:
+    """Every file the artifact needs is listed with a sha256, and lies inside the folder."""
+    if not isinstance(files, dict):
+        yield "files is not an object of {relative path: sha256}"
+        return
+    for rel, digest in files.items():
+        if not is_relative_inside(rel):
+            yield f"files entry {rel!r} is not a relative path inside the artifact folder"
+        elif not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+            yield f"files entry {rel!r} has {digest!r}, not a sha256 hex digest"
+    for rel in required_files(kind):
+        if rel not in files:
+            yield f"files does not list {rel}, so nothing checks it"
+
+
+def required_files(kind: str) -> tuple[str, ...]:
+    """The files every artifact of `kind` has (model.onnx.data only when the graph uses it)."""
+    from moedeploy.export.reference import REFERENCE_FILE  # reference.py imports this module
+
+    common = (MODEL_FILE, GOLDEN_INPUTS, GOLDEN_OUTPUTS)
+    return (*common, REFERENCE_FILE) if kind == "block" else common
+
+
+def _external_data_problems(model: onnx.ModelProto, files: dict[str, str]) -> Problems:
+    """The tensors model.onnx keeps outside itself must be in model.onnx.data, listed and hashed."""
+    for tensor in _get_all_tensors(model):  # the tensors onnx.load itself would resolve (private, but its own)
+        if uses_external_data(tensor):
+            location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+            if not is_relative_inside(location):
+                yield f"{MODEL_FILE} reads tensor {tensor.name!r} from {location!r}, outside the artifact folder"
+            elif PurePosixPath(location).as_posix() != MODEL_DATA_FILE:
+                yield f"{MODEL_FILE} reads tensor {tensor.name!r} from {location!r}; exports keep it in {MODEL_DATA_FILE}"
+            elif MODEL_DATA_FILE not in files:
+                yield f"{MODEL_FILE} uses {MODEL_DATA_FILE}, which files does not list, so nothing checks it"
+
+
+# --- the artifact folder ------------------------------------------------------------------
+
+
+def _mentions(path: Path, needle: bytes) -> bool:
+    """Whether the file's bytes contain `needle` (memory-mapped: no copy of a large file)."""
+    if path.stat().st_size == 0:
+        return False
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(needle) >= 0
+
+
+def _real_path(path: Path) -> Path:
+    """Every symlink resolved; unlike Path.resolve, a symlink loop is no exception (it is then
+    simply not a file)."""
+    return Path(os.path.realpath(path))
+
+
 @dataclass
 class Artifact:
     """A loaded artifact folder: its manifest and where its files are."""
@@ -115,29 +344,78 @@ class Artifact:
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True) -> Artifact:
+        """Read and validate the manifest; with `verify`, check every file's sha256 too.
+
+        The schema and the files' places are always checked (cheap); hashing reads every
+        byte, which a worker process re-opening an artifact its parent verified may skip.
+        """
         path = Path(path)
         if not path.is_dir():
             raise ArtifactError(f"artifact {path} is not a folder; create one with `moedeploy export`")
         manifest_file = path / MANIFEST
         if not manifest_file.is_file():
             raise ArtifactError(f"{path} has no {MANIFEST}; is it an artifact made by `moedeploy export`?")
+        artifact = cls(path, {})
+        artifact.check_inside(MANIFEST)
         try:
             manifest = json.loads(manifest_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ArtifactError(f"{manifest_file} is not readable JSON: {e}") from None
-        artifact = cls(path, manifest)
+        if problem := first_manifest_problem(manifest):
+            raise ArtifactError(f"{manifest_file}: {problem}; re-export the artifact")
+        artifact.manifest = manifest
+        artifact.check_files()
         if verify:
             artifact.verify()
         return artifact
 
-    def verify(self) -> None:
-        """Every file the manifest lists exists and has its recorded sha256."""
-        for rel, digest in self.manifest.get("files", {}).items():
-            file = self.path / rel
-            if not file.is_file():
+    def resolve_inside(self, rel: str) -> Path | None:
+        """`rel` with every symlink resolved, or None when that leads out of the folder."""
+        resolved = _real_path(self.path / rel)
+        return resolved if resolved.is_relative_to(_real_path(self.path)) else None
+
+    def check_inside(self, rel: str) -> Path:
+        """`rel` resolved, refused when it (or a symlink on its way) leads out of the folder."""
+        resolved = self.resolve_inside(rel)
+        if resolved is None:
+            raise ArtifactError(
+                f"{self.path}: {rel} leads to {_real_path(self.path / rel)}, outside the artifact (a symlink?); "
+                "re-export the artifact"
+            )
+        return resolved
+
+    def check_files(self) -> None:
+        """Every file the manifest lists is a file inside the folder."""
+        for rel in self.manifest["files"]:
+            if not self.check_inside(rel).is_file():
                 raise ArtifactError(f"{self.path}: {rel} is missing; re-export the artifact")
-            if sha256(file) != digest:
+
+    def verify(self) -> None:
+        """Every file the manifest lists has its recorded sha256, and model.onnx reads no other."""
+        for rel, digest in self.manifest["files"].items():
+            if sha256(self.check_inside(rel)) != digest:
                 raise ArtifactError(f"{self.path}: {rel} does not match its sha256 in {MANIFEST}; it was modified")
+        self.check_external_data()
+
+    def check_external_data(self) -> None:
+        """model.onnx reads external data only from model.onnx.data, listed and hashed.
+
+        Parsing a graph with inline weights costs a second of every load on the small
+        decoder; a tensor can name external data only with the key "location" in the
+        file's bytes, so a graph without those bytes is not parsed at all.
+        """
+        if not _mentions(self.model_path, b"location"):
+            return
+        try:
+            model = onnx.load(str(self.model_path), load_external_data=False)
+        except Exception as e:  # protobuf's DecodeError and onnx's own errors share no base class
+            raise ArtifactError(f"{self.model_path} is not a readable ONNX model ({e}); re-export the artifact") from None
+        if problem := next(_external_data_problems(model, self.manifest["files"]), None):
+            raise ArtifactError(f"{self.path}: {problem}; re-export the artifact")
+
+    def model_files(self) -> list[str]:
+        """The files a runtime needs to load the graph: model.onnx and, when listed, its data."""
+        return [rel for rel in (MODEL_FILE, MODEL_DATA_FILE) if rel in self.manifest["files"]]
 
     @property
     def name(self) -> str:

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnxruntime as ort
 
-from moedeploy.export.artifact import Artifact
+import moedeploy
+from moedeploy.export.artifact import MODEL_FILE, Artifact, sha256
 from moedeploy.runtime.lowering import MoELowering, lower_for_ort
-from moedeploy.utils.io import atomic_write_json
+from moedeploy.utils.io import _umask, atomic_write_json
 
 CACHE_DIR = "cache"
+CACHE_FORMAT = 2  # 1: the sidecar held only the lowering counts, nothing was verified
+
+log = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -77,13 +84,7 @@ def create_session(
             "ONNX Runtime's CPU provider has no bfloat16 kernels for these graphs; run bf16 "
             "artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16"
         )
-    try:
-        model, counts = lowered_model_path(artifact, provider, moe_lowering)
-        model = str(model)
-    except OSError:  # a read-only artifact: the cache is an optimisation, never a requirement
-        lowered, counts = lower_for_ort(onnx.load(str(artifact.model_path)), provider, moe_lowering)
-        model = lowered.SerializeToString()
-        del lowered
+    model, counts = lowered_model(artifact, provider, moe_lowering)
     try:
         session = ort.InferenceSession(model, session_options(threads, profile), providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
@@ -93,34 +94,117 @@ def create_session(
     return LoweredSession(session, provider, counts)
 
 
+def lowered_model(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[str | bytes, dict[str, int]]:
+    """The lowered graph for ONNX Runtime: a verified cache file's path, else the bytes of a
+    graph lowered here (a read-only artifact: the cache is an optimisation, never a requirement)."""
+    try:
+        path, counts = lowered_model_path(artifact, provider, moe_lowering)
+        return str(path), counts
+    except OSError:
+        lowered, counts = lower_for_ort(onnx.load(str(artifact.model_path)), provider, moe_lowering)
+        return lowered.SerializeToString(), counts
+
+
 def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[Path, dict[str, int]]:
     """The lowered graph as a file with its weights in external data, made once per artifact.
 
     ONNX Runtime memory-maps external initializers it loads from a path, where a model given
     as bytes is parsed and copied: on the small decoder the session's resident memory is
-    half. The file lives in <artifact>/cache/, named by the model's sha256 and the lowering,
-    so a re-exported model never meets a stale cache; deleting the folder is always safe.
+    half. The files live in <artifact>/cache/, named by the provider, the lowering and what
+    they were made from, so a re-exported model never meets a stale cache; deleting the
+    folder is always safe. The cache is checked like the artifact: its sidecar records the sha256 of
+    every cache file, and a cache that no longer matches is rebuilt, never loaded. Raises
+    OSError when the cache must be (re)written and the folder is read-only.
     """
-    digest = artifact.manifest.get("files", {}).get("model.onnx", "unsigned")[:16]
-    name = f"ort_{provider.removesuffix('ExecutionProvider').lower()}_{moe_lowering}_{digest}"
+    origin = cache_origin(artifact)
+    name = cache_name(origin, provider, moe_lowering)
     folder = artifact.path / CACHE_DIR
-    path, counts_file = folder / f"{name}.onnx", folder / f"{name}.json"
-    if path.is_file() and counts_file.is_file():
-        return path, json.loads(counts_file.read_text())
+    sidecar = folder / f"{name}.json"
+    record = read_sidecar(sidecar, origin)
+    if record is not None:
+        problem = cache_file_problem(folder, record, f"{name}.onnx")
+        if problem is None:
+            return folder / f"{name}.onnx", record["lowering"]
+        log.warning("%s; it is not used: %s is lowered again", problem, MODEL_FILE)
+    return write_cache(artifact, folder, name, provider, moe_lowering, origin)
+
+
+def cache_name(made_from: dict[str, Any], provider: str, moe_lowering: MoELowering) -> str:
+    """Provider, lowering and a digest of what the cache is made from: the sha256 of every
+    model file (model.onnx alone does not change when only the weights in model.onnx.data
+    do) and the library versions, so processes on different versions never share files."""
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+    return f"ort_{provider.removesuffix('ExecutionProvider').lower()}_{moe_lowering}_{key}"
+
+
+def cache_origin(artifact: Artifact) -> dict[str, Any]:
+    """What a usable cache was made from: this artifact's model files, and the libraries whose
+    behaviour the lowering depends on (it probes ONNX Runtime's kernels)."""
+    return {
+        "format": CACHE_FORMAT,
+        "source": {rel: artifact.manifest["files"][rel] for rel in artifact.model_files()},
+        "versions": {"moedeploy": moedeploy.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
+    }
+
+
+def read_sidecar(sidecar: Path, origin: dict[str, Any]) -> dict[str, Any] | None:
+    """The sidecar's record when it describes a cache made the way this process would make it;
+    None for none, a stale one (older format, other libraries) or an unreadable one: rebuilt quietly."""
+    if not sidecar.exists():
+        return None
+    try:
+        record = json.loads(sidecar.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in origin.items()):
+        return None
+    if not isinstance(record.get("files"), dict) or not isinstance(record.get("lowering"), dict):
+        return None
+    return record
+
+
+def cache_file_problem(folder: Path, record: dict[str, Any], graph: str) -> str | None:
+    """Why the cache files do not match the sha256 the sidecar recorded when it wrote them.
+
+    Hashing reads every byte: the price of never loading a modified cache (size and mtime
+    survive an overwrite in place that puts the mtime back). The graph must be among them: the data file is
+    reached only through the graph that names it.
+    """
+    if graph not in record["files"]:
+        return f"ONNX Runtime cache {folder / graph} is not among the files its sidecar hashed"
+    for file_name, digest in record["files"].items():
+        path = folder / str(file_name)
+        if path.parent != folder or not path.is_file() or sha256(path) != digest:
+            return f"ONNX Runtime cache file {path} does not match the sha256 recorded when it was written"
+    return None
+
+
+def write_cache(
+    artifact: Artifact, folder: Path, name: str, provider: str, moe_lowering: MoELowering, origin: dict[str, Any]
+) -> tuple[Path, dict[str, int]]:
+    """Lower, save the graph and its data, hash them, and write the sidecar last (atomically).
+
+    The old sidecar goes first: until the new one is in place no reader trusts the files,
+    and one that reads them half-replaced finds a hash mismatch and rebuilds.
+    """
+    path, sidecar = folder / f"{name}.onnx", folder / f"{name}.json"
+    folder.mkdir(exist_ok=True)  # a read-only artifact fails here, before the lowering's work
+    sidecar.unlink(missing_ok=True)
     model = onnx.load(str(artifact.model_path))
     lowered, counts = lower_for_ort(model, provider, moe_lowering)
     del model
-    folder.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # complete files appear, or none
         staged = Path(tmp) / path.name
         onnx.save_model(lowered, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=f"{name}.onnx.data", size_threshold=1024)
+        del lowered
         data = Path(tmp) / f"{name}.onnx.data"
-        if data.exists():  # absent when every tensor is under the threshold
-            os.replace(data, folder / data.name)
-        os.replace(staged, path)
-    atomic_write_json(counts_file, counts)
-    del lowered
+        written = [data, staged] if data.exists() else [staged]  # no data when every tensor is small
+        files = {f.name: sha256(f) for f in written}
+        for f in written:  # the data first: the graph that names it must not appear before it
+            os.chmod(f, 0o666 & ~_umask())  # onnx writes its data file 0600; follow the umask like the rest
+            os.replace(f, folder / f.name)
+    atomic_write_json(sidecar, {**origin, "files": files, "lowering": counts})
     return path, counts
 
 

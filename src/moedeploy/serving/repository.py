@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedeploy.export.artifact import MODEL_FILE, Artifact
+from moedeploy.export.artifact import MODEL_FILE, Artifact, model_name_problem
 from moedeploy.serving.specs import (
     ModelSpec,
     ServingError,
@@ -108,7 +108,7 @@ def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path,
             raise ServingError(f"TensorRT plan {engine} does not exist; {build_hint}")
         candidates = [engine]
     else:
-        candidates = sorted((artifact.path / "engines").glob("*.plan"))
+        candidates = [_inside(artifact, p) for p in sorted((artifact.path / "engines").glob("*.plan"))]
         candidates = [p for p in candidates if _plan_metadata(p).get("dtype", artifact.dtype) == artifact.dtype]
     aot = [p for p in candidates if _plan_metadata(p).get("aot", p.stem.endswith("_aot"))]
     if not aot:
@@ -122,6 +122,17 @@ def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path,
         names = ", ".join(p.name for p in aot)
         raise ServingError(f"{artifact.path / 'engines'} holds several AOT plans ({names}); choose one with --engine")
     return aot[0], _plan_metadata(aot[0])
+
+
+def _inside(artifact: Artifact, plan: Path) -> Path:
+    """A plan found in the artifact's engines/ folder, refused when a symlink leads out of it:
+    the repository gets copies of the artifact's files, never of one elsewhere."""
+    if artifact.resolve_inside(plan.relative_to(artifact.path).as_posix()) is None:
+        raise ServingError(
+            f"{plan} leads to {plan.resolve()}, outside the artifact; build the plan into it with "
+            f"`moedeploy build {artifact.path} --aot`, or name a plan with --engine"
+        )
+    return plan
 
 
 def _profile_max_batch(meta: dict) -> int | None:
@@ -176,10 +187,12 @@ def write_repository(
             raise ServingError(f"--max-batch-size {max_batch} exceeds the plan's optimisation profile (batch <= {limit})")
         sources, model_file = [(plan, PLAN_FILE)], PLAN_FILE
     else:
-        sources = [(artifact.path / name, name) for name in (MODEL_FILE, MODEL_FILE + ".data")
-                   if (artifact.path / name).is_file()]
+        # exactly the files the manifest hashed (Artifact.load checked they lie inside the folder)
+        sources = [(artifact.check_inside(name), name) for name in artifact.model_files()]
         model_file = MODEL_FILE
     spec = graph_model(artifact, max_batch)
+    if problem := model_name_problem(spec.name):  # the name becomes a folder under `out`
+        raise ServingError(f"{artifact.path}: {problem}; re-export the artifact")
 
     out = Path(out)
     model_dir = out / spec.name
