@@ -17,7 +17,7 @@ import onnxruntime as ort
 import moedeploy
 from moedeploy.export.artifact import MODEL_FILE, Artifact, sha256
 from moedeploy.runtime.lowering import MoELowering, lower_for_ort
-from moedeploy.utils.io import _umask, atomic_write_json
+from moedeploy.utils.io import atomic_write_json, normalise_modes
 
 CACHE_DIR = "cache"
 CACHE_FORMAT = 2  # 1: the sidecar held only the lowering counts, nothing was verified
@@ -201,8 +201,8 @@ def write_cache(
         data = Path(tmp) / f"{name}.onnx.data"
         written = [data, staged] if data.exists() else [staged]  # no data when every tensor is small
         files = {f.name: sha256(f) for f in written}
+        normalise_modes(Path(tmp))  # onnx writes its data file 0600; follow the umask like the rest
         for f in written:  # the data first: the graph that names it must not appear before it
-            os.chmod(f, 0o666 & ~_umask())  # onnx writes its data file 0600; follow the umask like the rest
             os.replace(f, folder / f.name)
     atomic_write_json(sidecar, {**origin, "files": files, "lowering": counts})
     return path, counts
