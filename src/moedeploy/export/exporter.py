@@ -83,15 +83,25 @@ def export(
     calibration_batches: int = 8,
     seed: int = 0,
     progress: Progress | None = None,
+    max_seq_len: int | None = None,
 ) -> Artifact:
-    """Export `target` (a block name or "decoder") to the artifact folder `out`."""
+    """Export `target` (a block name or "decoder") to the artifact folder `out`.
+
+    max_seq_len (decoder only): positions, cache plus new tokens, that the TensorRT profile in
+    the manifest covers; default min(max_positions, 4096).
+    """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
         raise ValueError(f"--calibration-batches must be >= 0, got {calibration_batches}")
     if target == DECODER:
-        return export_decoder(out, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype, seed=seed, progress=progress)
+        return export_decoder(
+            out, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype, seed=seed, progress=progress,
+            max_seq_len=max_seq_len,
+        )
     if checkpoint is not None:
         raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
+    if max_seq_len is not None:
+        raise ValueError("--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)")
     return export_block(
         target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, progress=progress
     )
@@ -165,7 +175,10 @@ def export_decoder(
     dtype: str = "fp32",
     seed: int = 0,
     progress: Progress | None = None,
+    max_seq_len: int | None = None,
 ) -> Artifact:
+    """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
+    `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions."""
     progress = progress or _noop
     torch_dtype = parse_dtype(dtype)
     if checkpoint is not None:
@@ -177,6 +190,7 @@ def export_decoder(
     decoder = build_decoder(preset_name, checkpoint, seed, torch_dtype)
     source["weights_sha256"] = weights_fingerprint(decoder)
     config = decoder.config
+    dynamic_ranges = decoder_dynamic_ranges(config.max_positions, max_seq_len)  # a bad max_seq_len fails here
     wrapper = DecoderWithPast(decoder).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     n = config.n_layers
@@ -203,9 +217,10 @@ def export_decoder(
     manifest = _manifest(
         name=DECODER, kind="decoder", dtype=dtype, model=model, seed=seed,
         config={**config.to_dict(), "source": source},
-        dynamic_ranges=decoder_dynamic_ranges(config.max_positions),
+        dynamic_ranges=dynamic_ranges,
         tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
     )
+    manifest["max_seq_len"] = dynamic_ranges["seq"].max + dynamic_ranges["past_seq"].max
     return _write(out, model, manifest, golden_in, golden_out, progress)
 
 
