@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
 from moedeploy.export import export, export_decoder
 from moedeploy.export.blocks import DECODER_TOLERANCES
 from moedeploy.export.decoder import DecoderWithPast, decoder_dynamic_ranges
-from moedeploy.models import MoEDecoder, preset
+from moedeploy.models import MoEDecoder, RMSNorm, SparseMoE, preset
 from moedeploy.runtime.ort import create_session
 from tests.export.artifacts import decoder_feed, decoder_inputs, eager_decoder, plain_session
 
@@ -172,3 +173,29 @@ def test_long_context_checkpoint_exports_without_a_position_table(store, tmp_pat
     (ort_logits, *_) = create_session(artifact, ["CPUExecutionProvider"]).run(decoder_feed(ids, past))
     np.testing.assert_allclose(ort_logits, logits.numpy(), rtol=1e-4, atol=1e-4)
 
+
+# --- names in the graph and the manifest --------------------------------------------------------
+
+
+def test_cache_length_is_spelled_one_way(store) -> None:
+    artifact = store.decoder("fp32")
+    graph_outputs = onnx.load(str(artifact.model_path), load_external_data=False).graph.output
+    present = [o for o in graph_outputs if o.name.startswith("present.")]
+    assert len(present) == 4
+    for output in present:
+        assert output.type.tensor_type.shape.dim[2].dim_param == "past_seq + seq", output.name
+    for spec in artifact.manifest["outputs"]:
+        if spec["name"].startswith("present."):
+            assert spec["shape"] == ["batch", 2, "past_seq + seq", 16], spec["name"]
+
+
+def test_custom_nodes_are_named_after_their_modules(store, fp32_decoder) -> None:
+    model = onnx.load(str(store.decoder("fp32").model_path), load_external_data=False)
+    custom = {n.name: n.op_type for n in model.graph.node if n.domain == "moe"}
+    # The reference: the eager model's own module names, by the class each op comes from.
+    expected = {name: "RMSNorm" for name, m in fp32_decoder.named_modules() if isinstance(m, RMSNorm)}
+    expected |= {name: "MoE" for name, m in fp32_decoder.named_modules() if isinstance(m, SparseMoE)}
+    assert custom == expected
+    assert {"layers.0.attn_norm", "layers.1.ffn", "norm"} <= set(custom)
+    names = [n.name for n in model.graph.node]
+    assert len(names) == len(set(names))  # still unique in the graph

@@ -37,6 +37,11 @@ class ConcatLayerCache:
         return self.k, self.v
 
 
+#: Module-path prefix of the decoder's modules inside DecoderWithPast (its `.decoder`):
+#: graph scopes read `decoder.layers.0.ffn` where `named_modules()` of the model says `layers.0.ffn`.
+WRAPPER_PREFIX = "decoder."
+
+
 class DecoderWithPast(nn.Module):
     """forward(input_ids, [(k, v) per layer]) -> (logits, [(k, v) per layer]); positions follow the past."""
 

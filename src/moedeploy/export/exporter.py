@@ -40,6 +40,7 @@ from moedeploy.export.blocks import (
     get_block,
 )
 from moedeploy.export.decoder import (
+    WRAPPER_PREFIX,
     DecoderWithPast,
     decoder_dynamic_ranges,
     decoder_feed,
@@ -202,6 +203,7 @@ def export_decoder(
         wrapper, (ids, past),
         ["input_ids", *past_names(n)], ["logits", *present_names(n)],
         ({0: "batch", 1: "seq"}, [(past_axes, past_axes) for _ in range(n)]),
+        scope_prefix=WRAPPER_PREFIX,
     )
 
     progress("running eager PyTorch on golden inputs")
