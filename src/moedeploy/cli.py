@@ -222,6 +222,7 @@ def export_cmd(
     fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="BatchNorm blocks: fold the frozen EMA stats into Linear / scale+shift."),
     calibration_batches: int = typer.Option(8, "--calibration-batches", help="BatchNorm blocks: train-mode batches that update the EMA stats first."),
     seed: int = typer.Option(0, "--seed", help="Seed for random weights and golden inputs."),
+    max_seq_len: int = typer.Option(None, "--max-seq-len", help="Decoder: positions (cache + new tokens) the TensorRT profile covers; default min(max_positions, 4096).", show_default=False),
     force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
@@ -265,6 +266,7 @@ def export_cmd(
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
             fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
+            max_seq_len=max_seq_len,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = artifact.model_path.stat().st_size / 1e6

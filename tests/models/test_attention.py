@@ -139,6 +139,36 @@ def test_rope_matches_transformers() -> None:
     torch.testing.assert_close(apply_rotary(k, cos, sin), hf_k, atol=1e-6, rtol=0)
 
 
+def test_rope_keeps_no_table_and_matches_transformers_at_long_positions() -> None:
+    """cos/sin come from positions x inv_freq on each call: the module holds head_dim/2 numbers
+    whatever max_positions says (a 131072-position table was 16 MB), and agrees with
+    transformers, which computes them the same way, at any position."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
+
+    hd, theta, max_positions = 16, 1e6, 131072
+    ours = RotaryEmbedding(hd, max_positions, theta)
+    assert sum(b.numel() for b in ours.buffers()) == hd // 2
+    config = tiny_mixtral_config(
+        hidden_size=64, num_attention_heads=4, rope_theta=theta, max_position_embeddings=max_positions
+    )
+    hf_rope = MixtralRotaryEmbedding(config)
+    positions = torch.tensor([0, 1, 4095, 70000, 131071])
+    hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = ours(positions)
+    torch.testing.assert_close(cos, hf_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, hf_sin[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_frequencies_stay_fp32_in_a_half_precision_model(dtype: torch.dtype) -> None:
+    """Rounded to half precision, inv_freq would move the angle at position p by p * 5e-4."""
+    full = RotaryEmbedding(16, 4096, 10000.0)
+    half = RotaryEmbedding(16, 4096, 10000.0).to(dtype)
+    assert half.inv_freq.dtype == torch.float32
+    positions = torch.tensor([1, 255, 4095])
+    assert all(torch.equal(a, b) for a, b in zip(half(positions), full(positions), strict=True))
+
+
 def test_rope_scores_depend_only_on_relative_position() -> None:
     hd = 8
     rope = RotaryEmbedding(hd, 64, 100.0)

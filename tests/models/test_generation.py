@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -248,3 +249,54 @@ def test_generate_eos(model: MoEDecoder) -> None:
     assert out[:, 3:].tolist() == [r[:new] for r in expected_rows]
     assert out[0, 3 + stops[0] - 1].item() == eos
     assert new < 32  # the early stop is exercised
+
+
+# ---------------------------------------------------------------- what generate accepts as a prompt
+
+ROWS = [[3, 17, 250, 9], [40, 0, 255, 12]]
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [ROWS, tuple(map(tuple, ROWS)), np.array(ROWS), np.array(ROWS, dtype=np.int32), torch.tensor(ROWS, dtype=torch.int32)],
+    ids=["list", "tuple", "numpy-int64", "numpy-int32", "torch-int32"],
+)
+def test_generate_takes_lists_and_arrays_as_a_batch(model: MoEDecoder, prompt) -> None:
+    reference = model.generate(torch.tensor(ROWS), 8)  # the int64 tensor the loop always took
+    out = model.generate(prompt, 8)
+    assert out.dtype == torch.long and out.shape == (2, 4 + 8)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("prompt", [ROWS[1], np.array(ROWS[1]), torch.tensor(ROWS[1])], ids=["list", "numpy", "torch"])
+def test_generate_takes_one_sequence_as_1d(model: MoEDecoder, prompt) -> None:
+    batch = model.generate(torch.tensor([ROWS[1]]), 8)  # (1, 12)
+    out = model.generate(prompt, 8)
+    assert out.shape == (4 + 8,)  # one sequence in, one sequence out
+    assert torch.equal(out, batch[0])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([1.0, 2.0], "integer token ids, got float64"),
+        (torch.tensor([[1.0, 2.0]]), "integer token ids, got float32"),
+        (np.array([[0.5]], dtype=np.float16), "integer token ids, got float16"),
+        ([True, False], "integer token ids, got bool"),
+        (["a", "b"], "integer token ids"),
+        (np.zeros((1, 2, 3), dtype=np.int64), r"1-D \(one sequence\) or 2-D \(batch, seq\), got shape \(1, 2, 3\)"),
+        (torch.tensor(5), r"got shape \(\)"),
+        ([], "empty"),
+        ([[]], "empty"),
+        (torch.zeros(2, 0, dtype=torch.long), "empty"),
+        ([[1, 2], [3]], "different lengths"),
+        ([1, 256], r"token id 256 is outside the vocabulary \[0, 256\)"),
+        ([-1, 2], "token id -1 is outside"),
+        ("1 2 3", "got str"),
+        (None, "got NoneType"),
+    ],
+)
+def test_generate_rejects_bad_prompts_in_one_line(model: MoEDecoder, prompt, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        model.generate(prompt, 4)
+    assert "\n" not in str(error.value)

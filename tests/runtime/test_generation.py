@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,3 +80,27 @@ def test_too_long_generation_is_refused(store, prompt) -> None:
 def test_a_block_artifact_is_not_a_decoder(store) -> None:
     with pytest.raises(ValueError, match="not a decoder"):
         OrtDecoder(store.block("moe"))
+
+
+def test_generate_takes_numpy_and_lists_like_eager(store, decoder, prompt, eager_greedy) -> None:
+    ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"])
+    assert torch.equal(ort_decoder.generate(prompt.numpy(), max_new_tokens=NEW_TOKENS), eager_greedy)
+    assert torch.equal(ort_decoder.generate(prompt.tolist(), max_new_tokens=NEW_TOKENS), eager_greedy)
+    one = ort_decoder.generate(prompt[1].tolist(), max_new_tokens=NEW_TOKENS)  # 1-D: one sequence
+    assert torch.equal(one, eager_greedy[1])
+
+
+@pytest.mark.parametrize(
+    ("input_ids", "message"),
+    [
+        ([[0.5, 1.0]], "integer token ids, got float64"),
+        (np.zeros((1, 2, 3), dtype=np.int64), r"got shape \(1, 2, 3\)"),
+        ([], "empty"),
+        ([1, 999], r"token id 999 is outside the vocabulary \[0, 256\)"),
+    ],
+)
+def test_generate_rejects_bad_prompts_in_one_line(store, input_ids, message: str) -> None:
+    ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match=message) as error:
+        ort_decoder.generate(input_ids, max_new_tokens=4)
+    assert "\n" not in str(error.value)

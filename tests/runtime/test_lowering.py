@@ -178,3 +178,49 @@ def test_session_works_when_the_cache_cannot_be_written(tmp_path) -> None:
     feed = blocked.golden_inputs()[0]
     np.testing.assert_allclose(uncached.run(feed)[0], blocked.golden_outputs()[0]["y"], rtol=1e-5, atol=1e-5)
     assert (blocked.path / CACHE_DIR).is_file()  # left alone
+
+
+# --- non-finite inputs: NaN in, NaN out, as eager PyTorch -------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _contrib_outputs(model, feed: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, np.ndarray]:
+    """(lowered as shipped, lowered without the non-finite guard: the bare com.microsoft::MoE)."""
+    (guarded,) = plain_session(lower_for_ort(model, "CPUExecutionProvider", "contrib")[0]).run(None, feed)
+    with monkeypatch.context() as m:
+        m.setattr(moe_op, "nan_where_not_finite", lambda add, y, x, logits: y)
+        (bare,) = plain_session(lower_for_ort(model, "CPUExecutionProvider", "contrib")[0]).run(None, feed)
+    return guarded, bare
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_contrib_propagates_non_finite_tokens_like_eager(activation: str, monkeypatch) -> None:
+    w = moe_weights(E, H, I, activation, True, seed=3)
+    model = moe_node_model(w, 2, 1, activation)
+    g = torch.Generator().manual_seed(7)
+    x, router = torch.randn(9, H, generator=g), torch.randn(E, H, generator=g)
+    x[1, 3], x[2, 5], x[3, 0] = NAN, INF, -INF  # a NaN, a +Inf and a -Inf token
+    logits = x @ router.T  # as the router computes them: non-finite on those rows
+    logits[5, 2] = NAN  # finite tokens whose routing is not: a NaN, a +Inf logit
+    logits[6, 0] = INF
+    logits[7, 4] = -INF  # a -Inf logit masks an expert: finite, in eager as here
+    feed = {"X": x.numpy(), "router_logits": logits.numpy()}
+    gate = w["w_gate"] if activation == "swiglu" else None
+    eager = moe_op.moe_reference(
+        x, logits, gate, w["w_up"], w["w_down"], 2, True, activation,
+        w["b_gate"] if gate is not None else None, w["b_up"], w["b_down"],
+    ).numpy()
+    nan_rows = [1, 2, 3, 5, 6]
+    assert np.isnan(eager[nan_rows]).all() and np.isfinite(np.delete(eager, nan_rows, 0)).all()
+
+    guarded, bare = _contrib_outputs(model, feed, monkeypatch)
+    assert np.isnan(guarded[nan_rows]).all()  # not zeros
+    assert np.isfinite(np.delete(guarded, nan_rows, 0)).all()
+    np.testing.assert_allclose(np.delete(guarded, nan_rows, 0), np.delete(eager, nan_rows, 0), rtol=1e-5, atol=1e-5)
+    # Finite tokens: bit for bit what the bare contrib op returns.
+    np.testing.assert_array_equal(np.delete(guarded, nan_rows, 0), np.delete(bare, nan_rows, 0))
+    if activation == "swiglu":  # the function body, for comparison, already gave NaN
+        (function,) = plain_session(model).run(None, feed)
+        assert np.isnan(function[nan_rows]).all()
+

@@ -9,7 +9,6 @@ the hooked eager output, in execution order.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +17,10 @@ import torch
 
 from moedeploy.compare.metrics import error_stats
 from moedeploy.export.artifact import Artifact, to_numpy
+from moedeploy.export.decoder import WRAPPER_PREFIX
+from moedeploy.export.onnx_export import name_scopes
 from moedeploy.export.reference import load_reference
 from moedeploy.models.moe import SparseMoE
-
-SCOPE_KEY = "pkg.torch.onnx.name_scopes"
-WRAPPER_PREFIX = "decoder."  # DecoderWithPast holds the model as `.decoder`
 
 
 @dataclass
@@ -62,20 +60,10 @@ def tracked_modules(module: torch.nn.Module, kind: str) -> list[str]:
     return names
 
 
-def _scopes(node: onnx.NodeProto) -> set[str]:
-    for prop in node.metadata_props:
-        if prop.key == SCOPE_KEY:
-            try:
-                return set(ast.literal_eval(prop.value))
-            except (ValueError, SyntaxError):
-                return set()
-    return set()
-
-
 def escaping_values(model: onnx.ModelProto, modules: list[str]) -> dict[str, list[str]]:
     """For each module, the values its nodes produce that are used outside it, in graph order."""
     nodes = list(model.graph.node)
-    scopes = [_scopes(n) for n in nodes]
+    scopes = [set(name_scopes(n)) for n in nodes]
     graph_outputs = {o.name for o in model.graph.output}
     consumers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):

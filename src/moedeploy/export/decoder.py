@@ -37,6 +37,11 @@ class ConcatLayerCache:
         return self.k, self.v
 
 
+#: Module-path prefix of the decoder's modules inside DecoderWithPast (its `.decoder`):
+#: graph scopes read `decoder.layers.0.ffn` where `named_modules()` of the model says `layers.0.ffn`.
+WRAPPER_PREFIX = "decoder."
+
+
 class DecoderWithPast(nn.Module):
     """forward(input_ids, [(k, v) per layer]) -> (logits, [(k, v) per layer]); positions follow the past."""
 
@@ -51,11 +56,38 @@ class DecoderWithPast(nn.Module):
         return logits, [(c.k, c.v) for c in caches]
 
 
-def decoder_dynamic_ranges(max_positions: int) -> dict[str, DynamicRange]:
+#: Positions (cache + new tokens) the TensorRT profile covers when the model allows more.
+#: An engine is built for its profile's maxima; a 128k-token profile for every export would
+#: be a poor default. `export(..., max_seq_len=N)` asks for more, up to max_positions.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def profile_positions(max_positions: int, max_seq_len: int | None = None) -> int:
+    """How many positions (past_seq + seq) the profile spans: max_seq_len, or the default cap."""
+    if max_seq_len is None:
+        return min(max_positions, DEFAULT_MAX_SEQ_LEN)
+    if not 1 <= max_seq_len <= max_positions:
+        raise ValueError(
+            f"max_seq_len must lie in [1, max_positions={max_positions}] (the model has no position "
+            f"beyond that), got {max_seq_len}"
+        )
+    return max_seq_len
+
+
+def decoder_dynamic_ranges(max_positions: int, max_seq_len: int | None = None) -> dict[str, DynamicRange]:
+    """min/opt/max of batch, seq and past_seq: a TensorRT profile runnable at every corner.
+
+    A profile is a box, and TensorRT may run any point of it, so seq.max + past_seq.max must
+    not exceed the positions it covers. They are split evenly: a prefill of up to half the
+    positions, and a cache of the rest.
+    """
+    total = profile_positions(max_positions, max_seq_len)
+    seq_max = max(1, total // 2)
+    past_max = total - seq_max
     return {
         "batch": DynamicRange(1, 1, 8),
-        "seq": DynamicRange(1, min(128, max_positions // 2), max_positions),
-        "past_seq": DynamicRange(0, min(128, max_positions // 2), max_positions - 1),
+        "seq": DynamicRange(1, min(128, seq_max), seq_max),
+        "past_seq": DynamicRange(0, min(128, past_max), past_max),
     }
 
 

@@ -41,6 +41,7 @@ from moedeploy.export.blocks import (
     get_block,
 )
 from moedeploy.export.decoder import (
+    WRAPPER_PREFIX,
     DecoderWithPast,
     decoder_dynamic_ranges,
     decoder_feed,
@@ -90,12 +91,15 @@ def export(
     seed: int = 0,
     force: bool = False,
     progress: Progress | None = None,
+    max_seq_len: int | None = None,
 ) -> Artifact:
     """Export `target` (a block name or "decoder") to the artifact folder `out`.
 
     `out` is replaced only when it is absent, empty or an artifact moedeploy wrote; `force`
     replaces any other folder too. The decoder's shape comes from `preset_name` (default
     "tiny") or from `checkpoint`, never both: an option that would be ignored is refused.
+    max_seq_len (decoder only): positions, cache plus new tokens, that the TensorRT profile in
+    the manifest covers; default min(max_positions, 4096).
     """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
@@ -109,10 +113,14 @@ def export(
             raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
         if preset_name is not None:
             raise ValueError(f"--preset applies to the decoder only; block {target!r} has one fixed shape")
+        if max_seq_len is not None:
+            raise ValueError("--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)")
     check_replaceable(out, is_artifact_folder, force)
     if target == DECODER:
-        return export_decoder(out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed,
-                              force=force, progress=progress)
+        return export_decoder(
+            out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
+            progress=progress, max_seq_len=max_seq_len,
+        )
     return export_block(
         target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force,
         progress=progress,
@@ -199,7 +207,10 @@ def export_decoder(
     seed: int = 0,
     force: bool = False,
     progress: Progress | None = None,
+    max_seq_len: int | None = None,
 ) -> Artifact:
+    """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
+    `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions."""
     progress = progress or _noop
     torch_dtype = parse_dtype(dtype)
     if checkpoint is not None:
@@ -211,6 +222,7 @@ def export_decoder(
     decoder = build_decoder(preset_name, checkpoint, seed, torch_dtype)
     source["weights_sha256"] = weights_fingerprint(decoder)
     config = decoder.config
+    dynamic_ranges = decoder_dynamic_ranges(config.max_positions, max_seq_len)  # a bad max_seq_len fails here
     wrapper = DecoderWithPast(decoder).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     n = config.n_layers
@@ -222,6 +234,7 @@ def export_decoder(
         wrapper, (ids, past),
         ["input_ids", *past_names(n)], ["logits", *present_names(n)],
         ({0: "batch", 1: "seq"}, [(past_axes, past_axes) for _ in range(n)]),
+        scope_prefix=WRAPPER_PREFIX,
     )
 
     progress("running eager PyTorch on golden inputs")
@@ -237,9 +250,10 @@ def export_decoder(
     manifest = _manifest(
         name=DECODER, kind="decoder", dtype=dtype, model=model, seed=seed,
         config={**config.to_dict(), "source": source},
-        dynamic_ranges=decoder_dynamic_ranges(config.max_positions),
+        dynamic_ranges=dynamic_ranges,
         tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
     )
+    manifest["max_seq_len"] = dynamic_ranges["seq"].max + dynamic_ranges["past_seq"].max
     return _write(out, model, manifest, golden_in, golden_out, progress, force=force)
 
 

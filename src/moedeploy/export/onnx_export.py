@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -15,6 +17,9 @@ import torch
 from moedeploy.plugins import CUSTOM_OPS
 
 OPSET = 23
+#: Node metadata where torch's exporter records the PyTorch module path of every node:
+#: ["", "decoder", "decoder.layers.0", "decoder.layers.0.ffn", <fx node name>].
+SCOPE_KEY = "pkg.torch.onnx.name_scopes"
 
 
 class ExportError(RuntimeError):
@@ -71,14 +76,76 @@ def custom_op_counts(model: onnx.ModelProto) -> dict[tuple[str, str], int]:
     return counts
 
 
+def name_scopes(node: onnx.NodeProto) -> list[str]:
+    """The node's recorded scopes, outermost first: module paths, then the fx node's own name."""
+    for prop in node.metadata_props:
+        if prop.key == SCOPE_KEY:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return []
+            return [str(s) for s in scopes] if isinstance(scopes, list) else []
+    return []
+
+
+def module_path(node: onnx.NodeProto, scope_prefix: str = "") -> str:
+    """The PyTorch module a node was traced in ("layers.3.ffn"), `scope_prefix` stripped; ""
+    for the exported module itself or when the exporter recorded nothing."""
+    modules = name_scopes(node)[:-1]  # the last scope is the fx node, not a module
+    path = modules[-1] if modules else ""
+    return path[len(scope_prefix):] if scope_prefix and path.startswith(scope_prefix) else path
+
+
+def name_custom_nodes(model: onnx.ModelProto, scope_prefix: str = "") -> None:
+    """Name every custom node after its module (`layers.3.ffn`), as `named_modules()` does.
+
+    torch names them `node__symbolic_N`, which tells a reader of `moedeploy check` or a
+    profile nothing. Names stay unique: a clash gets `/1`, `/2`, ... appended; a node traced
+    in the exported module itself is named after its op.
+    """
+    taken = {n.name for n in model.graph.node}
+    for node in model.graph.node:
+        if (node.domain, node.op_type) not in CUSTOM_OPS:
+            continue
+        base = module_path(node, scope_prefix) or node.op_type
+        name, i = base, 0
+        while name in taken and name != node.name:
+            i += 1
+            name = f"{base}/{i}"
+        taken.discard(node.name)
+        taken.add(name)
+        node.name = name
+
+
+_SUM_OF_DIMS = re.compile(r"\w+(?: \+ \w+)+")
+
+
+def normalize_dim_sums(model: onnx.ModelProto) -> None:
+    """Spell every symbolic sum of dims one way: its terms sorted (`past_seq + seq`).
+
+    torch prints the same sum as `past_seq + seq` on one output and `seq + past_seq` on
+    another; the manifest and TensorRT profiles read these names, so one dim gets one name.
+    """
+    values = [*model.graph.input, *model.graph.output, *model.graph.value_info]
+    for value in values:
+        for dim in value.type.tensor_type.shape.dim:
+            if _SUM_OF_DIMS.fullmatch(dim.dim_param):
+                dim.dim_param = " + ".join(sorted(dim.dim_param.split(" + ")))
+
+
 def to_onnx(
     module: torch.nn.Module,
     args: tuple[Any, ...],
     input_names: Sequence[str],
     output_names: Sequence[str],
     dynamic_shapes: Any,
+    scope_prefix: str = "",
 ) -> onnx.ModelProto:
-    """Trace with torch.export (dynamo), optimise, attach function bodies, full-check."""
+    """Trace with torch.export (dynamo), optimise, attach function bodies, full-check.
+
+    scope_prefix: the module path of the model inside an export wrapper (e.g. "decoder."),
+    left out of node names so they read as the model's own `named_modules()`.
+    """
     try:
         with _quiet(), torch.no_grad():
             program = torch.onnx.export(
@@ -96,6 +163,8 @@ def to_onnx(
         raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     model = program.model_proto
     attach_function_bodies(model)
+    name_custom_nodes(model, scope_prefix)
+    normalize_dim_sums(model)
     try:
         onnx.checker.check_model(model, full_check=True)
     except onnx.checker.ValidationError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,21 +14,39 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al.) in the half-split layout of Hugging Face Llama/Mixtral.
 
     Feature i is paired with feature i + head_dim/2 (not with its neighbour, as in Meta's
-    complex-number code), so Hugging Face q/k weights load without a permutation. The
-    cos/sin tables are precomputed for every position: looking them up is a Gather, which
-    traces and exports with dynamic positions.
+    complex-number code), so Hugging Face q/k weights load without a permutation.
+
+    cos/sin are computed from the positions on every call, as Hugging Face does
+    (positions x inv_freq in fp32): no [max_positions, head_dim] table is stored, so an
+    exported graph does not grow with the context length, and positions are not limited
+    by a table's size. `max_positions` is the model's trained context, kept for reference.
     """
+
+    inv_freq: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # (S, head_dim) each
+        """(S,) integer positions -> fp32 cos and sin, (S, head_dim) each."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (S, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        """Keep inv_freq in fp32 whatever `Module.to(dtype)` asks: in half precision it would be
+        off by up to 5e-4 relative, and the angle at position p by p times that."""
+        super()._apply(fn, recurse)
+        self.inv_freq = inverse_frequencies(self.head_dim, self.theta, self.inv_freq.device)
+        return self
+
+
+def inverse_frequencies(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """theta^(-2i/head_dim) for i < head_dim/2, in fp32: Hugging Face's default RoPE frequencies."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta**exponents)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from moedeploy.models.attention import LayerCache, RotaryEmbedding, StaticLayerCache, causal_mask
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.generation import generate
+from moedeploy.models.generation import TokenIds, as_prompt, generate
 from moedeploy.models.layers import DecoderLayer
 from moedeploy.models.moe import SparseMoE
 from moedeploy.models.norms import RMSNorm
@@ -84,7 +84,7 @@ class MoEDecoder(nn.Module):
     @torch.inference_mode()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: TokenIds,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
         top_k: int | None = None,
@@ -92,14 +92,21 @@ class MoEDecoder(nn.Module):
         seed: int | None = None,
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Greedy (temperature 0) or sampled continuation over the KV cache. Returns (B, S + new)."""
-        cache = self.new_cache(input_ids.shape[0], min(input_ids.shape[1] + max_new_tokens, self.config.max_positions))
+        """Greedy (temperature 0) or sampled continuation over the KV cache.
+
+        input_ids: a torch tensor, NumPy array or list of token ids, (B, S) or one sequence (S,).
+        Returns the prompt and the new tokens, (B, S + new), or (S + new,) for one sequence.
+        """
+        prompt = as_prompt(input_ids, self.config.vocab_size)
+        ids = prompt.ids.to(self.lm_head.weight.device)
+        cache = self.new_cache(ids.shape[0], min(ids.shape[1] + max_new_tokens, self.config.max_positions))
 
         def step(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
             return self(ids, cache, start_pos)
 
-        return generate(step, input_ids, self.config.max_positions, max_new_tokens, temperature, top_k, top_p,
-                        seed, eos_token_id)
+        tokens = generate(step, ids, self.config.max_positions, max_new_tokens, temperature, top_k, top_p,
+                          seed, eos_token_id)
+        return prompt.result(tokens)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> MoEDecoder:

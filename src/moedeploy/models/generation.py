@@ -8,12 +8,15 @@ compared exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
+#: What `generate` accepts as a prompt: 1-D (one sequence) or 2-D (batch) integer token ids.
+TokenIds = torch.Tensor | np.ndarray | Sequence
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,60 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids as the generation loop takes them: (B, S) int64; `single` remembers a 1-D
+    prompt (one sequence), whose result is 1-D too."""
+
+    ids: torch.Tensor
+    single: bool
+
+    def result(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[0] if self.single else tokens
+
+
+def as_prompt(input_ids: TokenIds, vocab_size: int) -> Prompt:
+    """Check and convert what a user passes to `generate`: a torch tensor, a NumPy array or a
+    (nested) list of integer token ids; 1-D is one sequence, 2-D a batch of equal lengths.
+
+    Anything else is a ValueError naming the problem, rather than an AttributeError or an
+    index error deep inside the model.
+    """
+    ids = _integer_tensor(input_ids)
+    if ids.dim() not in (1, 2):
+        raise ValueError(
+            f"input_ids must be 1-D (one sequence) or 2-D (batch, seq), got shape {tuple(ids.shape)}"
+        )
+    if ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}); give at least one token")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
+    single = ids.dim() == 1
+    return Prompt(ids[None] if single else ids, single)
+
+
+def _integer_tensor(input_ids: TokenIds) -> torch.Tensor:
+    """input_ids as an int64 tensor (on its own device), or a ValueError if they are not integers."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got {str(input_ids.dtype).removeprefix('torch.')}")
+        return input_ids.long()
+    if not isinstance(input_ids, (np.ndarray, list, tuple)):
+        raise ValueError(
+            f"input_ids must be a torch tensor, a NumPy array or a list of token ids, got {type(input_ids).__name__}"
+        )
+    try:
+        array = np.asarray(input_ids)
+    except ValueError:  # NumPy refuses ragged nesting
+        raise ValueError("input_ids rows have different lengths; pad them to one length") from None
+    if array.size == 0:
+        return torch.zeros(array.shape, dtype=torch.long)  # NumPy calls [] float64; it is just empty
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must hold integer token ids, got {array.dtype}")
+    return torch.from_numpy(array.astype(np.int64))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

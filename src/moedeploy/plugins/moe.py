@@ -15,6 +15,8 @@ ignored; they must still have w_up's/b_up's shapes (the exporter passes w_up and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 import onnx_ir as ir
 import onnxscript
@@ -282,9 +284,26 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
         domain=CONTRIB_DOMAIN,
     )
     new_nodes.append(moe_node)
+    y = nan_where_not_finite(add, moe_node.outputs[0], x, logits)
     name = node.outputs[0].name
-    ir.convenience.replace_nodes_and_values(
-        graph, node, [node], new_nodes, [node.outputs[0]], [moe_node.outputs[0]]
-    )
-    moe_node.outputs[0].name = name  # downstream tools (layer-wise compare) look values up by name
+    ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [y])
+    y.name = name  # downstream tools (layer-wise compare) look values up by name
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+
+
+def nan_where_not_finite(add: Callable[..., ir.Value], y: ir.Value, x: ir.Value, logits: ir.Value) -> ir.Value:
+    """Y with NaN rows where eager PyTorch gives NaN, bit-identical elsewhere.
+
+    com.microsoft::MoE returns an all-zero row for a token whose input holds NaN or +-Inf, or
+    whose routing softmax is NaN (a NaN or +Inf router logit): a silent wrong answer. v - v is
+    0 for a finite v and NaN otherwise, so a row sum of it is NaN for exactly those tokens (a
+    -Inf logit alone is a valid mask: its softmax and the eager result stay finite).
+    `add(op_type, inputs, **attributes)` appends a node and returns its output.
+    """
+
+    def row_flag(v: ir.Value) -> ir.Value:  # (N, 1): 0 where v's row is finite, NaN where not
+        axes = add("Constant", [], value=ir.tensor([-1], dtype=ir.DataType.INT64))
+        return add("ReduceSum", [add("Sub", [v, v]), axes], keepdims=1)
+
+    flags = add("Add", [row_flag(x), row_flag(add("Softmax", [logits], axis=-1))])
+    return add("Where", [add("IsNaN", [flags]), flags, y])  # NaN rows take the (NaN) flag

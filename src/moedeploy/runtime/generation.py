@@ -12,7 +12,7 @@ import torch
 
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names
-from moedeploy.models.generation import generate
+from moedeploy.models.generation import TokenIds, as_prompt, generate
 from moedeploy.runtime.lowering import MoELowering
 from moedeploy.runtime.ort import create_session
 
@@ -32,6 +32,7 @@ class KVDecoder:
         self.n_layers = config["n_layers"]
         self.kv_shape = (config["n_kv_heads"], config["head_dim"])
         self.max_positions = config["max_positions"]
+        self.vocab_size = config["vocab_size"]
         self.np_dtype = NP_DTYPES[self.artifact.dtype]
         self.past_names = past_names(self.n_layers)
         self._past: list[np.ndarray] = []
@@ -56,7 +57,7 @@ class KVDecoder:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: TokenIds,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
         top_k: int | None = None,
@@ -64,10 +65,13 @@ class KVDecoder:
         seed: int | None = None,
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Same arguments and result as MoEDecoder.generate: (B, S + new) token ids."""
-        self.reset(input_ids.shape[0])
-        return generate(self.step, input_ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
-                        seed, eos_token_id)
+        """Same arguments and result as MoEDecoder.generate: (B, S + new) token ids, or
+        (S + new,) for a 1-D prompt; input_ids may be a torch tensor, NumPy array or list."""
+        prompt = as_prompt(input_ids, self.vocab_size)
+        self.reset(prompt.ids.shape[0])
+        tokens = generate(self.step, prompt.ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
+                          seed, eos_token_id)
+        return prompt.result(tokens)
 
 
 class OrtDecoder(KVDecoder):

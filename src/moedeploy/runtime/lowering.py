@@ -18,6 +18,9 @@ import onnx_ir as ir
 from moedeploy.plugins import moe, rmsnorm
 
 MoELowering = Literal["auto", "contrib", "function"]
+#: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
+#: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows).
+LOWERING_VERSION = 2
 MOE_LOWERINGS = ("auto", "contrib", "function")
 
 

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 import moedeploy
 from moedeploy.export.artifact import MODEL_FILE, Artifact, sha256
-from moedeploy.runtime.lowering import MoELowering, lower_for_ort
+from moedeploy.runtime.lowering import LOWERING_VERSION, MoELowering, lower_for_ort
 from moedeploy.utils.io import atomic_write_json, normalise_modes
 
 CACHE_DIR = "cache"
@@ -144,6 +144,7 @@ def cache_origin(artifact: Artifact) -> dict[str, Any]:
         "format": CACHE_FORMAT,
         "source": {rel: artifact.manifest["files"][rel] for rel in artifact.model_files()},
         "versions": {"moedeploy": moedeploy.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
+        "lowering_version": LOWERING_VERSION,
     }
 
 
