@@ -202,12 +202,15 @@ def _print_report(report: dict) -> None:
             )
         out.print(table)
     if report.get("first_divergent_layer"):
-        from moedeploy.compare.report import routing_note
+        from moedeploy.compare.report import divergence_note, plain, routing_note
 
-        out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
-                  f"(module {report['first_divergent_module']})", highlight=False)
-        if note := routing_note(report):
-            out.print(note, highlight=False)
+        if report["passed"]:  # outputs pass: the module named is inside the network (see divergence_note)
+            out.print(f"[yellow]note:[/yellow] {escape(divergence_note(report, plain) or '')}", highlight=False)
+        else:
+            out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
+                      f"(module {report['first_divergent_module']})", highlight=False)
+        if note := routing_note(report, plain):
+            out.print(escape(note), highlight=False)
 
 
 @app.command("compare")
@@ -220,6 +223,11 @@ def compare_cmd(
     iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),
     seed: int = typer.Option(0, "--seed", help="Seed for the input data."),
     layerwise: bool = typer.Option(False, "--layerwise", help="Localise the first divergent layer even when outputs pass."),
+    checkpoint: Path = typer.Option(
+        None, "--checkpoint",
+        help="Decoder exported from a checkpoint: the checkpoint's folder, if it moved since export "
+        "(refused unless its weights match the manifest's fingerprint).",
+    ),
 ) -> None:
     """Compare an artifact's backends with eager PyTorch (Polygraphy), write <artifact>/report/.
 
@@ -232,7 +240,7 @@ def compare_cmd(
     with err.status("comparing", spinner="dots") as status:
         report = compare(
             artifact, backends, atol=atol, rtol=rtol, iterations=iterations, seed=seed,
-            layerwise=layerwise, progress=lambda stage: status.update(stage),
+            layerwise=layerwise, progress=lambda stage: status.update(stage), checkpoint=checkpoint,
         )
     _print_report(report)
     verdict = "[green]PASS[/green]" if report["passed"] else "[red]FAIL[/red]"
@@ -274,9 +282,12 @@ def all_cmd(
         table.add_column(col, justify="right" if col in ("max abs error", "s") else "left")
     for r in summary["results"]:
         result = "[green]pass[/green]" if r["passed"] else "[red]FAIL[/red]"
-        error = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else (r.get("error", "") or "")[:60]
+        error = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else (r.get("error") or "").split("\n")[0][:60]
         table.add_row(r["name"], result, error, r.get("first_divergent_layer") or "", f"{r['seconds']:.1f}")
     out.print(table)
+    for r in summary["results"]:
+        if r.get("note"):
+            out.print(f"[yellow]note:[/yellow] {r['name']}: {escape(r['note'])}", highlight=False)
     passed = sum(r["passed"] for r in summary["results"])
     verdict = "[green]PASS[/green]" if summary["passed"] else "[red]FAIL[/red]"
     out.print(f"{verdict} {passed}/{len(summary['results'])} match eager PyTorch; index: {out_dir / 'index.html'}", highlight=False)
