@@ -287,7 +287,7 @@ def all_cmd(
     out.print(table)
     for r in summary["results"]:
         if r.get("note"):
-            out.print(f"[yellow]note:[/yellow] {r['name']}: {escape(r['note'])}", highlight=False)
+            out.print(f"[yellow]note:[/yellow] {r['name']}: {escape(r['note'])} See {out_dir / r['report']}.", highlight=False)
     passed = sum(r["passed"] for r in summary["results"])
     verdict = "[green]PASS[/green]" if summary["passed"] else "[red]FAIL[/red]"
     out.print(f"{verdict} {passed}/{len(summary['results'])} match eager PyTorch; index: {out_dir / 'index.html'}", highlight=False)

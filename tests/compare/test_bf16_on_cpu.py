@@ -59,6 +59,6 @@ def test_all_stops_before_exporting(tmp_path):
 def test_all_cli_is_one_line(tmp_path):
     out = tmp_path / "out"
     result = run_cli("all", "--dtype", "bf16", "--out", out)
-    assert_one_error_line(result, "bf16", "no bfloat16 kernels")
+    assert_one_error_line(result, "--dtype bf16", "before exporting", "no bfloat16 kernels")
     assert "match eager PyTorch" not in result.stdout  # no table of 15 failures
     assert not out.exists()

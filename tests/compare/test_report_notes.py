@@ -167,3 +167,5 @@ def test_all_cli_prints_the_note(fake_all, tmp_path):
     printed = _words(result.output)
     assert result.exit_code == 1  # the decoder's export failed
     assert "note: rmsnorm: Outputs within tolerance. Inside the network, norm is the first" in printed
+    report = tmp_path / "out" / "rmsnorm" / "report" / "report.html"
+    assert f"See{report}." in re.sub(r"\s+", "", result.output)  # a long path may wrap

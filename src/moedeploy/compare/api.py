@@ -62,7 +62,7 @@ def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
     """
     if dtype == "bf16" and "ort" in backends and default_providers()[0] == CPU:
         return ("ONNX Runtime's CPU provider has no bfloat16 kernels, so bf16 graphs do not run on "
-                "--backend ort here; compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
+                "--backend ort on this machine; compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
     return None
 
 

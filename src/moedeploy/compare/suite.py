@@ -47,7 +47,7 @@ def run_all(
     backends = backends or default_backends()
     targets = targets or [*BLOCKS, DECODER]
     if reason := not_runnable_here(dtype, backends):  # before exporting anything it could not compare
-        raise SessionError(f"moedeploy all cannot compare {dtype} artifacts here: {reason}")
+        raise SessionError(f"moedeploy all --dtype {dtype} stops before exporting: {reason}")
     rows = []
     for i, target in enumerate(targets, 1):
         progress(f"[{i}/{len(targets)}] {target}")
