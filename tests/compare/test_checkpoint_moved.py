@@ -116,3 +116,27 @@ def test_checkpoint_that_is_not_a_folder_is_refused(moved, tmp_path):
     folder = fresh_copy(artifact, tmp_path / "artifact")
     with pytest.raises(ArtifactError, match="is not a folder"):
         compare(folder, checkpoint=tmp_path / "nowhere")
+
+
+def test_the_up_front_reference_is_handed_over_not_kept():
+    """Built once before any run (a bad checkpoint fails early), then owned by the runner alone."""
+    import gc
+    import weakref
+
+    from moedeploy.compare.api import handed_out_once
+
+    built = []
+
+    def rebuild() -> torch.nn.Module:
+        built.append(1)
+        return torch.nn.Linear(2, 2)
+
+    loader = handed_out_once(rebuild(), rebuild)
+    first = loader()
+    assert len(built) == 1
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the loader kept no reference: the runner's deactivation frees it
+    loader()
+    assert len(built) == 2

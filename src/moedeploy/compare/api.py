@@ -108,6 +108,21 @@ def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expecte
     return DecoderWithPast(decoder).eval()
 
 
+def handed_out_once(first: nn.Module, rebuild: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """A module loader that returns `first` once, then rebuilds.
+
+    The reference is built before any run, so a bad checkpoint fails up front; handing it
+    over (and forgetting it) lets the runner free it on deactivation, so the eager model never
+    sits in memory beside ONNX Runtime's copy of the weights.
+    """
+    pending = [first]
+
+    def load() -> nn.Module:
+        return pending.pop() if pending else rebuild()
+
+    return load
+
+
 @contextlib.contextmanager
 def polygraphy_silenced() -> Iterator[None]:
     """Polygraphy's own log off: its `[E] FAILED` lines repeat moedeploy's table, and its first
@@ -154,9 +169,12 @@ def compare(
     quiet_polygraphy()
     tolerances = resolve_tolerances(artifact, atol, rtol)
     loader = ArtifactDataLoader(artifact, iterations, seed)
+
+    def rebuild() -> nn.Module:
+        return eager_reference(artifact, checkpoint)
+
     progress("building the eager PyTorch reference")
-    module = eager_reference(artifact, checkpoint)
-    reference = TorchRunner(artifact, module_loader=lambda: module)
+    reference = TorchRunner(artifact, module_loader=handed_out_once(rebuild(), rebuild))  # checked before any run
     runners = [reference] + [make_runner(b, artifact) for b in backends]
 
     progress(f"running {', '.join(r.name for r in runners)} on {iterations} seeded inputs")
@@ -198,7 +216,7 @@ def compare(
             continue
         progress(f"localising the first divergent layer on {comparison['backend']}")
         atol0, rtol0 = next(iter(tolerances.values()))
-        comparison["layerwise"] = localize(artifact, feed, atol0, rtol0, reference=module)
+        comparison["layerwise"] = localize(artifact, feed, atol0, rtol0, reference=rebuild())
         if report["first_divergent_layer"] is None:
             for key in LAYERWISE_KEYS:
                 report[key] = comparison["layerwise"][key]
