@@ -152,20 +152,22 @@ def check_writable(path: Path) -> None:
         raise UserError(f"cannot write to {path}: {problem}; choose another --out")
 
 
-def make_table(title: str | None, columns: list[str], text_columns: int = 1) -> Any:
+def make_table(title: str | None, columns: list[str], text: tuple[str, ...] | None = None) -> Any:
     """A rich Table that fits 80 columns (a CI log, a pipe) without cutting anything off.
 
-    No vertical rules, so the figures fit; the first `text_columns` columns (names) wrap
-    inside their cells when space runs out, and figures never wrap or get an ellipsis.
+    No vertical rules, so the figures fit; the `text` columns (names; default the first
+    column) wrap inside their cells when space runs out, and figures never wrap or get an
+    ellipsis.
     """
     from rich import box
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   collapse_padding=True, header_style="bold")
-    for i, column in enumerate(columns):
-        text = i < text_columns
-        table.add_column(column, justify="left" if text else "right", overflow="fold", no_wrap=not text)
+    text = text or (columns[0],)
+    for column in columns:
+        wraps = column in text
+        table.add_column(column, justify="left" if wraps else "right", overflow="fold", no_wrap=not wraps)
     return table
 
 
@@ -201,7 +203,10 @@ def progress_steps(title: str, echo_on_terminal: bool = False) -> Iterator[Calla
 @app.command()
 @handle_errors
 def version() -> None:
-    """Print the versions of moedeploy and the libraries it uses ("not installed" for missing optional ones)."""
+    """Print the versions of moedeploy and its libraries.
+
+    Optional ones that are missing say "not installed", with the command that installs them.
+    """
     from moedeploy.export.exporter import library_versions
     from moedeploy.utils.versions import supporting_versions
 
@@ -290,12 +295,9 @@ def _split_backends(value: str) -> list[str]:
 
 
 def _print_report(report: dict) -> None:
-    from rich.table import Table
-
     for c in report["comparisons"]:
-        table = Table(title=f"{c['backend']} vs {c['reference']}", title_justify="left")
-        for col in ("output", "max abs", "p99 abs", "max rel", "cosine", "atol", "rtol", "result"):
-            table.add_column(col, justify="left" if col == "output" else "right")
+        table = make_table(f"{c['backend']} vs {c['reference']}",
+                           ["output", "max abs", "p99 abs", "max rel", "cosine", "atol", "rtol", "result"])
         for name, st in c["outputs"].items():
             if st.get("shape_mismatch"):
                 table.add_row(name, "shape mismatch", "", "", "", "", "", "[red]FAIL[/red]")
@@ -306,12 +308,15 @@ def _print_report(report: dict) -> None:
             )
         out.print(table)
     if report.get("first_divergent_layer"):
-        from moedeploy.compare.report import routing_note
+        from moedeploy.compare.report import divergence_note, plain, routing_note
 
-        out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
-                  f"(module {report['first_divergent_module']})", highlight=False)
-        if note := routing_note(report):
-            out.print(note, highlight=False)
+        if report["passed"]:  # outputs pass: the module named is inside the network (see divergence_note)
+            out.print(f"[yellow]note:[/yellow] {escape(divergence_note(report, plain) or '')}", highlight=False)
+        else:
+            out.print(f"[red]first divergent layer:[/red] {report['first_divergent_layer']} "
+                      f"(module {report['first_divergent_module']})", highlight=False)
+        if note := routing_note(report, plain):
+            out.print(escape(note), highlight=False)
 
 
 @app.command("compare")
@@ -324,19 +329,25 @@ def compare_cmd(
     iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),
     seed: int = typer.Option(0, "--seed", help="Seed for the input data."),
     layerwise: bool = typer.Option(False, "--layerwise", help="Localise the first divergent layer even when outputs pass."),
+    checkpoint: Path = typer.Option(
+        None, "--checkpoint",
+        help="Decoder exported from a checkpoint: the checkpoint's folder, if it moved since export "
+        "(refused unless its weights match the manifest's fingerprint).",
+    ),
 ) -> None:
-    """Compare an artifact's backends with eager PyTorch (Polygraphy), write <artifact>/report/.
+    """Compare an artifact's backends with eager PyTorch.
 
+    Writes <artifact>/report/.
     Exit code 1 when any output is out of tolerance, so it can gate CI. The report folder holds
     report.json / report.md / report.html and Polygraphy's run_results.json and accuracy.json.
     """
     from moedeploy.compare.api import compare
 
     backends = _split_backends(backend)
-    with err.status("comparing", spinner="dots") as status:
+    with progress_steps(f"comparing {artifact}") as progress:
         report = compare(
             artifact, backends, atol=atol, rtol=rtol, iterations=iterations, seed=seed,
-            layerwise=layerwise, progress=lambda stage: status.update(stage),
+            layerwise=layerwise, progress=progress, checkpoint=checkpoint,
         )
     _print_report(report)
     verdict = "[green]PASS[/green]" if report["passed"] else "[red]FAIL[/red]"
@@ -356,13 +367,12 @@ def all_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs."),
     force: bool = typer.Option(False, "--force", help="Write into --out even when it holds files moedeploy did not write."),
 ) -> None:
-    """Export every block and the decoder, compare each on every backend, write <out>/index.html.
+    """Export and compare every block and the decoder.
 
+    Writes an artifact per target and <out>/index.html.
     The README's main job: proves, end to end, that every exported graph matches eager PyTorch.
     Exit code 1 when anything fails.
     """
-    from rich.table import Table
-
     from moedeploy.compare.suite import check_run_folder, run_all
     from moedeploy.export import parse_dtype
     from moedeploy.models import PRESETS
@@ -375,14 +385,17 @@ def all_cmd(
     check_run_folder(out_dir, force)
     with progress_steps("moedeploy all") as progress:
         summary = run_all(out_dir, backends, dtype, preset_name, iterations, seed, progress=progress, force=force)
-    table = Table(title=f"moedeploy all ({', '.join(summary['backends'])}, {dtype})", title_justify="left")
-    for col in ("artifact", "result", "max abs error", "first divergent layer", "s"):
-        table.add_column(col, justify="right" if col in ("max abs error", "s") else "left")
+    table = make_table(f"moedeploy all ({', '.join(summary['backends'])}, {dtype})",
+                       ["artifact", "result", "max abs error", "first divergent layer", "s"],
+                       text=("artifact", "max abs error", "first divergent layer"))
     for r in summary["results"]:
         result = "[green]pass[/green]" if r["passed"] else "[red]FAIL[/red]"
-        error = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else (r.get("error", "") or "")[:60]
+        error = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else (r.get("error") or "").split("\n")[0]
         table.add_row(r["name"], result, error, r.get("first_divergent_layer") or "", f"{r['seconds']:.1f}")
     out.print(table)
+    for r in summary["results"]:
+        if r.get("note"):
+            out.print(f"[yellow]note:[/yellow] {r['name']}: {escape(r['note'])} See {out_dir / r['report']}.", highlight=False)
     passed = sum(r["passed"] for r in summary["results"])
     verdict = "[green]PASS[/green]" if summary["passed"] else "[red]FAIL[/red]"
     out.print(f"{verdict} {passed}/{len(summary['results'])} match eager PyTorch; index: {out_dir / 'index.html'}", highlight=False)
@@ -398,7 +411,7 @@ def build_cmd(
     workspace: int = typer.Option(None, "--workspace", help="Builder workspace limit in MB (default: TensorRT's)."),
     timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to read and update (speeds up rebuilds)."),
 ) -> None:
-    """Build a TensorRT engine from an artifact (needs TensorRT and a GPU).
+    """Build a TensorRT engine (needs TensorRT and a GPU).
 
     The moe::RMSNorm / moe::MoE nodes run as moedeploy's plugins. One optimisation profile
     from the manifest's min/opt/max dynamic ranges; a strongly typed network, so the precision
@@ -439,7 +452,7 @@ def check_cmd(
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
     out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)
     if report.plugins:
-        table = make_table("custom nodes -> plugins", ["node", "op", "implemented by"], text_columns=3)
+        table = make_table("custom nodes -> plugins", columns := ["node", "op", "implemented by"], text=tuple(columns))
         for f in report.plugins:
             table.add_row(f.node, f.op, f.detail)
         out.print(table)

@@ -73,3 +73,26 @@ def test_trt_backend_without_an_engine_is_one_error_line(block):
     """No TensorRT, no GPU or no engine built: each is a user error naming TensorRT."""
     assert_one_error_line(run_cli("compare", block, "--backend", "trt"), "TensorRT")
     assert not (block / "report").exists()
+
+
+def test_only_moedeploy_speaks(block, tmp_path):
+    """A failing comparison prints moedeploy's table once: none of Polygraphy's own log lines
+    (its `[E] FAILED` repeats, its hint to install `colored`)."""
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    result = run_cli("compare", folder, "--atol", "0", "--rtol", "0", "--iterations", "2")
+    assert result.returncode == 1 and "FAIL" in result.stdout
+    printed = result.stdout + result.stderr
+    assert "colored" not in printed
+    polygraphy = [line for line in printed.splitlines() if line.lstrip().startswith(("[W]", "[E]", "[I]", "[!]", "[V]"))]
+    assert polygraphy == []
+
+
+def test_polygraphy_logging_is_restored_after_compare(block, tmp_path):
+    """compare() silences Polygraphy only while it runs: other tools keep their logging."""
+    from polygraphy.logger import G_LOGGER
+
+    from moedeploy.compare.api import compare
+
+    severity, colors = G_LOGGER.module_severity.get(), G_LOGGER.colors
+    compare(fresh_copy(block, tmp_path / "rmsnorm"), iterations=1)
+    assert (G_LOGGER.module_severity.get(), G_LOGGER.colors) == (severity, colors)

@@ -10,7 +10,13 @@ import onnx
 from onnx import numpy_helper
 
 from moedeploy.compare.api import compare
-from moedeploy.compare.layerwise import routing_flips
+from moedeploy.compare.layerwise import (
+    ModuleResult,
+    layer_of,
+    routing_explanation,
+    routing_flips,
+    tokens_out_of_tolerance,
+)
 from moedeploy.compare.report import routing_note
 from moedeploy.export import export
 from moedeploy.export.artifact import MANIFEST, sha256
@@ -32,6 +38,9 @@ def test_note_only_when_router_logits_agree() -> None:
     assert routing_note({"first_divergent_routing_flips": None, "first_divergent_module": "layers.0.ffn"}) is None
     note = routing_note({"first_divergent_routing_flips": 2, "first_divergent_module": "layers.0.ffn"})
     assert note and "2 token(s)" in note and "layers.0.ffn" in note
+    upstream = routing_note({"first_divergent_routing_flips": 1, "first_divergent_module": "norm",
+                             "first_divergent_routing_modules": ["layers.1.ffn"]})
+    assert upstream and "in `norm`" in upstream and "upstream, in `layers.1.ffn`" in upstream
 
 
 def test_a_broken_router_is_not_called_a_near_tie(tmp_path) -> None:
@@ -52,3 +61,58 @@ def test_a_broken_router_is_not_called_a_near_tie(tmp_path) -> None:
     assert moe["layers.1.ffn"]["routing_flips"] > 0 and not moe["layers.1.ffn"]["router_logits_passed"]
     assert report["first_divergent_routing_flips"] is None  # the router is wrong: no rounding excuse
     assert "routing flips" in (artifact.path / "report" / "report.md").read_text()
+
+
+# --- when routing near-ties account for the first divergence ---------------------------
+
+
+def _moe(module: str, flipped: list[int], tokens: int = 8, logits_agree: bool = True, passed: bool = True) -> ModuleResult:
+    return ModuleResult(module, layer_of(module), {
+        "passed": passed, "routing_flips": len(flipped), "routed_tokens": tokens,
+        "router_logits_passed": logits_agree, "flipped_tokens": flipped,
+    })
+
+
+def _other(module: str, passed: bool = True) -> ModuleResult:
+    return ModuleResult(module, layer_of(module), {"passed": passed})
+
+
+def test_tokens_out_of_tolerance_by_hand() -> None:
+    expected = np.zeros((2, 3, 4))  # 6 tokens of 4 values
+    actual = expected.copy()
+    actual[0, 1, 2] = 0.5  # token 1
+    actual[1, 2, 0] = np.nan  # token 5: NaN is out of tolerance
+    actual[1, 0, 3] = 1e-3  # token 3, within atol 1e-2
+    assert tokens_out_of_tolerance(expected, actual, 1e-2, 0.0) == {1, 5}
+
+
+def test_flips_in_the_divergent_moe_explain_it() -> None:
+    modules = [_other("layers.0.attn"), _moe("layers.0.ffn", [2, 5], passed=False)]
+    assert routing_explanation(modules, 8, {2, 5}) == (2, ["layers.0.ffn"])
+    assert routing_explanation(modules, 8, {5}) == (1, ["layers.0.ffn"])
+
+
+def test_upstream_flips_explain_a_later_module() -> None:
+    """The tiny fp16 decoder's case: one near-tie in layers.1.ffn, out of tolerance first at `norm`."""
+    modules = [_moe("layers.0.ffn", []), _moe("layers.1.ffn", [59], tokens=128), _other("norm", passed=False)]
+    assert routing_explanation(modules, 128, {59}) == (1, ["layers.1.ffn"])
+
+
+def test_a_token_that_did_not_flip_leaves_it_unexplained() -> None:
+    modules = [_moe("layers.0.ffn", [2]), _other("layers.0", passed=False)]
+    assert routing_explanation(modules, 8, {2, 3}) is None
+
+
+def test_flips_with_disagreeing_router_logits_explain_nothing() -> None:
+    modules = [_moe("layers.0.ffn", [2], logits_agree=False, passed=False)]
+    assert routing_explanation(modules, 8, {2}) is None
+
+
+def test_flips_over_other_tokens_explain_nothing() -> None:
+    """Token numbers mean the same rows only when the MoE routes as many tokens as the module has."""
+    modules = [_moe("ffn", [2], tokens=8), _other("out", passed=False)]
+    assert routing_explanation(modules, 16, {2}) is None
+
+
+def test_no_tokens_out_of_tolerance_is_no_explanation() -> None:
+    assert routing_explanation([_moe("ffn", [1], passed=False)], 8, set()) is None

@@ -220,13 +220,13 @@ def test_failed_export_keeps_the_old_artifact_and_leaves_nothing(tmp_path: Path,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(exporter, "save_golden", broken)
-    with pytest.raises(OSError, match=f"(?i)no space left on the device while writing {out}"):
+    with pytest.raises(OSError, match=rf"(?i)no space left on the device while writing {out}"):
         export_block("rmsnorm", out, seed=2)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
     # a new target in folders that do not exist yet: the failure removes what it created
-    with pytest.raises(OSError, match="(?i)no space"):
+    with pytest.raises(OSError, match=r"(?i)no space"):
         export_block("rmsnorm", tmp_path / "new" / "deeper" / "art")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]

@@ -8,20 +8,24 @@ and, on request or on failure, localise the first divergent layer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from moedeploy.compare.data import ArtifactDataLoader
 from moedeploy.compare.layerwise import localize
 from moedeploy.compare.metrics import error_stats
 from moedeploy.compare.report import render_html, render_markdown
-from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
+from moedeploy.export.reference import build_decoder, load_reference, weights_fingerprint
+from moedeploy.runtime.ort import CPU, SessionError, default_providers
 from moedeploy.runtime.runners import BACKENDS, TorchRunner, make_runner
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
 
@@ -30,6 +34,9 @@ RUN_RESULTS = "run_results.json"
 ACCURACY = "accuracy.json"
 
 Progress = Callable[[str], None]
+#: What the first localised comparison tells report.json about where outputs start to diverge.
+LAYERWISE_KEYS = ("first_divergent_layer", "first_divergent_module", "first_divergent_routing_flips",
+                  "first_divergent_routing_modules")
 
 
 def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | None) -> dict[str, tuple[float, float]]:
@@ -46,6 +53,92 @@ def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | Non
     return result
 
 
+def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
+    """Why `backends` cannot run `dtype` graphs on this machine, or None when they can.
+
+    ONNX Runtime's CPU provider has no bfloat16 kernels (runtime/ort.py refuses such a
+    session). Saying so before any work replaces a Polygraphy traceback in `compare` and 15
+    failed rows in `moedeploy all`.
+    """
+    if dtype == "bf16" and "ort" in backends and default_providers()[0] == CPU:
+        return ("ONNX Runtime's CPU provider has no bfloat16 kernels, so bf16 graphs do not run on "
+                "--backend ort on this machine; compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
+    return None
+
+
+def eager_reference(artifact: Artifact, checkpoint: str | Path | None = None) -> nn.Module:
+    """The eager PyTorch module to compare with, built once for the runner and the layer-wise pass.
+
+    `checkpoint` points a decoder exported from a checkpoint at the folder's new place. Its
+    weights must have the fingerprint recorded at export (manifest `weights_sha256`): a
+    reference built from other weights would make every verdict meaningless.
+    """
+    source = artifact.manifest["config"].get("source", {}) if artifact.kind == "decoder" else {}
+    recorded = source.get("checkpoint")
+    if checkpoint is None:
+        if recorded is not None and not Path(recorded).is_dir():
+            raise ArtifactError(
+                f"{artifact.path} was exported from checkpoint {recorded}, which is gone; "
+                "pass --checkpoint DIR with the folder's new place"
+            )
+        return load_reference(artifact)
+    if recorded is None:
+        made_from = f"the {source['preset']!r} preset" if source.get("preset") else f"a {artifact.kind} with stored weights"
+        raise ArtifactError(f"--checkpoint is for decoders exported from a checkpoint; {artifact.path} was made from {made_from}")
+    return _verified_checkpoint_reference(artifact, Path(checkpoint), source.get("weights_sha256"))
+
+
+def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expected: str | None) -> nn.Module:
+    """The decoder in `checkpoint`, refused unless its weights are the ones the artifact was exported from."""
+    from moedeploy.export.decoder import DecoderWithPast
+
+    if not expected:
+        raise ArtifactError(
+            f"{artifact.path} records no weights fingerprint (weights_sha256), so --checkpoint {checkpoint} "
+            "cannot be checked against it; re-export the artifact"
+        )
+    if not checkpoint.is_dir():
+        raise ArtifactError(f"--checkpoint {checkpoint} is not a folder")
+    decoder = build_decoder(None, checkpoint, artifact.manifest["seed"], parse_dtype(artifact.dtype))
+    if weights_fingerprint(decoder) != expected:
+        raise ArtifactError(
+            f"--checkpoint {checkpoint} holds other weights than {artifact.path} was exported from "
+            "(its weights_sha256 fingerprint differs); pass the checkpoint the artifact was made from"
+        )
+    return DecoderWithPast(decoder).eval()
+
+
+def handed_out_once(first: nn.Module, rebuild: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """A module loader that returns `first` once, then rebuilds.
+
+    The reference is built before any run, so a bad checkpoint fails up front; handing it
+    over (and forgetting it) lets the runner free it on deactivation, so the eager model never
+    sits in memory beside ONNX Runtime's copy of the weights.
+    """
+    pending = [first]
+
+    def load() -> nn.Module:
+        return pending.pop() if pending else rebuild()
+
+    return load
+
+
+@contextlib.contextmanager
+def polygraphy_silenced() -> Iterator[None]:
+    """Polygraphy's own log off: its `[E] FAILED` lines repeat moedeploy's table, and its first
+    printed line is a hint to install `colored`. Its errors still reach the user: Polygraphy
+    raises them, and moedeploy reports them."""
+    from polygraphy.logger import G_LOGGER
+
+    colors = G_LOGGER.colors
+    G_LOGGER.colors = False  # the `colored` hint is printed when a coloured line is first logged
+    try:
+        with G_LOGGER.verbosity(G_LOGGER.CRITICAL + 1):
+            yield
+    finally:
+        G_LOGGER.colors = colors
+
+
 def compare(
     artifact: Artifact | str | Path,
     backends: list[str] | tuple[str, ...] = ("ort",),
@@ -55,8 +148,13 @@ def compare(
     seed: int = 0,
     layerwise: bool = False,
     progress: Progress | None = None,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Compare each backend with eager PyTorch; writes <artifact>/report/ and returns report.json's dict."""
+    """Compare each backend with eager PyTorch; writes <artifact>/report/ and returns report.json's dict.
+
+    `checkpoint`: where a decoder's checkpoint is now, when it moved since export (verified
+    against the weights fingerprint in the manifest).
+    """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     progress = progress or (lambda _: None)
@@ -66,20 +164,28 @@ def compare(
         raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from ort, trt")
     if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
         raise ValueError("--atol and --rtol must be >= 0")
+    if reason := not_runnable_here(artifact.dtype, backends):
+        raise SessionError(f"cannot compare {artifact.path} ({artifact.dtype}): {reason}")
     quiet_polygraphy()
     tolerances = resolve_tolerances(artifact, atol, rtol)
     loader = ArtifactDataLoader(artifact, iterations, seed)
-    reference = TorchRunner(artifact)
+
+    def rebuild() -> nn.Module:
+        return eager_reference(artifact, checkpoint)
+
+    progress("building the eager PyTorch reference")
+    reference = TorchRunner(artifact, module_loader=handed_out_once(rebuild(), rebuild))  # checked before any run
     runners = [reference] + [make_runner(b, artifact) for b in backends]
 
     progress(f"running {', '.join(r.name for r in runners)} on {iterations} seeded inputs")
-    run_results = Comparator.run(runners, data_loader=loader)
     compare_func = SimpleCompareFunc(
         atol={k: v[0] for k, v in tolerances.items()},
         rtol={k: v[1] for k, v in tolerances.items()},
         check_error_stat="elemwise",
     )
-    accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func)
+    with polygraphy_silenced():
+        run_results = Comparator.run(runners, data_loader=loader)
+        accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func)
 
     results_by_runner = dict(run_results.items())
     comparisons = []
@@ -90,6 +196,7 @@ def compare(
     report: dict[str, Any] = {
         "artifact": {k: artifact.manifest[k] for k in ("name", "kind", "dtype", "opset")},
         "reference": reference.name,
+        "reference_checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else None,
         "backends": list(backends),
         "iterations": iterations,
         "seed": seed,
@@ -98,6 +205,7 @@ def compare(
         "first_divergent_layer": None,
         "first_divergent_module": None,
         "first_divergent_routing_flips": None,
+        "first_divergent_routing_modules": None,
         "polygraphy": {"run_results": RUN_RESULTS, "accuracy": ACCURACY},
         "versions": library_versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -108,20 +216,20 @@ def compare(
             continue
         progress(f"localising the first divergent layer on {comparison['backend']}")
         atol0, rtol0 = next(iter(tolerances.values()))
-        comparison["layerwise"] = localize(artifact, feed, atol0, rtol0)
+        comparison["layerwise"] = localize(artifact, feed, atol0, rtol0, reference=rebuild())
         if report["first_divergent_layer"] is None:
-            report["first_divergent_layer"] = comparison["layerwise"]["first_divergent_layer"]
-            report["first_divergent_module"] = comparison["layerwise"]["first_divergent_module"]
-            report["first_divergent_routing_flips"] = comparison["layerwise"]["first_divergent_routing_flips"]
+            for key in LAYERWISE_KEYS:
+                report[key] = comparison["layerwise"][key]
 
     progress(f"writing the report to {artifact.path / REPORT_DIR}")
     # report/ is the artifact's own subfolder, replaced on every run; anything else there is refused
-    with atomic_directory(artifact.path / REPORT_DIR, owned=lambda p: (p / "report.json").is_file()) as tmp:
+    with atomic_directory(artifact.path / REPORT_DIR, owned=lambda p: (p / "report.json").is_file()) as tmp, \
+            polygraphy_silenced():
         run_results.save(str(tmp / RUN_RESULTS))
         accuracy.save(str(tmp / ACCURACY))
         atomic_write_json(tmp / "report.json", strict_json(report))
         atomic_write_text(tmp / "report.md", render_markdown(report))
-        atomic_write_text(tmp / "report.html", render_html(report, _errors(results_by_runner, reference.name)))
+        atomic_write_text(tmp / "report.html", render_html(report, _values(results_by_runner, reference.name)))
     return report
 
 
@@ -163,14 +271,16 @@ def _comparison(ref_name: str, name: str, results, tolerances, accuracy) -> dict
     }
 
 
-def _errors(results, ref_name: str) -> dict[str, dict[str, np.ndarray]]:
-    """Backend -> output -> elementwise error, for the histograms."""
-    errors = {}
+def _values(results, ref_name: str) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Backend -> output -> (eager, backend) values over every iteration, for the histograms
+    (an element's tolerance depends on its eager value, so the plots need both)."""
+    values = {}
     for name, iters in results.items():
         if name == ref_name:
             continue
-        errors[name] = {
-            output: _concat(results, name, output) - _concat(results, ref_name, output)
+        values[name] = {
+            output: (_concat(results, ref_name, output), _concat(results, name, output))
             for output in iters[0]
+            if all(r[output].shape == a[output].shape for r, a in zip(results[ref_name], iters, strict=True))
         }
-    return errors
+    return values

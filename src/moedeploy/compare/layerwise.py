@@ -108,16 +108,21 @@ def _hook_outputs(module: torch.nn.Module, names: list[str], run) -> dict[str, n
 
 
 def localize(
-    artifact: Artifact, feed: dict[str, np.ndarray], atol: float, rtol: float, moe_lowering: str = "auto"
+    artifact: Artifact, feed: dict[str, np.ndarray], atol: float, rtol: float, moe_lowering: str = "auto",
+    reference: torch.nn.Module | None = None,
 ) -> dict:
-    """Compare every tracked module's output on ONNX Runtime with eager PyTorch for one feed."""
+    """Compare every tracked module's output on ONNX Runtime with eager PyTorch for one feed.
+
+    `reference`: the eager module (default: rebuilt from the artifact), so a caller that has
+    built it once, or from a moved checkpoint, compares with the same one.
+    """
     import onnxruntime as ort
 
     from moedeploy.runtime.lowering import lower_for_ort
     from moedeploy.runtime.ort import session_options
     from moedeploy.runtime.runners import TorchRunner
 
-    reference = load_reference(artifact)
+    reference = reference if reference is not None else load_reference(artifact)
     # A Linear that absorbed a folded BatchNorm computes Linear+BN in the graph: its eager
     # output (before BN) has no counterpart, and neither has the BatchNorm itself.
     folding = (artifact.manifest["config"].get("batchnorm_folding") or {}) if artifact.kind == "block" else {}
@@ -148,6 +153,7 @@ def localize(
         return graph_values[match[-1]] if match else None  # None: folded away or fused beyond recognition
 
     results: list[ModuleResult] = []
+    out_of_tolerance: list[tuple[int, set[int]] | None] = []  # (tokens, those out of tolerance)
     for module, expected in eager.items():
         actual = graph_value(module, expected)
         if module in routers or actual is None:
@@ -156,23 +162,66 @@ def localize(
         stats = error_stats(expected, actual, atol, rtol)
         router = f"{module}.router"
         if module in moes and router in eager and (logits := graph_value(router, eager[router])) is not None:
-            stats["routing_flips"] = routing_flips(eager[router], logits, moes[module].top_k)
+            flipped = flipped_tokens(eager[router], logits, moes[module].top_k)
+            stats["routing_flips"] = len(flipped)
             stats["routed_tokens"] = int(eager[router].shape[0])
             stats["router_logits_passed"] = bool(error_stats(eager[router], logits, atol, rtol)["passed"])
+            stats["flipped_tokens"] = flipped
         results.append(ModuleResult(shown, layer_of(shown), stats))
-    first = next((r for r in results if not r.stats["passed"]), None)
+        tokens = int(np.prod(expected.shape[:-1])) if expected.ndim else 1
+        out_of_tolerance.append(None if stats["passed"] else (tokens, tokens_out_of_tolerance(expected, actual, atol, rtol)))
+    index = next((i for i, r in enumerate(results) if not r.stats["passed"]), None)
+    first = results[index] if index is not None else None
+    explained = routing_explanation(results[: index + 1], *out_of_tolerance[index]) if index is not None else None
     return {
         "modules": [{"module": r.module, "layer": r.layer, **r.stats} for r in results],
         "first_divergent_layer": first.layer if first else None,
         "first_divergent_module": first.module if first else None,
-        # flips with agreeing router logits are rounding near-ties; with disagreeing ones, the router is wrong
-        "first_divergent_routing_flips": first.stats.get("routing_flips")
-        if first and first.stats.get("router_logits_passed") else None,
+        "first_divergent_routing_flips": explained[0] if explained else None,
+        "first_divergent_routing_modules": explained[1] if explained else None,
     }
 
 
-def routing_flips(reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int) -> int:
-    """Tokens whose set of top-k experts differs between the two backends' router logits."""
+def flipped_tokens(reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int) -> list[int]:
+    """Tokens (rows) whose set of top-k experts differs between the two backends' router logits."""
     ref = np.sort(np.argsort(-reference_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
     act = np.sort(np.argsort(-actual_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
-    return int((ref != act).any(axis=-1).sum())
+    return [int(t) for t in np.flatnonzero((ref != act).any(axis=-1))]
+
+
+def routing_flips(reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int) -> int:
+    """How many tokens take a different set of top-k experts on the two backends."""
+    return len(flipped_tokens(reference_logits, actual_logits, top_k))
+
+
+def tokens_out_of_tolerance(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float) -> set[int]:
+    """Tokens (rows over the last axis, the order an MoE routes them in) with any element out of tolerance."""
+    ref = np.asarray(expected, dtype=np.float64)
+    act = np.asarray(actual, dtype=np.float64)
+    bad = ~(np.abs(act - ref) <= atol + rtol * np.abs(ref))  # NaN counts as out of tolerance
+    return {int(t) for t in np.flatnonzero(bad.reshape(-1, ref.shape[-1]).any(axis=-1))} if ref.ndim else set()
+
+
+def routing_explanation(
+    upto_first: list[ModuleResult], tokens: int, bad_tokens: set[int]
+) -> tuple[int, list[str]] | None:
+    """(tokens, MoE modules) when routing near-ties account for the first divergence, else None.
+
+    `upto_first` runs in execution order and ends with the first module out of tolerance,
+    whose output has `tokens` rows of which `bad_tokens` are out of tolerance. Its divergence
+    is a rounding near-tie, not an error, only when every one of those tokens took another
+    top-k expert set, there or upstream, in an MoE that routes the same tokens and whose
+    router logits agree within tolerance (disagreeing logits mean the router itself computes
+    something else). A token that drifted for any other reason leaves it unexplained.
+    """
+    if not bad_tokens:
+        return None
+    near_ties = {
+        r.module: set(r.stats["flipped_tokens"]) & bad_tokens
+        for r in upto_first
+        if r.stats.get("router_logits_passed") and r.stats.get("flipped_tokens") and r.stats["routed_tokens"] == tokens
+    }
+    covered = set().union(*near_ties.values()) if near_ties else set()
+    if not bad_tokens <= covered:
+        return None
+    return len(bad_tokens), [module for module, hit in near_ties.items() if hit]

@@ -1,4 +1,11 @@
-"""Plots for the HTML report, rendered to inline PNG data URIs (no external requests)."""
+"""Plots for the HTML report, rendered to inline PNG data URIs (no external requests).
+
+Both plots show error as a fraction of the element's own tolerance,
+|backend - eager| / (atol + rtol * |eager|): that is the pass rule itself (an element passes
+when the fraction is at most 1), so the line drawn at 1 is exactly where elements fail. A
+single atol line on an absolute-error axis would misplace every element whose |eager| makes
+its rtol share count. Exact zeros have no logarithm: they are counted in words, not drawn.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,12 @@ import base64
 import io
 
 import numpy as np
+
+MAX_PANELS = 4  # histograms per comparison; the rest are named as not shown
+BLUE, RED, GREEN, GREY = "#4477aa", "#cc3311", "#228833", "#777777"
+LIMIT_LABEL = "limit: atol + rtol·|eager| (fails right of it)"
+RATIO_LABEL = "log10 of |backend − eager| / (atol + rtol·|eager|)"
+EMPTY_RANGE = (-6.0, 1.0)  # x range (log10) of a panel with nothing to bin: the limit line stays in view
 
 
 def _figure():
@@ -24,42 +37,121 @@ def _to_data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def error_histograms(errors: dict[str, np.ndarray], tolerances: dict[str, float], title: str) -> str:
-    """log10 |error| histograms, one panel per output (at most 4), tolerance marked."""
+def tolerance_fractions(eager: np.ndarray, backend: np.ndarray, atol: float, rtol: float) -> np.ndarray:
+    """|backend - eager| / (atol + rtol * |eager|) per element: 0 exact, <= 1 pass, inf when a
+    nonzero error meets a zero allowance, NaN when either side is NaN."""
+    ref = np.asarray(eager, dtype=np.float64).ravel()
+    err = np.abs(np.asarray(backend, dtype=np.float64).ravel() - ref)
+    allowed = atol + rtol * np.abs(ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(err == 0, 0.0, err / allowed)
+
+
+def _worst(fractions: np.ndarray) -> float:
+    """The largest fraction, NaN counted as the worst (it fails)."""
+    return float(np.inf) if np.isnan(fractions).any() else float(fractions.max(initial=0.0))
+
+
+def _counts_text(fractions: np.ndarray) -> tuple[str, bool]:
+    """The elements a log axis cannot show (exact, NaN) and those over the limit, in words."""
+    exact = int((fractions == 0).sum())
+    nan = int(np.isnan(fractions).sum())
+    over = int((fractions > 1).sum())  # inf included; NaN compares False
+    lines = [f"{exact:,} of {fractions.size:,} exact (error 0)"] if exact else []
+    if exact < fractions.size:
+        lines.append(f"worst: {_worst(fractions):.2g} of the limit")
+    if over:
+        lines.append(f"{over:,} over the limit")
+    if nan:
+        lines.append(f"{nan:,} NaN")
+    return "\n".join(lines), bool(over or nan)
+
+
+def _histogram_panel(ax, name: str, fractions: np.ndarray, atol: float, rtol: float) -> None:
+    drawable = fractions[np.isfinite(fractions) & (fractions > 0)]
+    if drawable.size:
+        ax.hist(np.log10(drawable), bins=60, color=BLUE)
+    else:
+        ax.set_xlim(*EMPTY_RANGE)
+    ax.axvline(0.0, color=RED, linestyle="--", label=LIMIT_LABEL)
+    text, failing = _counts_text(fractions)
+    if text:
+        ax.text(0.02, 0.97, text, transform=ax.transAxes, ha="left", va="top", fontsize=7,
+                color=RED if failing else "#222222", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+    ax.set_title(f"{name}  (atol {atol:.0e}, rtol {rtol:.0e})", fontsize=9)
+    ax.set_xlabel(RATIO_LABEL, fontsize=8)
+    ax.set_ylabel("elements", fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def chosen_outputs(fractions: dict[str, np.ndarray], limit: int = MAX_PANELS) -> list[str]:
+    """At most `limit` outputs, those nearest (or past) their limit, in their original order."""
+    ranked = sorted(fractions, key=lambda name: _worst(fractions[name]), reverse=True)[:limit]
+    return [name for name in fractions if name in ranked]
+
+
+def error_histograms(
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]], tolerances: dict[str, tuple[float, float]], title: str
+) -> str:
+    """The histograms of `histogram_figure` as a PNG data URI."""
+    return _to_data_uri(histogram_figure(pairs, tolerances, title))
+
+
+def histogram_figure(pairs: dict[str, tuple[np.ndarray, np.ndarray]], tolerances: dict[str, tuple[float, float]], title: str):
+    """Histograms of each element's error as a fraction of its tolerance, one panel per output.
+
+    `pairs`: output -> (eager, backend) values; `tolerances`: output -> (atol, rtol). With more
+    than MAX_PANELS outputs, the panels show those nearest their limit and the title says so.
+    """
     plt = _figure()
-    names = list(errors)[:4]
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.0), squeeze=False)
+    fractions = {name: tolerance_fractions(eager, backend, *tolerances[name]) for name, (eager, backend) in pairs.items()}
+    names = chosen_outputs(fractions)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.4), squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names, strict=True):
-        err = np.abs(errors[name].astype(np.float64).ravel())
-        finite = err[np.isfinite(err)]
-        if finite.size:
-            ax.hist(np.log10(np.maximum(finite, 1e-12)), bins=60, color="#4477aa")
-        if finite.size < err.size:  # NaN/Inf cannot be binned: say how many there were
-            ax.text(0.5, 0.5, f"{err.size - finite.size} NaN/Inf errors", transform=ax.transAxes,
-                    ha="center", color="#cc3311", fontsize=9)
-        ax.axvline(np.log10(tolerances[name]), color="#cc3311", linestyle="--", label="atol")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("log10 |backend - eager|", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    return _to_data_uri(fig)
+        _histogram_panel(ax, name, fractions[name], *tolerances[name])
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="outside lower center")
+    shown = ""
+    if len(names) < len(fractions):
+        shown = f" ({len(names)} of {len(fractions)} outputs shown: those nearest their limit)"
+    elif len(names) > 1:
+        shown = f" (all {len(names)} outputs)"
+    fig.suptitle(f"{title}: error as a fraction of its tolerance{shown}", fontsize=10)
+    return fig
 
 
-def layer_errors(modules: list[dict], atol: float, title: str) -> str:
-    """Max absolute error of every tracked module, in execution order, on a log scale."""
+def layer_errors(modules: list[dict], title: str) -> str:
+    """The plot of `layer_figure` as a PNG data URI."""
+    return _to_data_uri(layer_figure(modules, title))
+
+
+def layer_figure(modules: list[dict], title: str):
+    """Each tracked module's worst error as a fraction of its tolerance, in execution order.
+
+    A module passes when that fraction is at most 1, so the points' colours and the limit
+    line agree. Modules whose output is exact are labelled "exact" at the bottom instead of
+    being drawn at an invented small value.
+    """
     plt = _figure()
     names = [m["module"] for m in modules]
-    values = [max(m.get("max_abs", 0.0), 1e-12) for m in modules]
-    colors = ["#228833" if m["passed"] else "#cc3311" for m in modules]
-    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(names)), 3.4))
-    ax.plot(range(len(names)), values, color="#777777", linewidth=1)
-    ax.scatter(range(len(names)), values, c=colors, zorder=3, s=18)
-    ax.axhline(atol, color="#cc3311", linestyle="--", linewidth=1, label="atol")
+    worst = [m.get("max_tolerance_ratio") for m in modules]
+    exact = [m.get("max_abs") == 0 for m in modules]
+    drawn = [i for i, w in enumerate(worst) if not exact[i] and w is not None and np.isfinite(w)]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(names)), 3.6), layout="constrained")
+    ax.plot(drawn, [worst[i] for i in drawn], color=GREY, linewidth=1)
+    ax.scatter(drawn, [worst[i] for i in drawn], c=[GREEN if modules[i]["passed"] else RED for i in drawn], zorder=3, s=18)
+    ax.axhline(1.0, color=RED, linestyle="--", linewidth=1, label="limit: atol + rtol·|eager| (fails above it)")
     ax.set_yscale("log")
+    values = [worst[i] for i in drawn]
+    ax.set_ylim(min([*values, 1e-3]) / 3, max([*values, 1.0]) * 3)  # the limit line always in view
+    for i, is_exact in enumerate(exact):
+        if is_exact:
+            ax.text(i, 0.02, "exact", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7, color=GREEN)
+        elif i not in drawn:  # NaN or inf: off any scale, and a failure
+            ax.text(i, 0.98, "NaN/inf", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7, color=RED)
+    ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("max |backend - eager|", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.set_ylabel("max |backend − eager| /\n(atol + rtol·|eager|)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     ax.set_title(title, fontsize=10)
-    return _to_data_uri(fig)
+    return fig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -21,14 +22,64 @@ def _flips(module: dict) -> str:
     return f"{module['routing_flips']}/{module['routed_tokens']}" if "routing_flips" in module else ""
 
 
-def routing_note(report: dict[str, Any]) -> str | None:
-    """Why an MoE layer diverged, when the cause is tokens routed to other experts."""
+Quote = Callable[[str], str]
+
+
+def backticks(name: str) -> str:
+    return f"`{name}`"
+
+
+def plain(name: str) -> str:
+    return name
+
+
+def first_divergent_stats(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The layer-wise statistics of the first divergent module."""
+    for c in report["comparisons"]:
+        for m in (c.get("layerwise") or {}).get("modules", []):
+            if m["module"] == report.get("first_divergent_module"):
+                return m
+    return None
+
+
+def divergence_note(report: dict[str, Any], quote: Quote = backticks) -> str | None:
+    """What the layer-wise localisation found, in words that fit the verdict.
+
+    On a failing comparison it is where the divergence starts. When the outputs pass, the
+    module named is an intermediate value out of its own tolerance that the outputs do not
+    inherit beyond theirs; without saying so, a PASS badge above a red layer reads as a
+    contradiction.
+    """
+    module = report.get("first_divergent_module")
+    if not module:
+        return None
+    if not report["passed"]:
+        return f"First divergent layer: {quote(report['first_divergent_layer'])} (module {quote(module)})"
+    stats = first_divergent_stats(report) or {}
+    measured = (f" (max abs {fmt(stats.get('max_abs'))} with atol {stats['atol']:.0e}, rtol {stats['rtol']:.0e})"
+                if "atol" in stats else "")
+    return (f"Outputs within tolerance. Inside the network, {quote(module)} is the first module out of its own "
+            f"tolerance on the first input{measured}; the outputs stay within theirs, so the comparison passes.")
+
+
+def routing_note(report: dict[str, Any], quote: Quote = backticks) -> str | None:
+    """Why the first divergent module diverged, when every token out of tolerance there took
+    another top-k expert set at a near-tie (router logits agreeing; see layerwise.routing_explanation)."""
     flips = report.get("first_divergent_routing_flips")
     if not flips:
         return None
-    return (f"{flips} token(s) took a different top-k expert set in `{report['first_divergent_module']}` "
-            "although its router logits agree within tolerance: near-ties that round differently in this "
+    module = report["first_divergent_module"]
+    moes = report.get("first_divergent_routing_modules") or [module]
+    where = "there" if moes == [module] else f"upstream, in {', '.join(quote(m) for m in moes)},"
+    return (f"The {flips} token(s) out of tolerance in {quote(module)} took a different top-k expert set {where} "
+            "although the router logits agree within tolerance: near-ties that round differently in this "
             "precision. Top-k routing is discontinuous, so such tokens differ by a whole expert's output.")
+
+
+def _checkpoint_clause(report: dict[str, Any]) -> str:
+    """Where the reference came from when it is not where the manifest says (compare --checkpoint)."""
+    moved = report.get("reference_checkpoint")
+    return f" from --checkpoint {moved} (weights fingerprint verified)" if moved else ""
 
 
 def _mark(passed: bool) -> str:
@@ -41,14 +92,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# Accuracy report: `{a['name']}` — {'PASS' if report['passed'] else 'FAIL'}",
         "",
         f"{a['kind']}, {a['dtype']}, opset {a['opset']}; {report['iterations']} iterations, seed "
-        f"{report['seed']}; reference: eager PyTorch. Rule: |backend - eager| <= atol + rtol * |eager|.",
+        f"{report['seed']}; reference: eager PyTorch{_checkpoint_clause(report)}. "
+        "Rule: |backend - eager| <= atol + rtol * |eager|.",
         "",
     ]
-    if report.get("first_divergent_layer"):
-        lines += [f"First divergent layer: `{report['first_divergent_layer']}` "
-                  f"(module `{report['first_divergent_module']}`)", ""]
-        if note := routing_note(report):
-            lines += [note, ""]
+    if note := divergence_note(report):
+        lines += [note, ""]
+        if why := routing_note(report):
+            lines += [why, ""]
     for c in report["comparisons"]:
         lines += [
             f"## {c['backend']} vs {c['reference']}: {_mark(c['passed'])}",
@@ -73,22 +124,41 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_html(report: dict[str, Any], errors: dict[str, dict[str, np.ndarray]]) -> str:
+def render_html(report: dict[str, Any], values: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]) -> str:
+    """report.html; `values`: backend -> output -> (eager, backend) arrays, for the histograms."""
     import jinja2
 
     view = dict(report)
     view["comparisons"] = []
     for c in report["comparisons"]:
         c = dict(c)
-        errs = errors.get(c["backend"], {})
-        if errs:
-            tolerances = {name: max(s["atol"], 1e-12) for name, s in c["outputs"].items()}
-            c["histogram"] = plots.error_histograms(errs, tolerances, f"{c['backend']} vs eager PyTorch")
+        pairs = {name: pair for name, pair in values.get(c["backend"], {}).items()
+                 if not c["outputs"].get(name, {}).get("shape_mismatch")}
+        if pairs:
+            tolerances = {name: (c["outputs"][name]["atol"], c["outputs"][name]["rtol"]) for name in pairs}
+            c["histogram"] = plots.error_histograms(pairs, tolerances, f"{c['backend']} vs eager PyTorch")
         if c.get("layerwise") and c["layerwise"]["modules"]:
-            atol = next(iter(c["outputs"].values()))["atol"]
-            c["layer_plot"] = plots.layer_errors(c["layerwise"]["modules"], atol, "max |error| per module, execution order")
+            c["layer_plot"] = plots.layer_errors(
+                c["layerwise"]["modules"], "worst error per module relative to its tolerance, execution order (first input)"
+            )
         view["comparisons"].append(c)
     template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
-    return env.from_string(template_text).render(r=view, fmt=fmt, flips=_flips, routing_note=routing_note(report))
+    return env.from_string(template_text).render(
+        r=view, fmt=fmt, flips=_flips, checkpoint_clause=_checkpoint_clause(report), divergence_note=_html_note(divergence_note(report, _code)),
+        routing_note=_html_note(routing_note(report, _code)),
+    )
+
+
+def _code(name: str) -> str:
+    from markupsafe import escape
+
+    return f"<code>{escape(name)}</code>"
+
+
+def _html_note(text: str | None):
+    """A note whose module names are already <code>-quoted and escaped; the rest is our own text."""
+    from markupsafe import Markup
+
+    return Markup(text) if text else None

@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
             except ServingUnavailable as e:  # a missing optional dependency: one line, like the rest
                 raise UserError(str(e)) from None
         try:
-            table = make_table("models", ["model", "inputs", "outputs", "max batch"], text_columns=3)
+            table = make_table("models", ["model", "inputs", "outputs", "max batch"], text=("model", "inputs", "outputs"))
             for _, spec in server.specs:
                 def names(tensors):
                     return ", ".join(t.name + ("?" if t.optional else "") for t in tensors)
