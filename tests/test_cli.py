@@ -287,3 +287,45 @@ def test_help_has_no_placeholders_on_flags_and_keeps_examples(tmp_path: Path) ->
     assert "<bool>" not in result.stdout and "╭" not in result.stdout  # no boxes, no metavar on flags
     assert "\n    moedeploy export decoder --preset small --out artifacts/decoder\n" in result.stdout
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
+
+
+# --- output in a CI log or a pipe: 80 columns, no spinner ----------------------------------------
+
+
+def _render_at_80_columns(monkeypatch, print_fn) -> str:
+    import io
+
+    from rich.console import Console
+
+    from moedeploy import cli
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(cli, "out", Console(file=buffer, width=80, color_system=None))
+    print_fn()
+    return buffer.getvalue()
+
+
+def test_tables_at_80_columns_keep_every_name_and_figure(monkeypatch) -> None:
+    from moedeploy import cli
+
+    names = ["logits", "present.0.key", "present.11.value", "batchnorm1d_transpose_mlp_y"]
+    stats = {"max_abs": 1.234e-6, "p99_abs": 4.5e-7, "max_rel": 7.8e-5, "cosine": 0.99999999,
+             "atol": 1e-5, "rtol": 1e-5, "passed": True}
+    report = {"passed": True, "first_divergent_layer": None,
+              "comparisons": [{"backend": "onnxrt", "reference": "torch-eager", "outputs": dict.fromkeys(names, stats)}]}
+    text = _render_at_80_columns(monkeypatch, lambda: cli._print_report(report))
+    assert "…" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    squeezed = "".join(text.split())  # a long name may fold onto a second line of its cell
+    for name in names[:3]:
+        assert any(line.split()[:1] == [name] for line in text.splitlines()), (name, text)  # short names whole
+    assert "batchnorm1d" in squeezed and "1.23e-06" in text and "0.99999999" in text
+
+
+def test_progress_in_a_pipe_is_lines_with_elapsed_time_and_a_total(tmp_path: Path) -> None:
+    result = run_cli(["export", "layernorm", "--out", "X"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) >= 3 and all(line.startswith(BULLET) for line in lines)
+    assert " s  exporting layernorm: tracing to ONNX" in result.stderr
+    assert lines[-1].startswith(f"{BULLET} exporting layernorm: done in ") and lines[-1].endswith(" s")
