@@ -19,7 +19,7 @@ import torch
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, present_names
 from moedeploy.models.generation import SamplingConfig, generate_tokens
-from moedeploy.serving.batching import Feed, RequestError, RunFn
+from moedeploy.serving.batching import Feed, Outcome, RequestError, RunFn, run_isolated
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -50,8 +50,8 @@ class DecoderShape:
         return dict.fromkeys(past_names(self.n_layers), empty)
 
     def check_ids(self, ids: np.ndarray, name: str = "input_ids") -> None:
-        if ids.shape[1] == 0:
-            raise RequestError(f"{name} is empty; send at least one token")
+        if ids.size == 0:
+            raise RequestError(f"{name} has shape {list(ids.shape)}: it is empty; send at least one token")
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
@@ -68,6 +68,8 @@ def logits_prepare(shape: DecoderShape):
         shape.check_ids(ids)
         given = [n for n in names if n in feed]
         if not given:
+            if ids.shape[1] > shape.max_positions:
+                raise RequestError(f"input_ids ({ids.shape[1]}) positions exceed max_positions {shape.max_positions}")
             return {**feed, **shape.empty_past(len(ids))}
         if len(given) != len(names):
             missing = [n for n in names if n not in feed]
@@ -132,6 +134,8 @@ def _option(feed: Feed, name: str) -> Any:
 
 
 def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
+    if GENERATE_INPUT not in feed:
+        raise RequestError(f"missing required input {GENERATE_INPUT!r}")
     ids = feed[GENERATE_INPUT]
     shape.check_ids(ids, GENERATE_INPUT)
     options = {name: _option(feed, name) for name in GENERATE_OPTIONS}
@@ -158,23 +162,32 @@ def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
 
 
 class GenerationModel:
-    """PyTriton callable of `<name>_generate`: checks every request, then decodes in groups."""
+    """PyTriton callable of `<name>_generate`: checks each request on its own, then decodes the
+    valid ones in groups; a refused request gets its own RequestError and changes no other."""
 
     def __init__(self, decoder: RunnerDecoder) -> None:
         self.decoder = decoder
 
-    def __call__(self, requests: list[Any]) -> list[Feed]:
-        parsed = [parse_generation({n: np.asarray(a) for n, a in r.items()}, self.decoder.shape) for r in requests]
+    def __call__(self, requests: list[Any]) -> list[Outcome]:
+        outcomes: dict[int, Outcome] = {}
+        parsed: dict[int, GenerationRequest] = {}
+        for i, r in enumerate(requests):
+            try:
+                parsed[i] = parse_generation({n: np.asarray(a) for n, a in r.items()}, self.decoder.shape)
+            except RequestError as e:
+                outcomes[i] = e
         groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(parsed):
+        for i, r in parsed.items():
             key = (r.ids.shape[1], r.max_new_tokens) if r.batchable else ("alone", i)
             groups.setdefault(key, []).append(i)
-        results: list[Feed] = [{}] * len(parsed)
         for members in groups.values():
-            first = parsed[members[0]]
-            ids = np.concatenate([parsed[i].ids for i in members], axis=0)  # (sum B, S)
-            tokens = self.decoder.generate(ids, first.max_new_tokens, first.sampling, first.eos_token_id)
-            rows = np.cumsum([len(parsed[i].ids) for i in members])[:-1]
-            for i, part in zip(members, np.split(tokens, rows), strict=True):
-                results[i] = {GENERATE_OUTPUT: part}
-        return results
+            outcomes |= run_isolated(members, lambda group: self.decode([parsed[i] for i in group]))
+        return [outcomes[i] for i in range(len(requests))]
+
+    def decode(self, group: list[GenerationRequest]) -> list[Feed]:
+        """One generation over requests that may share it (same length, budget and sampling)."""
+        first = group[0]
+        ids = np.concatenate([r.ids for r in group], axis=0)  # (sum B, S)
+        tokens = self.decoder.generate(ids, first.max_new_tokens, first.sampling, first.eos_token_id)
+        rows = np.cumsum([len(r.ids) for r in group])[:-1]
+        return [{GENERATE_OUTPUT: part} for part in np.split(tokens, rows)]

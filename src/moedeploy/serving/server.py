@@ -5,9 +5,16 @@ and readiness probes and exports Prometheus metrics; PyTriton runs our Python ca
 its models. Each model instance gets its own backend runner (a Polygraphy runner: torch,
 ONNX Runtime or TensorRT), because a TensorRT execution context serves one thread at a time.
 
-Triton itself rejects a request with an unknown input, a wrong dtype or shape, or a batch
-over `max_batch_size`, before it reaches a model, and keeps serving; `strict=True` makes
-PyTriton check what our callables return against the declared outputs.
+Triton itself rejects a request with an unknown input, a wrong dtype or rank, or a batch
+over `max_batch_size`, before it reaches a model, and keeps serving. What Triton's config
+cannot say (a dim's upper bound, a byte limit, an empty tensor) is checked in Triton's
+Python-backend stub before a request's tensors are copied on (`stub_guard`); what depends on
+values (token ids, options, positions) is checked by our callables, per request. Either way a
+refused request gets its own one-line error with a client status (HTTP 400, gRPC
+INVALID_ARGUMENT) and the rest of its batch runs.
+
+The models are written into PyTriton's workspace before Triton starts, so Triton loads them
+at start-up: its endpoints (health included) open only once every model is loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import json
 import os
 import signal
 import socket
@@ -29,10 +37,16 @@ from typing import Any
 import numpy as np
 
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
-from moedeploy.serving import triton_output
-from moedeploy.serving.batching import BatchedModel
+from moedeploy.serving import stub_guard, triton_output
+from moedeploy.serving.batching import BatchedModel, PerRequest
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
-from moedeploy.serving.specs import GENERATE_SUFFIX, ModelSpec, ServingError, served_models
+from moedeploy.serving.specs import (
+    GENERATE_SUFFIX,
+    ModelSpec,
+    ServingError,
+    request_limits,
+    served_models,
+)
 
 BACKENDS = ("ort", "trt", "torch")
 INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
@@ -61,6 +75,7 @@ class ServeOptions:
     dynamic_batching: bool = True
     instances: int = 1
     exit_timeout_s: int = 5  # how long shutdown waits for in-flight requests
+    max_request_mb: float = 64.0  # the most tensor bytes one request may carry, in MiB
     log_file: Path | None = None  # Triton's own log; None prints it to stdout, less known-harmless lines
 
     def validate(self) -> None:
@@ -78,6 +93,8 @@ class ServeOptions:
             raise ServingError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
         if self.instances < 1:
             raise ServingError(f"--instances must be >= 1, got {self.instances}")
+        if not self.max_request_mb > 0:
+            raise ServingError(f"--max-request-mb must be > 0, got {self.max_request_mb}")
         if self.exit_timeout_s < 0:
             raise ServingError(f"the exit timeout must be >= 0 s, got {self.exit_timeout_s}")
 
@@ -126,15 +143,25 @@ def activated_runner(backend: str, artifact: Artifact):
     return runner
 
 
-def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any):
+def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any) -> PerRequest:
     """The PyTriton callable of one served model over one runner."""
     run = runner.infer
+    required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
-        return BatchedModel(run, [t.name for t in spec.outputs])
-    shape = DecoderShape.of(artifact)
-    if spec.name.endswith(GENERATE_SUFFIX):
-        return GenerationModel(RunnerDecoder(run, shape))
-    return BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(shape))
+        model: Any = BatchedModel(run, [t.name for t in spec.outputs])
+    elif spec.name.endswith(GENERATE_SUFFIX):
+        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)))
+    else:
+        model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
+    return PerRequest(spec.name, model, required)
+
+
+def install_guard(version_dir: Path, limits: dict) -> None:
+    """Put stub_guard beside PyTriton's proxy model.py in a model's folder and make model.py install it."""
+    (version_dir / f"{stub_guard.MODULE_NAME}.py").write_text(Path(stub_guard.__file__).read_text())
+    with (version_dir / "model.py").open("a") as f:
+        f.write(f"\n\nfrom . import {stub_guard.MODULE_NAME} as _moedeploy_guard  # noqa: E402\n"
+                f"_moedeploy_guard.install(globals(), {json.dumps(json.dumps(limits))})\n")
 
 
 def _children(pid: int) -> list[int]:
@@ -184,6 +211,7 @@ class ModelServer:
         if duplicates:
             raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
         self._runners: list[Any] = []
+        self._callables: list[PerRequest] = []
         self._triton: Any = None
         self._output: triton_output.TritonOutputFilter | None = None
 
@@ -219,6 +247,7 @@ class ModelServer:
                 runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                 self._runners += runners
                 callables.append([model_callable(artifact, spec, r) for r in runners])
+            self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
             self._triton = self._bind(callables, gpu_metrics=gpu)
             self._output = triton_output.install(triton_output.harmless_lines(gpu))  # what is hidden, and why
@@ -237,7 +266,8 @@ class ModelServer:
         """A PyTriton server with every model bound; GPU metrics only where a GPU is visible
         (elsewhere Triton's NVML and DCGM probes print errors at start-up and measure nothing)."""
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-        from pytriton.triton import Triton, TritonConfig
+        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
+        from pytriton.utils.workspace import Workspace
 
         o = self.options
         config = TritonConfig(
@@ -247,16 +277,23 @@ class ModelServer:
             log_file=Path(o.log_file) if o.log_file else None,
             allow_gpu_metrics=None if gpu_metrics else False,
         )
-        triton = Triton(config=config)
+        # A local model store: bind() writes each model's folder, Triton loads them all before
+        # its endpoints open (and no model is loaded from files sent through the API).
+        workspace = Workspace()
+        policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+        triton = Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
         batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
-        for (_, spec), infer_funcs in zip(self.specs, callables, strict=True):
+        max_bytes = int(o.max_request_mb * 2**20)
+        for (artifact, spec), infer_funcs in zip(self.specs, callables, strict=True):
             def tensors(specs):
                 return [Tensor(name=t.name, dtype=np.dtype(t.dtype), shape=t.dims, optional=t.optional) for t in specs]
 
             triton.bind(
                 model_name=spec.name, infer_func=infer_funcs, inputs=tensors(spec.inputs), outputs=tensors(spec.outputs),
-                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher), strict=True,
+                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher),
+                strict=False,  # a refused request's answer is stub_guard's error entry, not a declared output
             )
+            install_guard(workspace.model_store_path / spec.name / "1", request_limits(artifact, spec, max_bytes))
         return triton
 
     def is_alive(self) -> bool:
