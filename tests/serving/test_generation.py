@@ -25,7 +25,7 @@ def prompt(batch: int, seq: int, seed: int) -> torch.Tensor:
 
 
 def options(batch: int, **values) -> dict[str, np.ndarray]:
-    """Optional inputs hold one value per sequence: shape [batch, 1]."""
+    """Optional inputs hold one value per request, repeated in every row: shape [batch, 1]."""
     dtypes = {"temperature": np.float32, "top_p": np.float32}
     return {k: np.full((batch, 1), v, dtype=dtypes.get(k, np.int64)) for k, v in values.items()}
 

@@ -156,8 +156,25 @@ class PerRequest:
         self.model = model
         self.required = list(required)
         self.draining = threading.Event()
+        self._active = 0
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> bool:
+        """No call in progress (shutdown waits for this before it unloads the model)."""
+        with self._lock:
+            return self._active == 0
 
     def __call__(self, requests: Sequence[Any]) -> list[Feed]:
+        with self._lock:
+            self._active += 1
+        try:
+            return self._answer_all(requests)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _answer_all(self, requests: Sequence[Any]) -> list[Feed]:
         outcomes: dict[int, Outcome] = {}
         pending: list[int] = []
         for i, request in enumerate(requests):

@@ -24,6 +24,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import sysconfig
@@ -164,6 +165,52 @@ def install_guard(version_dir: Path, limits: dict) -> None:
                 f"_moedeploy_guard.install(globals(), {json.dumps(json.dumps(limits))})\n")
 
 
+OWNER_FILE = "moedeploy-owner"  # in a PyTriton workspace moedeploy made: "<pid> <start time>"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (tells a reused pid from the original)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def claim(workspace: Path) -> None:
+    """Mark a PyTriton workspace as this process's, so a later start can tell it is left over."""
+    (workspace / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
+
+
+def _owner_alive(workspace: Path) -> bool:
+    try:
+        pid, started = (workspace / OWNER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return True  # not ours, or being written: leave it
+    return _start_time(int(pid)) == started
+
+
+def sweep_stale_workspaces(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove what servers killed with SIGKILL left behind: moedeploy's PyTriton workspaces
+    (model store, sockets, Triton's copy, ~22 MB each) whose owner is gone, and the
+    Python-backend shared-memory regions (`pytrtion<pid>-*`) of processes that no longer run.
+    Other tools' workspaces (no owner file) and live servers' files are left alone."""
+    from pytriton.constants import PYTRITON_HOME
+
+    removed: list[Path] = []
+    for workspace in Path(PYTRITON_HOME).glob("workspace_*"):
+        if (workspace / OWNER_FILE).is_file() and not _owner_alive(workspace):
+            shutil.rmtree(workspace, ignore_errors=True)
+            removed.append(workspace)
+    for region in shm.glob("pytrtion*-*"):
+        pid = region.name.removeprefix("pytrtion").split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                region.unlink()
+                removed.append(region)
+    return removed
+
+
 def _children(pid: int) -> list[int]:
     """Child process ids (Linux /proc; Triton runs on Linux only)."""
     pids: list[int] = []
@@ -182,6 +229,15 @@ def _is_tritonserver(pid: int, http_port: int) -> bool:
         return False
     pairs = set(itertools.pairwise(argv))
     return exe.endswith("/tritonserver") and (("--http-port", str(http_port)) in pairs or f"--http-port={http_port}" in argv)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child stays a zombie until PyTriton reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _from_triton(error: BaseException) -> bool:
@@ -279,7 +335,9 @@ class ModelServer:
         )
         # A local model store: bind() writes each model's folder, Triton loads them all before
         # its endpoints open (and no model is loaded from files sent through the API).
+        sweep_stale_workspaces()
         workspace = Workspace()
+        claim(workspace.path)
         policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
         triton = Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
         batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
@@ -300,15 +358,22 @@ class ModelServer:
         return self._triton is not None and self._triton.is_alive()
 
     def stop(self) -> None:
-        """Unload every model, stop Triton, then free the runners.
+        """Drain, let tritonserver stop itself, then stop PyTriton and free the runners.
 
-        The unload drains in-flight requests (for up to the exit timeout) and lets PyTriton's
-        Python-backend stubs finalize. Left to Triton's exit timeout instead, some stubs hang
-        on as orphan processes (they ignore SIGTERM), one or two per stopped server.
+        Draining answers every request that reaches a model from now on with UNAVAILABLE
+        (HTTP 503) and waits (up to the exit timeout) for the calls in progress. Then
+        tritonserver gets SIGTERM while our inference handlers still run: it closes its
+        endpoints at once (a new request finds no listener, rather than the 404 "unknown
+        model" of an unloaded model), unloads every model, and its Python-backend stubs
+        finalize against live handlers. Were PyTriton's stop first (it closes the handlers,
+        then unloads), stubs would hang on as orphans until Triton's exit timeout. Where
+        tritonserver cannot be found, every model is unloaded through the API instead.
         """
         if self._triton is not None:
-            with contextlib.suppress(Exception):  # best effort: the server may be gone already
-                self._unload_models()
+            self._drain()
+            if not self._stop_tritonserver():
+                with contextlib.suppress(Exception):  # best effort: the server may be gone already
+                    self._unload_models()
             self._triton.stop()
             self._triton = None
         if self._output is not None:  # after Triton's last line
@@ -318,6 +383,32 @@ class ModelServer:
             with contextlib.suppress(Exception):
                 runner.deactivate()
         self._runners = []
+        self._callables = []
+
+    def _drain(self) -> None:
+        for model in self._callables:
+            model.draining.set()
+        deadline = time.monotonic() + self.options.exit_timeout_s
+        while not all(model.idle for model in self._callables) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _tritonservers(self) -> list[int]:
+        return [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+
+    def _stop_tritonserver(self) -> bool:
+        """SIGTERM to this server's tritonserver; whether it exited (within the exit timeout + 10 s)."""
+        servers = self._tritonservers()
+        if not servers:
+            return False
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.exit_timeout_s + 10.0
+        while any(_running(pid) for pid in servers):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _unload_models(self) -> None:
         import tritonclient.http as http
@@ -325,7 +416,7 @@ class ModelServer:
 
         # PyTriton restricts the model-repository API to holders of its access token.
         headers = {TRITON_ACCESS_HEADER: self._triton.get_access_token()}
-        servers = [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+        servers = self._tritonservers()
         client = http.InferenceServerClient(self.http_url, network_timeout=self.options.exit_timeout_s + 10.0)
         try:
             for name in self.model_names:

@@ -22,8 +22,9 @@ TRITON_DTYPES = {
     "int64": "TYPE_INT64", "int32": "TYPE_INT32", "bool": "TYPE_BOOL",
 }
 
-# The generation model's tensors. Each optional input holds one value per sequence
-# ([batch, 1]); an absent one takes the default of MoEDecoder.generate.
+# The generation model's tensors. Each optional input holds one value per request, sent as
+# [batch, 1] (Triton batches every input along dim 0) with the same value in every row; an
+# absent one takes the default of MoEDecoder.generate.
 GENERATE_INPUT = "input_ids"
 GENERATE_OUTPUT = "output_ids"
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -149,7 +150,7 @@ def request_limits(artifact: Artifact, model: ModelSpec, max_request_bytes: int)
         seq[2] = min(seq[2], int(artifact.manifest["config"]["max_positions"]))
         inputs[GENERATE_INPUT] = [[BATCH_DIM, 1, batch], seq]
         for name in GENERATE_OPTIONS:
-            inputs[name] = [[BATCH_DIM, 1, batch], ["one value per sequence", 1, 1]]
+            inputs[name] = [[BATCH_DIM, 1, batch], ["one value", 1, 1]]
     else:
         for spec in artifact.manifest["inputs"]:
             inputs[spec["name"]] = [_range(artifact, d, batch) for d in spec["shape"]]
