@@ -59,14 +59,16 @@ def moe_body(x: np.ndarray) -> dict:
 class Served:
     """A `moedeploy serve` process and what was seen while it started."""
 
-    def __init__(self, args: list[str], http: int) -> None:
+    def __init__(self, args: list[str], http: int, console: Path) -> None:
         self.http = f"http://{HOST}:{http}"
-        self.proc = subprocess.Popen([sys.executable, "-c", SHIM, *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.console = console
+        with console.open("w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-c", SHIM, *args], stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env={**os.environ, "COLUMNS": "200"})
         self.first_ready_models: dict[str, int] | None = None
         deadline = time.monotonic() + STARTUP_S
         while self.first_ready_models is None:
-            assert self.proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+            assert self.proc.poll() is None and time.monotonic() < deadline, console.read_text()[-3000:]
             if get(f"{self.http}/v2/health/ready") == 200:
                 self.first_ready_models = {m: get(f"{self.http}/v2/models/{m}/ready") for m in MODELS}
             else:
@@ -107,7 +109,7 @@ def served(store, tmp_path_factory: pytest.TempPathFactory):
     args = ["serve", str(store.block("moe").path), str(store.decoder("fp32").path), "--http-port", str(http),
             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--exit-timeout", "5",
             "--max-queue-delay-us", "2000", "--max-request-mb", str(MAX_REQUEST_MB), "--log-file", str(log)]
-    server = Served(args, http)
+    server = Served(args, http, log.with_name("console.txt"))
     server.log = log
     yield server
     if server.proc.poll() is None:
@@ -207,12 +209,12 @@ def test_sigterm_after_concurrent_bad_traffic_is_quick_and_clean(served) -> None
     assert "/tmp/folder" not in log  # models load from the workspace's store, not from temporary folders
 
 
-def test_what_a_sigkill_leaves_is_swept_on_the_next_start(store) -> None:
+def test_what_a_sigkill_leaves_is_swept_on_the_next_start(store, tmp_path: Path) -> None:
     from moedeploy.serving.server import sweep_stale_workspaces
 
     http, grpc, metrics = free_ports(3)
     server = Served(["serve", str(store.block("moe").path), "--http-port", str(http), "--grpc-port", str(grpc),
-                     "--metrics-port", str(metrics)], http)
+                     "--metrics-port", str(metrics)], http, tmp_path / "console.txt")
     workspaces, shm = server.workspaces(), server.shm()
     assert len(workspaces) == 1 and shm
     server.kill()
