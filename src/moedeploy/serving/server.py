@@ -50,6 +50,7 @@ from moedeploy.serving.specs import (
 )
 
 BACKENDS = ("ort", "trt", "torch")
+UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
 INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
 
 
@@ -329,7 +330,12 @@ class ModelServer:
         config = TritonConfig(
             http_address=o.host, grpc_address=o.host, metrics_address=o.host,
             http_port=o.http_port, grpc_port=o.grpc_port, metrics_port=o.metrics_port,
-            exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
+            # Our drain waits exit_timeout_s for requests in flight; Triton's own exit timeout
+            # also covers unloading the models after SIGTERM (a Python-backend model takes 2-4 s).
+            exit_timeout_secs=o.exit_timeout_s + UNLOAD_TIMEOUT_S, log_verbose=0,
+            # No pool of reusable gRPC request objects: a reused one keeps the capacity of the
+            # largest request it held (a refused 200 MB request would stay resident).
+            grpc_infer_allocation_pool_size=0,
             log_file=Path(o.log_file) if o.log_file else None,
             allow_gpu_metrics=None if gpu_metrics else False,
         )
@@ -396,14 +402,14 @@ class ModelServer:
         return [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
 
     def _stop_tritonserver(self) -> bool:
-        """SIGTERM to this server's tritonserver; whether it exited (within the exit timeout + 10 s)."""
+        """SIGTERM to this server's tritonserver; whether it exited (within the exit timeout + UNLOAD_TIMEOUT_S + 5 s)."""
         servers = self._tritonservers()
         if not servers:
             return False
         for pid in servers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.options.exit_timeout_s + 10.0
+        deadline = time.monotonic() + self.options.exit_timeout_s + UNLOAD_TIMEOUT_S + 5.0
         while any(_running(pid) for pid in servers):
             if time.monotonic() > deadline:
                 return False
