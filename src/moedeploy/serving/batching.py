@@ -42,13 +42,19 @@ class ServerError(RuntimeError):
     code = "INTERNAL"  # HTTP 500, gRPC INTERNAL
 
 
+class Cancelled(RuntimeError):
+    """The client cancelled the request (Triton told the stub) while it ran."""
+
+    code = "CANCELLED"
+
+
 class Unavailable(RuntimeError):
     """The server is shutting down and takes no new work."""
 
     code = "UNAVAILABLE"  # HTTP 503, gRPC UNAVAILABLE
 
 
-Outcome = Feed | RequestError | ServerError | Unavailable
+Outcome = Feed | RequestError | ServerError | Unavailable | Cancelled
 
 
 def run_isolated(members: Sequence[int], run_group: Callable[[Sequence[int]], list[Feed]]) -> dict[int, Outcome]:
@@ -58,6 +64,8 @@ def run_isolated(members: Sequence[int], run_group: Callable[[Sequence[int]], li
     """
     try:
         return dict(zip(members, run_group(members), strict=True))
+    except Cancelled as e:
+        return dict.fromkeys(members, e)
     except Exception as e:
         if len(members) > 1:
             return {i: outcome for m in members for i, outcome in run_isolated([m], run_group).items()}
@@ -124,7 +132,7 @@ class BatchedModel:
         return [outcomes[i] for i in range(len(requests))]
 
 
-def error_answer(error: RequestError | ServerError | Unavailable) -> Feed:
+def error_answer(error: RequestError | ServerError | Unavailable | Cancelled) -> Feed:
     """What the callable returns for a refused request; stub_guard makes it that request's Triton error."""
     payload = json.dumps({"code": error.code, "message": first_line(error)}).encode()
     return {ERROR_OUTPUT: np.array([payload], dtype=np.bytes_)}

@@ -145,14 +145,15 @@ def activated_runner(backend: str, artifact: Artifact):
     return runner
 
 
-def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any) -> PerRequest:
-    """The PyTriton callable of one served model over one runner."""
+def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None) -> PerRequest:
+    """The PyTriton callable of one served model over one runner; generation stops early once
+    stub_guard marks its requests cancelled in `cancel_dir`."""
     run = runner.infer
     required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
         model: Any = BatchedModel(run, [t.name for t in spec.outputs])
     elif spec.name.endswith(GENERATE_SUFFIX):
-        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)))
+        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -166,6 +167,7 @@ def install_guard(version_dir: Path, limits: dict) -> None:
                 f"_moedeploy_guard.install(globals(), {json.dumps(json.dumps(limits))})\n")
 
 
+CANCEL_DIR = "cancelled"  # in the workspace: stub_guard marks cancelled requests here
 OWNER_FILE = "moedeploy-owner"  # in a PyTriton workspace moedeploy made: "<pid> <start time>"
 
 
@@ -270,6 +272,7 @@ class ModelServer:
         self._runners: list[Any] = []
         self._callables: list[PerRequest] = []
         self._triton: Any = None
+        self._workspace: Any = None
         self._output: triton_output.TritonOutputFilter | None = None
 
     @property
@@ -299,11 +302,18 @@ class ModelServer:
         for label, port in (("http", o.http_port), ("grpc", o.grpc_port), ("metrics", o.metrics_port)):
             check_port_free(o.host, port, label)
         try:
+            from pytriton.utils.workspace import Workspace
+
+            sweep_stale_workspaces()
+            self._workspace = Workspace()
+            claim(self._workspace.path)
+            cancel_dir = self._workspace.path / CANCEL_DIR
+            cancel_dir.mkdir()
             callables = []
             for artifact, spec in self.specs:
                 runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                 self._runners += runners
-                callables.append([model_callable(artifact, spec, r) for r in runners])
+                callables.append([model_callable(artifact, spec, r, cancel_dir) for r in runners])
             self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
             self._triton = self._bind(callables, gpu_metrics=gpu)
@@ -324,7 +334,6 @@ class ModelServer:
         (elsewhere Triton's NVML and DCGM probes print errors at start-up and measure nothing)."""
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
-        from pytriton.utils.workspace import Workspace
 
         o = self.options
         config = TritonConfig(
@@ -341,9 +350,7 @@ class ModelServer:
         )
         # A local model store: bind() writes each model's folder, Triton loads them all before
         # its endpoints open (and no model is loaded from files sent through the API).
-        sweep_stale_workspaces()
-        workspace = Workspace()
-        claim(workspace.path)
+        workspace = self._workspace
         policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
         triton = Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
         batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
@@ -357,7 +364,8 @@ class ModelServer:
                 config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher),
                 strict=False,  # a refused request's answer is stub_guard's error entry, not a declared output
             )
-            install_guard(workspace.model_store_path / spec.name / "1", request_limits(artifact, spec, max_bytes))
+            limits = request_limits(artifact, spec, max_bytes) | {"cancel_dir": str(workspace.path / CANCEL_DIR)}
+            install_guard(workspace.model_store_path / spec.name / "1", limits)
         return triton
 
     def is_alive(self) -> bool:
@@ -382,6 +390,10 @@ class ModelServer:
                     self._unload_models()
             self._triton.stop()
             self._triton = None
+        if self._workspace is not None:  # PyTriton's stop cleaned it; a failed start may not have
+            with contextlib.suppress(Exception):
+                self._workspace.clean()
+            self._workspace = None
         if self._output is not None:  # after Triton's last line
             triton_output.uninstall(self._output)
             self._output = None

@@ -13,17 +13,28 @@ to it that call `install`, which replaces two of that module's functions:
   its tensors, carrying only the reason in its parameters (`GUARD_PARAMETER`);
 - `_wrap_response`: a response holding `ERROR_OUTPUT` (which moedeploy's callables return
   for a request they refuse) becomes that one request's own Triton error, with its code
-  (INVALID_ARG answers HTTP 400 and gRPC INVALID_ARGUMENT).
+  (INVALID_ARG answers HTTP 400 and gRPC INVALID_ARGUMENT);
+- `TritonPythonModel.execute`: every request in execution gets a token (passed on in its
+  parameters as `TOKEN_PARAMETER`), and a watcher thread creates `<cancel_dir>/<token>` when
+  Triton reports the request cancelled (a gRPC client cancelled it or went away; Triton 2.51
+  detects no cancellation over HTTP). A generation polls for that file between tokens.
 
 Standard library and NumPy only: the stub's Python need not see moedeploy.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 GUARD_PARAMETER = "moedeploy_refused"
+TOKEN_PARAMETER = "moedeploy_token"
+WATCH_INTERVAL_S = 0.05
 ERROR_OUTPUT = "__moedeploy_error__"
 #: Name of this file next to the stub's model.py (imported relatively from there).
 MODULE_NAME = "moedeploy_guard"
@@ -68,7 +79,26 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
     original_request = server_type._wrap_request
     original_response = namespace["_wrap_response"]
 
+    tokens = Tokens(Path(limits["cancel_dir"]))
+    model_type = namespace["TritonPythonModel"]
+    original_execute = model_type.execute
+
+    def execute(self: Any, triton_requests: Any) -> Any:
+        for request in triton_requests:
+            tokens.add(request)
+        try:
+            return original_execute(self, triton_requests)
+        finally:
+            for request in triton_requests:
+                tokens.remove(request)
+
     def wrap_request(self: Any, triton_request: Any, inputs: Any, span: Any = None) -> Any:
+        request = wrap_checked(self, triton_request, inputs, span)
+        if request.parameters is not None and (token := tokens.of(triton_request)):
+            request.parameters[TOKEN_PARAMETER] = token
+        return request
+
+    def wrap_checked(self: Any, triton_request: Any, inputs: Any, span: Any = None) -> Any:
         arrays = {}
         for name in inputs:
             tensor = pb_utils.get_input_tensor_by_name(triton_request, name)
@@ -91,3 +121,42 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
 
     server_type._wrap_request = wrap_request
     namespace["_wrap_response"] = wrap_response
+    model_type.execute = execute
+    threading.Thread(target=tokens.watch, name="moedeploy-cancel-watch", daemon=True).start()
+
+
+class Tokens:
+    """Tokens of the requests in execution, and the watcher that marks the cancelled ones."""
+
+    def __init__(self, cancel_dir: Path) -> None:
+        self.cancel_dir = cancel_dir
+        self._counter = itertools.count()
+        self._by_request: dict[int, tuple[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, request: Any) -> None:
+        with self._lock:
+            self._by_request[id(request)] = (f"{os.getpid()}-{next(self._counter)}", request)
+
+    def of(self, request: Any) -> str | None:
+        with self._lock:
+            entry = self._by_request.get(id(request))
+        return entry[0] if entry else None
+
+    def remove(self, request: Any) -> None:
+        with self._lock:
+            token, _ = self._by_request.pop(id(request), (None, None))
+        if token:
+            (self.cancel_dir / token).unlink(missing_ok=True)
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            with self._lock:
+                entries = list(self._by_request.values())
+            for token, request in entries:
+                try:
+                    if request.is_cancelled():
+                        (self.cancel_dir / token).touch()
+                except Exception:  # a request finishing meanwhile; the next round sees it gone
+                    continue
