@@ -135,6 +135,15 @@ def test_an_empty_tensor_in_a_json_body_is_refused(server) -> None:
     still_serving(server)
 
 
+@pytest.mark.parametrize("model", ["moe", "decoder_generate"])
+def test_an_empty_body_is_refused(server, model: str) -> None:
+    status, text = post(server, f"/v2/models/{model}/infer", b"")
+    assert status == 400
+    message = json.loads(text)["error"]
+    assert "\n" not in message and "Traceback" not in message
+    still_serving(server)
+
+
 def test_malformed_json_body_is_refused(server) -> None:
     status, body = post(server, "/v2/models/moe/infer", b'{"inputs": [ {"name": "x",')
     assert status >= 400
