@@ -159,8 +159,20 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
     return PerRequest(spec.name, model, required)
 
 
+#: What stub_guard.install replaces in PyTriton's proxy model.py (as PyTriton 0.7 spells it).
+PROXY_HOOKS = ("def _wrap_response(", "class TritonRequestsServer", "def _wrap_request(", "class TritonPythonModel",
+               "def execute(")
+
+
 def install_guard(version_dir: Path, limits: dict) -> None:
     """Put stub_guard beside PyTriton's proxy model.py in a model's folder and make model.py install it."""
+    proxy = (version_dir / "model.py").read_text()
+    missing = [hook for hook in PROXY_HOOKS if hook not in proxy]
+    if missing:
+        raise ServingError(
+            f"this PyTriton's proxy model.py has no {missing[0].rstrip('(')!r}: moedeploy's per-request errors "
+            "and request limits are written for PyTriton 0.7; install nvidia-pytriton 0.7"
+        )
     (version_dir / f"{stub_guard.MODULE_NAME}.py").write_text(Path(stub_guard.__file__).read_text())
     with (version_dir / "model.py").open("a") as f:
         f.write(f"\n\nfrom . import {stub_guard.MODULE_NAME} as _moedeploy_guard  # noqa: E402\n"
