@@ -376,7 +376,9 @@ class ModelServer:
                 config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher),
                 strict=False,  # a refused request's answer is stub_guard's error entry, not a declared output
             )
-            limits = request_limits(artifact, spec, max_bytes) | {"cancel_dir": str(workspace.path / CANCEL_DIR)}
+            limits = request_limits(artifact, spec, max_bytes)
+            if spec.name.endswith(GENERATE_SUFFIX):  # only a generation can stop early
+                limits["cancel_dir"] = str(workspace.path / CANCEL_DIR)
             install_guard(workspace.model_store_path / spec.name / "1", limits)
         return triton
 

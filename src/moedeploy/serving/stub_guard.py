@@ -79,9 +79,9 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
     original_request = server_type._wrap_request
     original_response = namespace["_wrap_response"]
 
-    tokens = Tokens(Path(limits["cancel_dir"]))
     model_type = namespace["TritonPythonModel"]
     original_execute = model_type.execute
+    tokens = Tokens(Path(limits["cancel_dir"]) if limits.get("cancel_dir") else None)
 
     def execute(self: Any, triton_requests: Any) -> Any:
         for request in triton_requests:
@@ -93,7 +93,8 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
                 tokens.remove(request)
 
     def wrap_request(self: Any, triton_request: Any, inputs: Any, span: Any = None) -> Any:
-        request = wrap_checked(self, triton_request, inputs, span)
+        with tokens.ipc:
+            request = wrap_checked(self, triton_request, inputs, span)
         if request.parameters is not None and (token := tokens.of(triton_request)):
             request.parameters[TOKEN_PARAMETER] = token
         return request
@@ -112,6 +113,10 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
                             requested_output_names=list(triton_request.requested_output_names()), **kwargs)
 
     def wrap_response(response: Any, requested_outputs_names: Any, model_outputs_dict: Any) -> Any:
+        with tokens.ipc:
+            return wrap_unlocked(response, requested_outputs_names, model_outputs_dict)
+
+    def wrap_unlocked(response: Any, requested_outputs_names: Any, model_outputs_dict: Any) -> Any:
         data = response.data
         if data is not None and ERROR_OUTPUT in data:
             error = json.loads(bytes(data[ERROR_OUTPUT].reshape(-1)[0]).decode("utf-8"))
@@ -121,18 +126,25 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
 
     server_type._wrap_request = wrap_request
     namespace["_wrap_response"] = wrap_response
-    model_type.execute = execute
-    threading.Thread(target=tokens.watch, name="moedeploy-cancel-watch", daemon=True).start()
+    if tokens.cancel_dir is not None:
+        model_type.execute = execute
+        threading.Thread(target=tokens.watch, name="moedeploy-cancel-watch", daemon=True).start()
 
 
 class Tokens:
-    """Tokens of the requests in execution, and the watcher that marks the cancelled ones."""
+    """Tokens of the requests in execution, and the watcher that marks the cancelled ones.
 
-    def __init__(self, cancel_dir: Path) -> None:
+    `ipc` serialises what our hooks ask of Triton (tensors, responses, is_cancelled), so the
+    watcher thread never talks to Triton while another of our hooks does, and never about a
+    request whose execution has ended (removal waits for a check in progress).
+    """
+
+    def __init__(self, cancel_dir: Path | None) -> None:
         self.cancel_dir = cancel_dir
         self._counter = itertools.count()
         self._by_request: dict[int, tuple[str, Any]] = {}
         self._lock = threading.Lock()
+        self.ipc = threading.RLock()
 
     def add(self, request: Any) -> None:
         with self._lock:
@@ -144,19 +156,29 @@ class Tokens:
         return entry[0] if entry else None
 
     def remove(self, request: Any) -> None:
-        with self._lock:
+        with self.ipc, self._lock:
             token, _ = self._by_request.pop(id(request), (None, None))
-        if token:
+        if token and self.cancel_dir is not None:
             (self.cancel_dir / token).unlink(missing_ok=True)
 
     def watch(self) -> None:
         while True:
             time.sleep(WATCH_INTERVAL_S)
             with self._lock:
-                entries = list(self._by_request.values())
-            for token, request in entries:
-                try:
-                    if request.is_cancelled():
-                        (self.cancel_dir / token).touch()
-                except Exception:  # a request finishing meanwhile; the next round sees it gone
-                    continue
+                tokens = [token for token, _ in self._by_request.values()]
+            for token in tokens:
+                self._check(token)
+
+    def _check(self, token: str) -> None:
+        """Ask Triton about one request, if it is still in execution (under `ipc`)."""
+        with self.ipc:
+            with self._lock:
+                entry = next((e for e in self._by_request.values() if e[0] == token), None)
+            if entry is None or self.cancel_dir is None:
+                return
+            try:
+                cancelled = entry[1].is_cancelled()
+            except Exception:  # the next round asks again
+                return
+        if cancelled:
+            (self.cancel_dir / token).touch()
