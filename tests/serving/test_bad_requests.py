@@ -1,13 +1,16 @@
-"""A bad request gets an error naming the problem, and the server keeps serving.
+"""A bad request gets a client error (HTTP 400, gRPC INVALID_ARGUMENT) whose message is one line
+naming the problem, never a traceback, and the server keeps serving.
 
-Triton rejects unknown names, wrong dtypes and shapes, oversized batches and malformed
-bodies itself (HTTP 400/500, gRPC INVALID_ARGUMENT); requests that are well-formed but
-unservable (too long, token ids outside the vocabulary) are refused by our model callables.
+Triton rejects unknown names, wrong dtypes and ranks, oversized batches and malformed bodies
+itself; requests past the artifact's dynamic ranges, empty tensors and requests without a
+required input are refused in Triton's stub (stub_guard); requests that are well-formed but
+unservable (too long, token ids outside the vocabulary, bad options) by our model callables.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 
@@ -29,10 +32,17 @@ def still_serving(server) -> None:
     assert server.is_alive()
 
 
+CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
+
+
 def refused(protocol: str, server, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> str:
+    """The error message of a request that must be refused as the client's error, in one line."""
     with pytest.raises(InferenceServerException) as info:
         infer(protocol, client(protocol, server), model, inputs, outputs)
-    return info.value.message()
+    message = info.value.message()
+    assert str(info.value.status()) == CLIENT_ERROR[protocol], message
+    assert "\n" not in message.strip() and "Traceback" not in message and ".py" not in message, message
+    return message
 
 
 X = np.zeros((2, 3, 64), np.float32)
@@ -56,6 +66,27 @@ CASES = {
                                         "max_new_tokens must be the same for every sequence of one request"),
     "half a KV cache": ("decoder", {"input_ids": IDS, "past_key_values.0.key": np.zeros((1, 2, 3, 16), np.float32)},
                         "send all 4 past_key_values.* inputs or none"),
+    "negative max_new_tokens": ("decoder_generate", {"input_ids": IDS, "max_new_tokens": np.array([[-1]])},
+                                "max_new_tokens must be >= 0, got -1"),
+    "negative temperature": ("decoder_generate", {"input_ids": IDS, "temperature": np.array([[-0.5]], np.float32)},
+                             "temperature"),
+    "bad top_k": ("decoder_generate", {"input_ids": IDS, "temperature": np.array([[1.0]], np.float32),
+                                       "top_k": np.array([[0]])}, "top_k"),
+    "NaN temperature": ("decoder_generate", {"input_ids": IDS, "temperature": np.array([[np.nan]], np.float32)},
+                        "temperature must be a finite number"),
+    # refused before the model runs (they used to raise KeyError, TypeError or an ONNX Runtime error)
+    "generation without input_ids": ("decoder_generate", {"max_new_tokens": np.array([[3]])},
+                                     "missing required input 'input_ids'"),
+    "empty prompt": ("decoder_generate", {"input_ids": np.zeros((1, 0), np.int64)},
+                     "input 'input_ids' has shape [1, 0]: dim 1 (seq) is empty"),
+    "empty block input": ("moe", {"x": np.zeros((1, 0, 64), np.float32)}, "input 'x' has shape [1, 0, 64]: dim 1 (seq) is empty"),
+    "empty KV cache": ("decoder", {"input_ids": IDS, **dict.fromkeys(
+        [f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value")], np.zeros((1, 2, 0, 16), np.float32))},
+        "leave every past_key_values.* input out for an empty cache"),
+    "logits prompt past the range": ("decoder", {"input_ids": np.zeros((1, 300), np.int64)},
+                                     "input 'input_ids' has shape [1, 300]: dim 1 (seq) is 300, outside the model's range [1, "),
+    "sequence far past the range": ("moe", {"x": np.zeros((1, 4096, 64), np.float32)},
+                                    "input 'x' has shape [1, 4096, 64]: dim 1 (seq) is 4096, outside the model's range [1, "),
 }
 
 
@@ -68,8 +99,22 @@ def test_bad_request_is_refused_by_name(server, protocol: str, case: str) -> Non
     still_serving(server)
 
 
+def test_a_refusal_logs_one_line(server, caplog: pytest.LogCaptureFixture) -> None:
+    """The server's log gets the reason in one line, not PyTriton's traceback of an exception."""
+    caplog.set_level(logging.INFO)
+    refused("http", server, "decoder_generate", {"input_ids": np.array([[1, 2, 300]])}, ["output_ids"])
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in records] == [
+        "decoder_generate: refused a request: input_ids holds token id 300, outside the vocabulary [0, 256)"
+    ]
+    assert records[0].exc_info is None
+
+
 def test_unknown_model_is_refused(server) -> None:
-    assert "no_such_model" in refused("grpc", server, "no_such_model", {"x": X}, ["y"])
+    with pytest.raises(InferenceServerException) as info:
+        infer("grpc", client("grpc", server), "no_such_model", {"x": X}, ["y"])
+    assert str(info.value.status()) == "StatusCode.NOT_FOUND"
+    assert "no_such_model" in info.value.message()
 
 
 def post(server, path: str, body: bytes) -> tuple[int, str]:
@@ -80,6 +125,23 @@ def post(server, path: str, body: bytes) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def test_an_empty_tensor_in_a_json_body_is_refused(server) -> None:
+    body = {"inputs": [{"name": "x", "shape": [1, 0, 64], "datatype": "FP32", "data": []}]}
+    status, text = post(server, "/v2/models/moe/infer", json.dumps(body).encode())
+    assert (status, json.loads(text)["error"]) == (400, "input 'x' has shape [1, 0, 64]: dim 1 (seq) is empty; "
+                                                        "send at least one element along every dim")
+    still_serving(server)
+
+
+@pytest.mark.parametrize("model", ["moe", "decoder_generate"])
+def test_an_empty_body_is_refused(server, model: str) -> None:
+    status, text = post(server, f"/v2/models/{model}/infer", b"")
+    assert status == 400
+    message = json.loads(text)["error"]
+    assert "\n" not in message and "Traceback" not in message
+    still_serving(server)
 
 
 def test_malformed_json_body_is_refused(server) -> None:

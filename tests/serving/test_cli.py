@@ -160,3 +160,14 @@ def test_serve_stops_cleanly_on_a_signal(store, tmp_path, sig: signal.Signals) -
 
     for port, label in zip(ports, ("http", "grpc", "metrics"), strict=True):
         check_port_free(HOST, port, label)
+
+
+def test_serve_help_says_what_the_generation_options_take() -> None:
+    """One value per request, sent as [batch, 1] with the same value in every row: what the
+    server accepts (a request whose rows differ is refused, see test_bad_requests)."""
+    code, stdout, _ = run(["serve", "--help"])
+    text = " ".join(stdout.split())
+    assert code == 0
+    assert "one value per request" in text and "the same value in every row" in text
+    assert "one value per sequence" not in text
+    assert "--max-request-mb" in text

@@ -3,6 +3,8 @@ sampling, and greedy requests that Triton batches together."""
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -25,7 +27,7 @@ def prompt(batch: int, seq: int, seed: int) -> torch.Tensor:
 
 
 def options(batch: int, **values) -> dict[str, np.ndarray]:
-    """Optional inputs hold one value per sequence: shape [batch, 1]."""
+    """Optional inputs hold one value per request, repeated in every row: shape [batch, 1]."""
     dtypes = {"temperature": np.float32, "top_p": np.float32}
     return {k: np.full((batch, 1), v, dtype=dtypes.get(k, np.int64)) for k, v in values.items()}
 
@@ -82,3 +84,38 @@ def test_concurrent_greedy_requests_each_equal_eager(server, decoder) -> None:
         results = list(pool.map(request, range(12), timeout=120))
     for got, want in zip(results, expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_cancelled_generation_stops_and_frees_the_model(server, decoder, caplog: pytest.LogCaptureFixture) -> None:
+    """A gRPC client cancels a long generation: the server stops decoding it (Triton reports the
+    cancellation to its stub, stub_guard marks it, the loop checks before every token), so the
+    next request does not wait for the abandoned tokens. (Triton 2.51 detects no cancellation
+    over HTTP: a vanished HTTP client's generation runs to its max_new_tokens.)"""
+    import tritonclient.grpc as grpc
+
+    long_ids = prompt(1, 6, seed=3)
+    start = time.monotonic()
+    generate("grpc", server, long_ids, max_new_tokens=240)
+    long_s = time.monotonic() - start
+
+    caplog.set_level(logging.INFO, logger="moedeploy.serving")
+    c = grpc.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, array in {"input_ids": long_ids.numpy(), "max_new_tokens": np.array([[240]])}.items():
+        tensor = grpc.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    call = c.async_infer("decoder_generate", inputs, callback=lambda *_: None)
+    time.sleep(long_s / 5)
+    call.cancel()
+    short_ids = prompt(1, 5, seed=4)
+    start = time.monotonic()
+    tokens = generate("grpc", server, short_ids, max_new_tokens=4)
+    short_s = time.monotonic() - start
+    c.close()
+    assert torch.equal(tokens, decoder.generate(short_ids, max_new_tokens=4))
+    stopped = [r.getMessage() for r in caplog.records if "its client cancelled the request" in r.getMessage()]
+    assert len(stopped) == 1, stopped
+    position = int(stopped[0].split("position ")[1].split(":")[0])
+    assert 6 < position < 6 + 240
+    assert short_s < long_s

@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         dynamic_batching: bool = typer.Option(True, "--dynamic-batching/--no-dynamic-batching", help="Let Triton merge concurrent requests into one execution."),
         instances: int = typer.Option(1, "--instances", help="Model instances (each with its own runner) per model."),
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
+        max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Most tensor data one request may carry (MiB); larger ones are refused (400) before they reach a model. Shapes are also held to the artifact's dynamic ranges."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -39,7 +40,9 @@ def register(app: typer.Typer) -> None:
         A decoder is served twice: <name> (logits; leave out past_key_values.* for
         the prefill) and <name>_generate (input_ids -> output_ids, the prompt and
         its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
-        eos_token_id, one value per sequence, shape [batch, 1]). Runs until SIGINT or SIGTERM.
+        eos_token_id: one value per request, sent with shape [batch, 1] and the same value
+        in every row; a request whose rows differ is refused). A bad request gets HTTP 400 /
+        gRPC INVALID_ARGUMENT with its reason and fails alone. Runs until SIGINT or SIGTERM.
 
         \b
         Example:
@@ -50,7 +53,7 @@ def register(app: typer.Typer) -> None:
         options = ServeOptions(
             backend=backend, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
-            instances=instances, exit_timeout_s=exit_timeout, log_file=log_file,
+            instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
         )
         if log_file is not None:
             check_writable(log_file.parent)

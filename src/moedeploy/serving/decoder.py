@@ -10,7 +10,9 @@ at once and another request's rows would change what this one gets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,13 +21,22 @@ import torch
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, present_names
 from moedeploy.models.generation import SamplingConfig, generate_tokens
-from moedeploy.serving.batching import Feed, RequestError, RunFn
+from moedeploy.serving.batching import (
+    LOGGER,
+    Cancelled,
+    Feed,
+    Outcome,
+    RequestError,
+    RunFn,
+    run_isolated,
+)
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
     GENERATE_OPTIONS,
     GENERATE_OUTPUT,
 )
+from moedeploy.serving.stub_guard import TOKEN_PARAMETER
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,8 @@ class DecoderShape:
         return dict.fromkeys(past_names(self.n_layers), empty)
 
     def check_ids(self, ids: np.ndarray, name: str = "input_ids") -> None:
-        if ids.shape[1] == 0:
-            raise RequestError(f"{name} is empty; send at least one token")
+        if ids.size == 0:
+            raise RequestError(f"{name} has shape {list(ids.shape)}: it is empty; send at least one token")
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
@@ -68,6 +79,8 @@ def logits_prepare(shape: DecoderShape):
         shape.check_ids(ids)
         given = [n for n in names if n in feed]
         if not given:
+            if ids.shape[1] > shape.max_positions:
+                raise RequestError(f"input_ids ({ids.shape[1]}) positions exceed max_positions {shape.max_positions}")
             return {**feed, **shape.empty_past(len(ids))}
         if len(given) != len(names):
             missing = [n for n in names if n not in feed]
@@ -92,17 +105,27 @@ class RunnerDecoder:
         self.shape = shape
         self.present = present_names(shape.n_layers)
         self._past: dict[str, np.ndarray] = {}
+        self._cancelled: Callable[[], bool] = lambda: False
 
     def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        if self._cancelled():
+            LOGGER.info("generation stopped at position %d: its client cancelled the request", start_pos)
+            raise Cancelled("the client cancelled the request")
         feed = {"input_ids": ids.numpy().astype(np.int64), **self._past}
         outputs = self.run(feed)
         # Copies: the next step's feed must not alias a runner's reusable output buffers.
         self._past = {p: np.array(outputs[n]) for p, n in zip(past_names(self.shape.n_layers), self.present, strict=True)}
         return torch.from_numpy(np.array(outputs["logits"]))  # (B, S, V)
 
-    def generate(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: int | None) -> np.ndarray:
+    def generate(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: int | None,
+                 cancelled: Callable[[], bool] | None = None) -> np.ndarray:
+        """The tokens; raises Cancelled before a step once `cancelled()` says so."""
         self._past = self.shape.empty_past(len(ids))
-        tokens = generate_tokens(self.step, torch.from_numpy(ids), max_new_tokens, sampling, eos)
+        self._cancelled = cancelled or (lambda: False)
+        try:
+            tokens = generate_tokens(self.step, torch.from_numpy(ids), max_new_tokens, sampling, eos)
+        finally:
+            self._cancelled = lambda: False
         return tokens.numpy()
 
 
@@ -112,6 +135,7 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingConfig
     eos_token_id: int | None
+    token: str | None = None  # stub_guard's token: <cancel_dir>/<token> appears if the client cancels
 
     @property
     def batchable(self) -> bool:
@@ -132,6 +156,8 @@ def _option(feed: Feed, name: str) -> Any:
 
 
 def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
+    if GENERATE_INPUT not in feed:
+        raise RequestError(f"missing required input {GENERATE_INPUT!r}")
     ids = feed[GENERATE_INPUT]
     shape.check_ids(ids, GENERATE_INPUT)
     options = {name: _option(feed, name) for name in GENERATE_OPTIONS}
@@ -158,23 +184,44 @@ def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
 
 
 class GenerationModel:
-    """PyTriton callable of `<name>_generate`: checks every request, then decodes in groups."""
+    """PyTriton callable of `<name>_generate`: checks each request on its own, then decodes the
+    valid ones in groups; a refused request gets its own RequestError and changes no other."""
 
-    def __init__(self, decoder: RunnerDecoder) -> None:
+    def __init__(self, decoder: RunnerDecoder, cancel_dir: Path | None = None) -> None:
         self.decoder = decoder
+        self.cancel_dir = cancel_dir
 
-    def __call__(self, requests: list[Any]) -> list[Feed]:
-        parsed = [parse_generation({n: np.asarray(a) for n, a in r.items()}, self.decoder.shape) for r in requests]
+    def __call__(self, requests: list[Any]) -> list[Outcome]:
+        outcomes: dict[int, Outcome] = {}
+        parsed: dict[int, GenerationRequest] = {}
+        for i, r in enumerate(requests):
+            try:
+                request = parse_generation({n: np.asarray(a) for n, a in r.items()}, self.decoder.shape)
+            except RequestError as e:
+                outcomes[i] = e
+                continue
+            token = (getattr(r, "parameters", None) or {}).get(TOKEN_PARAMETER)
+            parsed[i] = replace(request, token=str(token) if token else None)
         groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(parsed):
+        for i, r in parsed.items():
             key = (r.ids.shape[1], r.max_new_tokens) if r.batchable else ("alone", i)
             groups.setdefault(key, []).append(i)
-        results: list[Feed] = [{}] * len(parsed)
         for members in groups.values():
-            first = parsed[members[0]]
-            ids = np.concatenate([parsed[i].ids for i in members], axis=0)  # (sum B, S)
-            tokens = self.decoder.generate(ids, first.max_new_tokens, first.sampling, first.eos_token_id)
-            rows = np.cumsum([len(parsed[i].ids) for i in members])[:-1]
-            for i, part in zip(members, np.split(tokens, rows), strict=True):
-                results[i] = {GENERATE_OUTPUT: part}
-        return results
+            outcomes |= run_isolated(members, lambda group: self.decode([parsed[i] for i in group]))
+        return [outcomes[i] for i in range(len(requests))]
+
+    def all_cancelled(self, group: list[GenerationRequest]) -> Callable[[], bool]:
+        """Whether every request of the group was cancelled (then nobody waits for its tokens)."""
+        markers = [self.cancel_dir / r.token for r in group if r.token] if self.cancel_dir else []
+        if len(markers) < len(group):
+            return lambda: False
+        return lambda: all(m.exists() for m in markers)
+
+    def decode(self, group: list[GenerationRequest]) -> list[Feed]:
+        """One generation over requests that may share it (same length, budget and sampling)."""
+        first = group[0]
+        ids = np.concatenate([r.ids for r in group], axis=0)  # (sum B, S)
+        tokens = self.decoder.generate(ids, first.max_new_tokens, first.sampling, first.eos_token_id,
+                                       cancelled=self.all_cancelled(group))
+        rows = np.cumsum([len(r.ids) for r in group])[:-1]
+        return [{GENERATE_OUTPUT: part} for part in np.split(tokens, rows)]

@@ -5,9 +5,16 @@ and readiness probes and exports Prometheus metrics; PyTriton runs our Python ca
 its models. Each model instance gets its own backend runner (a Polygraphy runner: torch,
 ONNX Runtime or TensorRT), because a TensorRT execution context serves one thread at a time.
 
-Triton itself rejects a request with an unknown input, a wrong dtype or shape, or a batch
-over `max_batch_size`, before it reaches a model, and keeps serving; `strict=True` makes
-PyTriton check what our callables return against the declared outputs.
+Triton itself rejects a request with an unknown input, a wrong dtype or rank, or a batch
+over `max_batch_size`, before it reaches a model, and keeps serving. What Triton's config
+cannot say (a dim's upper bound, a byte limit, an empty tensor) is checked in Triton's
+Python-backend stub before a request's tensors are copied on (`stub_guard`); what depends on
+values (token ids, options, positions) is checked by our callables, per request. Either way a
+refused request gets its own one-line error with a client status (HTTP 400, gRPC
+INVALID_ARGUMENT) and the rest of its batch runs.
+
+The models are written into PyTriton's workspace before Triton starts, so Triton loads them
+at start-up: its endpoints (health included) open only once every model is loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import json
 import os
+import shutil
 import signal
 import socket
 import sysconfig
@@ -29,12 +38,19 @@ from typing import Any
 import numpy as np
 
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
-from moedeploy.serving import triton_output
-from moedeploy.serving.batching import BatchedModel
+from moedeploy.serving import stub_guard, triton_output
+from moedeploy.serving.batching import BatchedModel, PerRequest
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
-from moedeploy.serving.specs import GENERATE_SUFFIX, ModelSpec, ServingError, served_models
+from moedeploy.serving.specs import (
+    GENERATE_SUFFIX,
+    ModelSpec,
+    ServingError,
+    request_limits,
+    served_models,
+)
 
 BACKENDS = ("ort", "trt", "torch")
+UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
 INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
 
 
@@ -61,6 +77,7 @@ class ServeOptions:
     dynamic_batching: bool = True
     instances: int = 1
     exit_timeout_s: int = 5  # how long shutdown waits for in-flight requests
+    max_request_mb: float = 64.0  # the most tensor bytes one request may carry, in MiB
     log_file: Path | None = None  # Triton's own log; None prints it to stdout, less known-harmless lines
 
     def validate(self) -> None:
@@ -78,6 +95,8 @@ class ServeOptions:
             raise ServingError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
         if self.instances < 1:
             raise ServingError(f"--instances must be >= 1, got {self.instances}")
+        if not self.max_request_mb > 0:
+            raise ServingError(f"--max-request-mb must be > 0, got {self.max_request_mb}")
         if self.exit_timeout_s < 0:
             raise ServingError(f"the exit timeout must be >= 0 s, got {self.exit_timeout_s}")
 
@@ -126,15 +145,85 @@ def activated_runner(backend: str, artifact: Artifact):
     return runner
 
 
-def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any):
-    """The PyTriton callable of one served model over one runner."""
+def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None) -> PerRequest:
+    """The PyTriton callable of one served model over one runner; generation stops early once
+    stub_guard marks its requests cancelled in `cancel_dir`."""
     run = runner.infer
+    required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
-        return BatchedModel(run, [t.name for t in spec.outputs])
-    shape = DecoderShape.of(artifact)
-    if spec.name.endswith(GENERATE_SUFFIX):
-        return GenerationModel(RunnerDecoder(run, shape))
-    return BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(shape))
+        model: Any = BatchedModel(run, [t.name for t in spec.outputs])
+    elif spec.name.endswith(GENERATE_SUFFIX):
+        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir)
+    else:
+        model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
+    return PerRequest(spec.name, model, required)
+
+
+#: What stub_guard.install replaces in PyTriton's proxy model.py (as PyTriton 0.7 spells it).
+PROXY_HOOKS = ("def _wrap_response(", "class TritonRequestsServer", "def _wrap_request(", "class TritonPythonModel",
+               "def execute(")
+
+
+def install_guard(version_dir: Path, limits: dict) -> None:
+    """Put stub_guard beside PyTriton's proxy model.py in a model's folder and make model.py install it."""
+    proxy = (version_dir / "model.py").read_text()
+    missing = [hook for hook in PROXY_HOOKS if hook not in proxy]
+    if missing:
+        raise ServingError(
+            f"this PyTriton's proxy model.py has no {missing[0].rstrip('(')!r}: moedeploy's per-request errors "
+            "and request limits are written for PyTriton 0.7; install nvidia-pytriton 0.7"
+        )
+    (version_dir / f"{stub_guard.MODULE_NAME}.py").write_text(Path(stub_guard.__file__).read_text())
+    with (version_dir / "model.py").open("a") as f:
+        f.write(f"\n\nfrom . import {stub_guard.MODULE_NAME} as _moedeploy_guard  # noqa: E402\n"
+                f"_moedeploy_guard.install(globals(), {json.dumps(json.dumps(limits))})\n")
+
+
+CANCEL_DIR = "cancelled"  # in the workspace: stub_guard marks cancelled requests here
+OWNER_FILE = "moedeploy-owner"  # in a PyTriton workspace moedeploy made: "<pid> <start time>"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (tells a reused pid from the original)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def claim(workspace: Path) -> None:
+    """Mark a PyTriton workspace as this process's, so a later start can tell it is left over."""
+    (workspace / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
+
+
+def _owner_alive(workspace: Path) -> bool:
+    try:
+        pid, started = (workspace / OWNER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return True  # not ours, or being written: leave it
+    return _start_time(int(pid)) == started
+
+
+def sweep_stale_workspaces(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove what servers killed with SIGKILL left behind: moedeploy's PyTriton workspaces
+    (model store, sockets, Triton's copy, ~22 MB each) whose owner is gone, and the
+    Python-backend shared-memory regions (`pytrtion<pid>-*`) of processes that no longer run.
+    Other tools' workspaces (no owner file) and live servers' files are left alone."""
+    from pytriton.constants import PYTRITON_HOME
+
+    removed: list[Path] = []
+    for workspace in Path(PYTRITON_HOME).glob("workspace_*"):
+        if (workspace / OWNER_FILE).is_file() and not _owner_alive(workspace):
+            shutil.rmtree(workspace, ignore_errors=True)
+            removed.append(workspace)
+    for region in shm.glob("pytrtion*-*"):
+        pid = region.name.removeprefix("pytrtion").split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                region.unlink()
+                removed.append(region)
+    return removed
 
 
 def _children(pid: int) -> list[int]:
@@ -155,6 +244,15 @@ def _is_tritonserver(pid: int, http_port: int) -> bool:
         return False
     pairs = set(itertools.pairwise(argv))
     return exe.endswith("/tritonserver") and (("--http-port", str(http_port)) in pairs or f"--http-port={http_port}" in argv)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child stays a zombie until PyTriton reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _from_triton(error: BaseException) -> bool:
@@ -184,7 +282,9 @@ class ModelServer:
         if duplicates:
             raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
         self._runners: list[Any] = []
+        self._callables: list[PerRequest] = []
         self._triton: Any = None
+        self._workspace: Any = None
         self._output: triton_output.TritonOutputFilter | None = None
 
     @property
@@ -214,11 +314,19 @@ class ModelServer:
         for label, port in (("http", o.http_port), ("grpc", o.grpc_port), ("metrics", o.metrics_port)):
             check_port_free(o.host, port, label)
         try:
+            from pytriton.utils.workspace import Workspace
+
+            sweep_stale_workspaces()
+            self._workspace = Workspace()
+            claim(self._workspace.path)
+            cancel_dir = self._workspace.path / CANCEL_DIR
+            cancel_dir.mkdir()
             callables = []
             for artifact, spec in self.specs:
                 runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                 self._runners += runners
-                callables.append([model_callable(artifact, spec, r) for r in runners])
+                callables.append([model_callable(artifact, spec, r, cancel_dir) for r in runners])
+            self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
             self._triton = self._bind(callables, gpu_metrics=gpu)
             self._output = triton_output.install(triton_output.harmless_lines(gpu))  # what is hidden, and why
@@ -237,43 +345,69 @@ class ModelServer:
         """A PyTriton server with every model bound; GPU metrics only where a GPU is visible
         (elsewhere Triton's NVML and DCGM probes print errors at start-up and measure nothing)."""
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-        from pytriton.triton import Triton, TritonConfig
+        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
 
         o = self.options
         config = TritonConfig(
             http_address=o.host, grpc_address=o.host, metrics_address=o.host,
             http_port=o.http_port, grpc_port=o.grpc_port, metrics_port=o.metrics_port,
-            exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
+            # Our drain waits exit_timeout_s for requests in flight; Triton's own exit timeout
+            # also covers unloading the models after SIGTERM (a Python-backend model takes 2-4 s).
+            exit_timeout_secs=o.exit_timeout_s + UNLOAD_TIMEOUT_S, log_verbose=0,
+            # No pool of reusable gRPC request objects: a reused one keeps the capacity of the
+            # largest request it held (a refused 200 MB request would stay resident).
+            grpc_infer_allocation_pool_size=0,
             log_file=Path(o.log_file) if o.log_file else None,
             allow_gpu_metrics=None if gpu_metrics else False,
         )
-        triton = Triton(config=config)
+        # A local model store: bind() writes each model's folder, Triton loads them all before
+        # its endpoints open (and no model is loaded from files sent through the API).
+        workspace = self._workspace
+        policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+        triton = Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
         batcher = DynamicBatcher(max_queue_delay_microseconds=o.max_queue_delay_us) if o.dynamic_batching else None
-        for (_, spec), infer_funcs in zip(self.specs, callables, strict=True):
+        max_bytes = int(o.max_request_mb * 2**20)
+        for (artifact, spec), infer_funcs in zip(self.specs, callables, strict=True):
             def tensors(specs):
                 return [Tensor(name=t.name, dtype=np.dtype(t.dtype), shape=t.dims, optional=t.optional) for t in specs]
 
             triton.bind(
                 model_name=spec.name, infer_func=infer_funcs, inputs=tensors(spec.inputs), outputs=tensors(spec.outputs),
-                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher), strict=True,
+                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher),
+                strict=False,  # a refused request's answer is stub_guard's error entry, not a declared output
             )
+            limits = request_limits(artifact, spec, max_bytes)
+            if spec.name.endswith(GENERATE_SUFFIX):  # only a generation can stop early
+                limits["cancel_dir"] = str(workspace.path / CANCEL_DIR)
+            install_guard(workspace.model_store_path / spec.name / "1", limits)
         return triton
 
     def is_alive(self) -> bool:
         return self._triton is not None and self._triton.is_alive()
 
     def stop(self) -> None:
-        """Unload every model, stop Triton, then free the runners.
+        """Drain, let tritonserver stop itself, then stop PyTriton and free the runners.
 
-        The unload drains in-flight requests (for up to the exit timeout) and lets PyTriton's
-        Python-backend stubs finalize. Left to Triton's exit timeout instead, some stubs hang
-        on as orphan processes (they ignore SIGTERM), one or two per stopped server.
+        Draining answers every request that reaches a model from now on with UNAVAILABLE
+        (HTTP 503) and waits (up to the exit timeout) for the calls in progress. Then
+        tritonserver gets SIGTERM while our inference handlers still run: it closes its
+        endpoints at once (a new request finds no listener, rather than the 404 "unknown
+        model" of an unloaded model), unloads every model, and its Python-backend stubs
+        finalize against live handlers. Were PyTriton's stop first (it closes the handlers,
+        then unloads), stubs would hang on as orphans until Triton's exit timeout. Where
+        tritonserver cannot be found, every model is unloaded through the API instead.
         """
         if self._triton is not None:
-            with contextlib.suppress(Exception):  # best effort: the server may be gone already
-                self._unload_models()
+            self._drain()
+            if not self._stop_tritonserver():
+                with contextlib.suppress(Exception):  # best effort: the server may be gone already
+                    self._unload_models()
             self._triton.stop()
             self._triton = None
+        if self._workspace is not None:  # PyTriton's stop cleaned it; a failed start may not have
+            with contextlib.suppress(Exception):
+                self._workspace.clean()
+            self._workspace = None
         if self._output is not None:  # after Triton's last line
             triton_output.uninstall(self._output)
             self._output = None
@@ -281,6 +415,32 @@ class ModelServer:
             with contextlib.suppress(Exception):
                 runner.deactivate()
         self._runners = []
+        self._callables = []
+
+    def _drain(self) -> None:
+        for model in self._callables:
+            model.draining.set()
+        deadline = time.monotonic() + self.options.exit_timeout_s
+        while not all(model.idle for model in self._callables) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _tritonservers(self) -> list[int]:
+        return [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+
+    def _stop_tritonserver(self) -> bool:
+        """SIGTERM to this server's tritonserver; whether it exited (within the exit timeout + UNLOAD_TIMEOUT_S + 5 s)."""
+        servers = self._tritonservers()
+        if not servers:
+            return False
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.exit_timeout_s + UNLOAD_TIMEOUT_S + 5.0
+        while any(_running(pid) for pid in servers):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _unload_models(self) -> None:
         import tritonclient.http as http
@@ -288,7 +448,7 @@ class ModelServer:
 
         # PyTriton restricts the model-repository API to holders of its access token.
         headers = {TRITON_ACCESS_HEADER: self._triton.get_access_token()}
-        servers = [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+        servers = self._tritonservers()
         client = http.InferenceServerClient(self.http_url, network_timeout=self.options.exit_timeout_s + 10.0)
         try:
             for name in self.model_names:

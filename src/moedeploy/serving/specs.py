@@ -22,8 +22,9 @@ TRITON_DTYPES = {
     "int64": "TYPE_INT64", "int32": "TYPE_INT32", "bool": "TYPE_BOOL",
 }
 
-# The generation model's tensors. Each optional input holds one value per sequence
-# ([batch, 1]); an absent one takes the default of MoEDecoder.generate.
+# The generation model's tensors. Each optional input holds one value per request, sent as
+# [batch, 1] (Triton batches every input along dim 0) with the same value in every row; an
+# absent one takes the default of MoEDecoder.generate.
 GENERATE_INPUT = "input_ids"
 GENERATE_OUTPUT = "output_ids"
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -121,3 +122,37 @@ def served_models(artifact: Artifact, max_batch_size: int | None = None) -> list
     if artifact.kind == "decoder":
         return [with_optional_past(graph_model(artifact, max_batch_size)), generation_model(artifact, max_batch_size)]
     return [graph_model(artifact, max_batch_size)]
+
+
+def _range(artifact: Artifact, label: str | int, batch: int) -> list:
+    """[label, low, high] of one dim; a transport cannot carry an empty tensor, so low >= 1."""
+    if isinstance(label, int):
+        return [str(label), label, label]
+    if label == BATCH_DIM:
+        return [label, 1, batch]
+    r = artifact.manifest["dynamic_ranges"].get(label)
+    if r is None:  # an output-only expression or an unranged dim: Triton's -1, no limit of ours
+        return [label, 1, 2**62]
+    return [label, max(1, int(r["min"])), int(r["max"])]
+
+
+EMPTY_PAST_HINT = "leave every past_key_values.* input out for an empty cache (the prefill)"
+
+
+def request_limits(artifact: Artifact, model: ModelSpec, max_request_bytes: int) -> dict:
+    """What a request to `model` may hold, per input dim (the manifest's dynamic ranges, which
+    the artifact was exported and tested for) and in bytes; checked before the request's
+    tensors leave Triton's stub (moedeploy.serving.stub_guard reads this dict)."""
+    batch = model.max_batch_size
+    inputs: dict[str, list] = {}
+    if model.name.endswith(GENERATE_SUFFIX):
+        seq = _range(artifact, "seq", batch)
+        seq[2] = min(seq[2], int(artifact.manifest["config"]["max_positions"]))
+        inputs[GENERATE_INPUT] = [[BATCH_DIM, 1, batch], seq]
+        for name in GENERATE_OPTIONS:
+            inputs[name] = [[BATCH_DIM, 1, batch], ["one value", 1, 1]]
+    else:
+        for spec in artifact.manifest["inputs"]:
+            inputs[spec["name"]] = [_range(artifact, d, batch) for d in spec["shape"]]
+    hints = {name: EMPTY_PAST_HINT for name in inputs if name.startswith("past_key_values.")}
+    return {"inputs": inputs, "empty_hints": hints, "max_request_bytes": int(max_request_bytes)}
