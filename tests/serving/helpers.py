@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
@@ -94,3 +96,16 @@ def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def post(url: str, body: bytes) -> tuple[int, str]:
+    """POST a raw body as JSON, the way a hand-written client would: (status, text); (0, why)
+    when nothing answered (not listening yet, or any more)."""
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)

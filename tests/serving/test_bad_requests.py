@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
 
 from tests.export.artifacts import eager_block
+from tests.serving import helpers
 from tests.serving.helpers import PROTOCOLS, client, infer
 
 InferenceServerException = pytest.importorskip("tritonclient.utils", reason="needs tritonclient[all]").InferenceServerException
@@ -118,13 +117,7 @@ def test_unknown_model_is_refused(server) -> None:
 
 
 def post(server, path: str, body: bytes) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return helpers.post(f"http://{server.http_url}{path}", body)
 
 
 def test_an_empty_tensor_in_a_json_body_is_refused(server) -> None:

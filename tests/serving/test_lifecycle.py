@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.export.artifacts import eager_block
+from tests.serving import helpers
 from tests.serving.helpers import HOST, free_ports, gone
 from tests.serving.test_cli import SHIM
 
@@ -41,15 +42,7 @@ def get(url: str) -> int:
 
 
 def post(url: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return 0, str(e)
+    return helpers.post(url, json.dumps(body).encode())
 
 
 def moe_body(x: np.ndarray) -> dict:
