@@ -97,8 +97,8 @@ def require_engine(artifact: Artifact | None, target: str) -> None:
 
 def require_ort_dtype(artifact: Artifact | None) -> None:
     """ONNX Runtime's CPU provider has no bf16 kernels; say so before timing anything."""
-    from moedeploy.runtime.ort import CPU, default_providers
+    from moedeploy.runtime.ort import default_providers, dtype_unsupported
 
-    if artifact is not None and artifact.dtype == "bf16" and default_providers()[0] == CPU:
-        raise ValueError(f"backend 'ort': {artifact.path} is bf16 and ONNX Runtime's CPU provider has no bfloat16 "
-                         "kernels; bench an fp32 or fp16 export on ort, or bf16 on trt")
+    if artifact is not None and (reason := dtype_unsupported(artifact.dtype, default_providers()[0])):
+        raise ValueError(f"backend 'ort': {artifact.path} is {artifact.dtype} and {reason}; "
+                         "bench an fp32 or fp16 export on ort, or bf16 on trt")

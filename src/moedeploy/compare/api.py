@@ -25,7 +25,7 @@ from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quie
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
 from moedeploy.export.reference import build_decoder, load_reference, weights_fingerprint
-from moedeploy.runtime.ort import CPU, SessionError, default_providers
+from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
 from moedeploy.runtime.runners import BACKENDS, TorchRunner, make_runner
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
 
@@ -60,9 +60,9 @@ def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
     session). Saying so before any work replaces a Polygraphy traceback in `compare` and 15
     failed rows in `moedeploy all`.
     """
-    if dtype == "bf16" and "ort" in backends and default_providers()[0] == CPU:
-        return ("ONNX Runtime's CPU provider has no bfloat16 kernels, so bf16 graphs do not run on "
-                "--backend ort on this machine; compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
+    if "ort" in backends and (reason := dtype_unsupported(dtype, default_providers()[0])):
+        return (f"{reason}, so {dtype} graphs do not run on --backend ort on this machine; "
+                "compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
     return None
 
 

@@ -32,6 +32,16 @@ class SessionError(RuntimeError):
     """The artifact cannot run on the requested ONNX Runtime provider."""
 
 
+def dtype_unsupported(dtype: str, provider: str) -> str | None:
+    """Why ONNX Runtime cannot run an artifact of `dtype` on `provider`, or None when it can.
+
+    The one rule that session creation, `compare`/`all` and `bench` all ask before any work.
+    """
+    if dtype == "bf16" and provider == CPU:
+        return "ONNX Runtime's CPU provider has no bfloat16 kernels"
+    return None
+
+
 def default_providers() -> list[str]:
     """CUDA first when onnxruntime-gpu is installed (it falls back to CPU per node), else CPU."""
     available = ort.get_available_providers()
@@ -79,11 +89,8 @@ def create_session(
             f"(available: {', '.join(ort.get_available_providers())}); for CUDA install moedeploy[gpu]"
         )
     provider = providers[0]
-    if artifact.dtype == "bf16" and provider == CPU:
-        raise SessionError(
-            "ONNX Runtime's CPU provider has no bfloat16 kernels for these graphs; run bf16 "
-            "artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16"
-        )
+    if reason := dtype_unsupported(artifact.dtype, provider):
+        raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     model, counts = lowered_model(artifact, provider, moe_lowering)
     try:
         session = ort.InferenceSession(model, session_options(threads, profile), providers=providers)
