@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,41 +56,26 @@ def _is_moedeploy_checkpoint(path: Path) -> bool:
 def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
     """Build an eval-mode MoEDecoder from a moedeploy or Hugging Face Mixtral folder.
 
-    dtype: None keeps the checkpoint's dtype (a bf16 Mixtral stays bf16).
+    dtype: None keeps the checkpoint's dtype (a bf16 Mixtral stays bf16). Every tensor is read,
+    stacked and cast one at a time, so loading needs the model once, not the model twice.
     """
     from moedeploy.models.decoder import MoEDecoder
 
-    path = Path(path)
-    raw_config = _read_config(path)
-    if raw_config.get("format") == FORMAT:
-        config = _parse(lambda: DecoderConfig.from_dict(raw_config["config"]), path)
-        tensors = _read_tensors(path)
-    elif raw_config.get("model_type") == "mixtral":
-        config = _parse(lambda: DecoderConfig.from_hf_mixtral(raw_config), path)
-        try:
-            tensors = _hf_mixtral_to_ours(_read_tensors(path), config)
-        except CheckpointError as e:  # name the folder: the weights and its config.json disagree
-            raise CheckpointError(f"{path}: {e}") from None
-    else:
-        kind = raw_config.get("model_type", "<no model_type>")
-        raise CheckpointError(
-            f"{path / 'config.json'}: model_type {kind!r} is not supported; "
-            "expected a Hugging Face Mixtral checkpoint (model_type 'mixtral') or one saved by moedeploy"
-        )
-
-    if config.tie_embeddings:
-        # torch's state_dict() and some exporters keep the tied copy; the embedding is the truth.
-        tensors.pop("lm_head.weight", None)
+    weights = CheckpointWeights(path)
+    config = weights.config
     with torch.device("meta"):
         model = MoEDecoder(config)
-    _check_tensors(model, tensors, path)
-    model.load_state_dict(tensors, strict=False, assign=True)
+    state = {}
+    for name in weights.names():
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        tensor = weights.tensor(name)
+        state[name] = tensor if dtype is None else tensor.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     # Non-persistent buffers were built on the meta device: rebuild them for real.
     model.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)
-    if dtype is not None:
-        model.to(dtype)
     return model.eval()
 
 
@@ -143,16 +129,115 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} has no *.safetensors weight files")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+@dataclass(frozen=True)
+class _Part:
+    """Where one of our tensors lies in the checkpoint: whole, or rows [start, stop) of dim 1 of
+    every expert (a fused gate_up_proj), or one file tensor per expert (stacked on read)."""
+
+    files: tuple[tuple[Path, str], ...]  # (shard, tensor name): one, or one per expert
+    rows: tuple[int, int] | None = None
+
+    @property
+    def per_expert(self) -> bool:
+        return len(self.files) > 1
+
+
+class CheckpointWeights:
+    """A checkpoint folder read lazily: our tensor names, shapes from the file headers, and each
+    tensor (or each expert's slice) read on demand from the memory-mapped shards.
+
+    Nothing is read until asked for, and each read opens its shard only for that read, so
+    a model far larger than memory can be streamed one tensor (or one expert) at a time. The
+    constructor checks every name and shape against config.json from the headers alone.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from moedeploy.models.decoder import MoEDecoder
+
+        self.path = path = Path(path)
+        raw_config = _read_config(path)
+        if raw_config.get("format") == FORMAT:
+            self.config = _parse(lambda: DecoderConfig.from_dict(raw_config["config"]), path)
+            headers = _read_headers(path)
+            self._parts = {name: _Part(((file, name),)) for name, (file, _) in headers.items()}
+            self._shapes = {name: shape for name, (_, shape) in headers.items()}
+        elif raw_config.get("model_type") == "mixtral":
+            self.config = _parse(lambda: DecoderConfig.from_hf_mixtral(raw_config), path)
+            try:
+                self._parts, self._shapes = _hf_mixtral_parts(_read_headers(path), self.config)
+            except CheckpointError as e:  # name the folder: the weights and its config.json disagree
+                raise CheckpointError(f"{path}: {e}") from None
+        else:
+            kind = raw_config.get("model_type", "<no model_type>")
+            raise CheckpointError(
+                f"{path / 'config.json'}: model_type {kind!r} is not supported; "
+                "expected a Hugging Face Mixtral checkpoint (model_type 'mixtral') or one saved by moedeploy"
+            )
+        if self.config.tie_embeddings:
+            # torch's state_dict() and some exporters keep the tied copy; the embedding is the truth.
+            self._parts.pop("lm_head.weight", None)
+            self._shapes.pop("lm_head.weight", None)
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in MoEDecoder(self.config).state_dict().items()}
+        self._order = list(expected)  # state_dict order: what the weights fingerprint hashes
+        if self.config.tie_embeddings:
+            expected.pop("lm_head.weight", None)
+        _check_shapes(expected, self._shapes, path)
+
+    def names(self) -> list[str]:
+        """Our tensor names in `MoEDecoder.state_dict()` order (a tied lm_head included)."""
+        return list(self._order)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[self._alias(name)]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One of our tensors, read (and stacked, for per-expert files) in the checkpoint's dtype."""
+        part = self._parts[self._alias(name)]
+        if part.per_expert:
+            return torch.stack(list(self.experts(name)))
+        (file, key), = part.files
+        index = (slice(None), slice(*part.rows)) if part.rows else None
+        return _read(file, key, index)
+
+    def experts(self, name: str) -> Iterator[torch.Tensor]:
+        """A stacked (E, out, in) expert tensor one expert at a time: the unit of streaming."""
+        part = self._parts[self._alias(name)]
+        if part.per_expert:
+            for file, key in part.files:
+                yield _read(file, key)
+            return
+        (file, key), = part.files
+        for e in range(self.shape(name)[0]):
+            yield _read(file, key, (e, slice(*part.rows)) if part.rows else (e,))
+
+    def _alias(self, name: str) -> str:
+        return "embed.weight" if name == "lm_head.weight" and self.config.tie_embeddings else name
+
+
+def _read(file: Path, key: str, index: tuple | None = None) -> torch.Tensor:
+    """One tensor or slice, copied out of the memory-mapped shard, which is closed again at once
+    (so the pages read do not stay mapped in this process)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            if index is None:
+                return f.get_tensor(key)
+            return f.get_slice(key)[index].clone()
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def _read_headers(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor's shard and shape, from the safetensors headers alone (no data is read)."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[name] = f.get_tensor(name)
+                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
-    return tensors
+    return found
 
 
 _HF_DIRECT = {
@@ -173,38 +258,42 @@ _HF_GATE_UP = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.exper
 _W_NAME = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
 
 
-def _hf_mixtral_to_ours(hf: dict[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to ours and stack per-expert weights into (E, out, in)."""
-    ours: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+def _hf_mixtral_parts(
+    headers: dict[str, tuple[Path, tuple[int, ...]]], config: DecoderConfig
+) -> tuple[dict[str, _Part], dict[str, tuple[int, ...]]]:
+    """Map Hugging Face tensor names onto ours: renamed, per-expert files stacked, a fused
+    gate_up_proj split into its gate and up rows. Shapes come from the headers."""
+    parts: dict[str, _Part] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    per_expert: dict[tuple[int, str], dict[int, tuple[Path, str, tuple[int, ...]]]] = {}
     unknown = []
-    for name, tensor in hf.items():
+    for name, (file, shape) in headers.items():
         if m := _HF_PER_EXPERT.fullmatch(name):
             layer, expert, w = int(m[1]), int(m[2]), m[3]
-            per_expert.setdefault((layer, _W_NAME[w]), {})[expert] = tensor
+            per_expert.setdefault((layer, _W_NAME[w]), {})[expert] = (file, name, shape)
         elif m := _HF_GATE_UP.fullmatch(name):
             # transformers' Mixtral layout (E, 2I, H), gate rows first. Shapes cannot tell it
             # from a transposed (E, H, 2I) one when H == 2I, so no other layout is guessed at:
             # anything else fails the shape check below with a clear message.
             I = config.expert_hidden  # noqa: E741
-            if tensor.dim() != 3 or tensor.shape[1] != 2 * I:
+            if len(shape) != 3 or shape[1] != 2 * I:
                 raise CheckpointError(
-                    f"{name} has shape {tuple(tensor.shape)}; expected (num_experts, "
+                    f"{name} has shape {shape}; expected (num_experts, "
                     f"2 * intermediate_size = {2 * I}, hidden_size) as transformers writes it"
                 )
-            ours[f"layers.{m[1]}.ffn.w_gate"] = tensor[:, :I]
-            ours[f"layers.{m[1]}.ffn.w_up"] = tensor[:, I:]
+            for w, rows in (("w_gate", (0, I)), ("w_up", (I, 2 * I))):
+                parts[f"layers.{m[1]}.ffn.{w}"] = _Part(((file, name),), rows)
+                shapes[f"layers.{m[1]}.ffn.{w}"] = (shape[0], I, shape[2])
         else:
             for pattern, target in _HF_DIRECT.items():
                 if re.fullmatch(pattern, name):
-                    ours[re.sub(pattern, target, name)] = tensor
+                    ours = re.sub(pattern, target, name)
+                    parts[ours], shapes[ours] = _Part(((file, name),)), shape
                     break
             else:
                 unknown.append(name)
     if unknown:
-        raise CheckpointError(
-            f"unexpected tensors for a Mixtral checkpoint: {_few(unknown)}"
-        )
+        raise CheckpointError(f"unexpected tensors for a Mixtral checkpoint: {_few(unknown)}")
     for (layer, w), experts in per_expert.items():
         missing = sorted(set(range(config.n_experts)) - set(experts))
         if missing or len(experts) != config.n_experts:
@@ -214,20 +303,22 @@ def _hf_mixtral_to_ours(hf: dict[str, torch.Tensor], config: DecoderConfig) -> d
                 + (f" (missing {_few([str(j) for j in missing])})" if missing else "")
                 + "; fix config.json or the weight files"
             )
-        ours[f"layers.{layer}.ffn.{w}"] = torch.stack([experts[j] for j in range(config.n_experts)])
-    return ours
+        ours = f"layers.{layer}.ffn.{w}"
+        first = experts[0][2]
+        if any(shape != first for _, _, shape in experts.values()):
+            raise CheckpointError(f"layer {layer} {w}: the experts' weights differ in shape")
+        parts[ours] = _Part(tuple((experts[j][0], experts[j][1]) for j in range(config.n_experts)))
+        shapes[ours] = (config.n_experts, *first)
+    return parts, shapes
 
 
-def _check_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], path: Path) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     wrong = [
-        f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k])})"
-        for k in sorted(set(expected) & set(tensors))
-        if tensors[k].shape != expected[k]
+        f"{k} {found[k]} (expected {expected[k]})"
+        for k in sorted(set(expected) & set(found))
+        if found[k] != expected[k]
     ]
     problems = []
     if missing:

@@ -1,0 +1,143 @@
+"""Decoder weights as a stream: read one tensor (or one expert) at a time, never the model at once.
+
+A real MoE checkpoint is tens of GB. Export writes its weights tensor by tensor, the weights
+fingerprint hashes them tensor by tensor, and the eager reference of a model that barely
+fits runs layer by layer (`layered_decoder`): each needs only a `WeightSource`, which a
+checkpoint folder (`CheckpointWeights`) and an in-memory model (`ModuleWeights`) both are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from moedeploy.models.config import DecoderConfig
+
+
+class WeightSource(Protocol):
+    """Our tensors by name (`MoEDecoder.state_dict()` names), read on demand."""
+
+    config: DecoderConfig
+
+    def names(self) -> list[str]:
+        """Every state-dict name in `MoEDecoder.state_dict()` order (a tied lm_head included)."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, in the source's dtype."""
+        ...
+
+    def experts(self, name: str) -> Iterator[torch.Tensor]:
+        """A stacked (E, out, in) expert tensor one (out, in) expert at a time."""
+        ...
+
+
+class ModuleWeights:
+    """The weights of an in-memory MoEDecoder (a preset with seeded random weights)."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        self.module = decoder
+        self.config: DecoderConfig = decoder.config
+        self._state = decoder.state_dict()
+
+    def names(self) -> list[str]:
+        return list(self._state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._state[name].shape)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._state[name].detach()
+
+    def experts(self, name: str) -> Iterator[torch.Tensor]:
+        yield from self._state[name].detach()
+
+
+def is_expert_tensor(source: WeightSource, name: str) -> bool:
+    """The stacked (E, out, in) expert weights: streamed per expert, the biggest tensors by far."""
+    return len(source.shape(name)) == 3
+
+
+def chunks(source: WeightSource, name: str, dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+    """A tensor's values in `dtype` (None: as stored), contiguous, in order: per expert for expert weights."""
+    pieces = source.experts(name) if is_expert_tensor(source, name) else iter([source.tensor(name)])
+    for piece in pieces:
+        yield (piece if dtype is None else piece.to(dtype)).contiguous()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy (bf16 included)."""
+    t = t.detach().cpu().contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def fingerprint(source: WeightSource, dtype: torch.dtype | None = None) -> str:
+    """sha256 over every tensor's name and bytes in `dtype`, in state-dict order.
+
+    Streamed one expert at a time, and equal to `fingerprint(ModuleWeights(m), dtype)` of the
+    model loaded whole: it proves a rebuilt reference holds the weights an artifact was exported from.
+    """
+    digest = hashlib.sha256()
+    for name in source.names():
+        digest.update(name.encode())
+        for piece in chunks(source, name, dtype):
+            digest.update(tensor_bytes(piece))
+    return digest.hexdigest()
+
+
+#: The modules whose weights `layered_decoder` loads just before their forward and drops after.
+def _weight_units(decoder: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [("embed", decoder.embed), *[(f"layers.{i}", m) for i, m in enumerate(decoder.layers)],
+            ("norm", decoder.norm), ("lm_head", decoder.lm_head)]
+
+
+def layered_decoder(source: WeightSource, dtype: torch.dtype) -> nn.Module:
+    """An eval-mode MoEDecoder whose weights live in `source` and are loaded one layer at a time.
+
+    Each unit (the embedding, every decoder layer, the final norm, the LM head) gets its
+    weights read and cast just before its forward and dropped right after, so running the
+    model needs one layer's weights in memory, not the model's: the eager reference for a
+    checkpoint that barely fits. Every forward reads the weights again (from the page
+    cache once warm), so this trades speed for memory; it computes exactly what the model
+    loaded whole computes.
+    """
+    from moedeploy.models.attention import RotaryEmbedding
+    from moedeploy.models.decoder import MoEDecoder
+
+    config = source.config
+    with torch.device("meta"):
+        decoder = MoEDecoder(config).to(dtype)
+    decoder.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)
+    decoder.layered_source = source  # a reader of the model can tell it is streamed
+    for prefix, unit in _weight_units(decoder):
+        unit.register_forward_pre_hook(_loader(source, prefix, dtype))
+        unit.register_forward_hook(_unloader(prefix))
+    return decoder.eval()
+
+
+def _loader(source: WeightSource, prefix: str, dtype: torch.dtype):
+    def load(module: nn.Module, _args) -> None:
+        for name, _ in list(module.named_parameters()):
+            value = source.tensor(f"{prefix}.{name}").to(dtype)
+            _set(module, name, nn.Parameter(value, requires_grad=False))
+    return load
+
+
+def _unloader(prefix: str):
+    def unload(module: nn.Module, _args, _output) -> None:
+        for name, param in list(module.named_parameters()):
+            _set(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                            requires_grad=False))
+    return unload
+
+
+def _set(module: nn.Module, dotted: str, param: nn.Parameter) -> None:
+    owner_path, _, leaf = dotted.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    owner._parameters[leaf] = param
