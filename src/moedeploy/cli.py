@@ -229,11 +229,15 @@ def export_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for random weights and golden inputs."),
     max_seq_len: int = typer.Option(None, "--max-seq-len", help="Decoder: positions (cache + new tokens) the TensorRT profile covers; default min(max_positions, 4096).", show_default=False),
     force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
+    golden: bool = typer.Option(True, "--golden/--no-golden", help="Decoder: run eager PyTorch on the golden inputs and store its outputs (--no-golden skips that pass over the weights; `compare` still runs eager)."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
     The folder holds model.onnx (opset 23, custom moe::RMSNorm / moe::MoE nodes with
     standard-op function bodies), manifest.json and golden/ eager-PyTorch I/O.
+    A decoder keeps its weights in model.onnx.data, streamed from the checkpoint one tensor
+    at a time: memory does not grow with the model, so any size exports (the disk must
+    hold the weights in the chosen --dtype; that is checked before any work).
     An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
 
     \b
@@ -260,6 +264,8 @@ def export_cmd(
     parse_dtype(dtype)
     if preset_name is not None and preset_name not in PRESETS:
         raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    if target != DECODER and given(ctx, "golden"):
+        raise UserError("--golden/--no-golden applies to the decoder only; a block's golden outputs cost nothing")
     uses_batchnorm = target != DECODER and BLOCKS[target].uses_batchnorm
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):
@@ -271,10 +277,10 @@ def export_cmd(
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
             fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
-            max_seq_len=max_seq_len,
+            max_seq_len=max_seq_len, golden=golden,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
-    size = artifact.model_path.stat().st_size / 1e6
+    size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
     out.print(f"[green]exported[/green] {target} ({dtype}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]", highlight=False)
 
 

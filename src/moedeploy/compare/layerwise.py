@@ -119,7 +119,7 @@ def localize(
     import onnxruntime as ort
 
     from moedeploy.runtime.lowering import lower_for_ort
-    from moedeploy.runtime.ort import session_options
+    from moedeploy.runtime.ort import reads_weights_from, session_options
     from moedeploy.runtime.runners import TorchRunner
 
     reference = reference if reference is not None else load_reference(artifact)
@@ -140,11 +140,11 @@ def localize(
             runner.infer(feed, check_inputs=False)
 
     eager = _hook_outputs(reference, modules + routers, run_torch)
-    original = onnx.load(str(artifact.model_path))
+    original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
     lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering)
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
-    session = ort.InferenceSession(lowered.SerializeToString(), session_options())
+    session = ort.InferenceSession(lowered.SerializeToString(), reads_weights_from(session_options(), artifact))
     names = [o.name for o in session.get_outputs()]
     graph_values = dict(zip(names, session.run(names, feed), strict=True))
 

@@ -113,7 +113,10 @@ def save_model(model: onnx.ModelProto, folder: Path) -> list[str]:
     return [MODEL_FILE]
 
 
-def save_golden(folder: Path, feeds: list[dict[str, np.ndarray]], outputs: list[dict[str, np.ndarray]]) -> list[str]:
+def save_golden(
+    folder: Path, feeds: list[dict[str, np.ndarray]], outputs: list[dict[str, np.ndarray]] | None
+) -> list[str]:
+    """Golden inputs, and eager PyTorch's outputs on them unless `outputs` is None (--no-golden)."""
     from polygraphy.comparator import RunResults
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.json import save_json
@@ -121,6 +124,8 @@ def save_golden(folder: Path, feeds: list[dict[str, np.ndarray]], outputs: list[
     quiet_polygraphy()
     (folder / "golden").mkdir(exist_ok=True)
     save_json(feeds, str(folder / GOLDEN_INPUTS))
+    if outputs is None:
+        return [GOLDEN_INPUTS]
     results = RunResults()
     results.append((EAGER_RUNNER, [IterationResult(o, runtime=0.0, runner_name=EAGER_RUNNER) for o in outputs]))
     results.save(str(folder / GOLDEN_OUTPUTS))
@@ -173,7 +178,9 @@ def _manifest_problems(m: Any) -> Problems:
     yield from _range_problems(m.get("dynamic_ranges"), m["inputs"])
     yield from _tolerance_problems(m.get("tolerances", {}))
     yield from _config_problems(m["kind"], m.get("config"))
-    yield from _files_problems(m["kind"], m.get("files"))
+    if not isinstance(m.get("golden_outputs", True), bool):
+        yield f"golden_outputs is {_shown(m, 'golden_outputs')}, not true or false"
+    yield from _files_problems(m["kind"], m.get("files"), m.get("golden_outputs", True))
 
 
 def _shown(m: dict[str, Any], key: str) -> str:
@@ -282,7 +289,7 @@ def _decoder_config_problems(config: dict[str, Any]) -> Problems:
         yield f"config is not a valid decoder configuration ({e})"
 
 
-def _files_problems(kind: str, files: Any) -> Problems:
+def _files_problems(kind: str, files: Any, golden_outputs: bool = True) -> Problems:
     """Every file the artifact needs is listed with a sha256, and lies inside the folder."""
     if not isinstance(files, dict):
         yield "files is not an object of {relative path: sha256}"
@@ -292,16 +299,17 @@ def _files_problems(kind: str, files: Any) -> Problems:
             yield f"files entry {rel!r} is not a relative path inside the artifact folder"
         elif not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
             yield f"files entry {rel!r} has {digest!r}, not a sha256 hex digest"
-    for rel in required_files(kind):
+    for rel in required_files(kind, golden_outputs):
         if rel not in files:
             yield f"files does not list {rel}, so nothing checks it"
 
 
-def required_files(kind: str) -> tuple[str, ...]:
-    """The files every artifact of `kind` has (model.onnx.data only when the graph uses it)."""
+def required_files(kind: str, golden_outputs: bool = True) -> tuple[str, ...]:
+    """The files every artifact of `kind` has (model.onnx.data only when the graph uses it;
+    golden outputs unless the export was told not to run the eager model, `--no-golden`)."""
     from moedeploy.export.reference import REFERENCE_FILE  # reference.py imports this module
 
-    common = (MODEL_FILE, GOLDEN_INPUTS, GOLDEN_OUTPUTS)
+    common = (MODEL_FILE, GOLDEN_INPUTS, *([GOLDEN_OUTPUTS] if golden_outputs else []))
     return (*common, REFERENCE_FILE) if kind == "block" else common
 
 
@@ -448,6 +456,11 @@ class Artifact:
     def golden_outputs(self) -> list[dict[str, np.ndarray]]:
         from polygraphy.comparator import RunResults
 
+        if not self.manifest.get("golden_outputs", True):
+            raise ArtifactError(
+                f"{self.path} was exported with --no-golden, so it holds no eager outputs; "
+                f"`moedeploy compare {self.path}` runs the eager model instead"
+            )
         quiet_polygraphy()
         results = RunResults.load(str(self.path / GOLDEN_OUTPUTS))
         return [dict(it) for it in results[0][1]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,8 @@ import torch
 import moedeploy
 from moedeploy.export.artifact import (
     MANIFEST,
+    MODEL_DATA_FILE,
+    MODEL_FILE,
     SCHEMA_VERSION,
     Artifact,
     io_spec,
@@ -41,7 +44,6 @@ from moedeploy.export.blocks import (
     get_block,
 )
 from moedeploy.export.decoder import (
-    WRAPPER_PREFIX,
     DecoderWithPast,
     decoder_dynamic_ranges,
     decoder_feed,
@@ -50,7 +52,10 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.reference import build_decoder, save_reference_weights, weights_fingerprint
+from moedeploy.export.reference import build_decoder, save_reference_weights
+from moedeploy.export.streaming import save_graph, trace_decoder, weight_summary, write_weights
+from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
 from moedeploy.utils.io import (
     atomic_directory,
     atomic_write_json,
@@ -60,6 +65,8 @@ from moedeploy.utils.io import (
 
 Progress = Callable[[str], None]
 DECODER = "decoder"
+#: Room the golden I/O and manifest need besides the weights (Polygraphy JSON is base64, ~1.4x).
+GOLDEN_BYTES_ALLOWANCE = 64 * 2**20
 
 
 def _noop(_: str) -> None:
@@ -92,6 +99,7 @@ def export(
     force: bool = False,
     progress: Progress | None = None,
     max_seq_len: int | None = None,
+    golden: bool = True,
 ) -> Artifact:
     """Export `target` (a block name or "decoder") to the artifact folder `out`.
 
@@ -119,8 +127,10 @@ def export(
     if target == DECODER:
         return export_decoder(
             out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
-            progress=progress, max_seq_len=max_seq_len,
+            progress=progress, max_seq_len=max_seq_len, golden=golden,
         )
+    if not golden:
+        raise ValueError("--no-golden applies to the decoder only")
     return export_block(
         target, out, dtype=dtype, fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force,
         progress=progress,
@@ -208,53 +218,80 @@ def export_decoder(
     force: bool = False,
     progress: Progress | None = None,
     max_seq_len: int | None = None,
+    golden: bool = True,
 ) -> Artifact:
     """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
-    `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions."""
+    `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions.
+
+    The weights are streamed (export/streaming.py): the graph is traced over empty tensors
+    and each weight goes from the checkpoint's shards to model.onnx.data on its own, so
+    memory does not grow with the model. Golden outputs come from the eager model run one
+    layer at a time over the checkpoint; `golden=False` skips them (and that pass).
+    """
     progress = progress or _noop
     torch_dtype = parse_dtype(dtype)
     if checkpoint is not None:
-        progress(f"loading checkpoint {checkpoint}")
-        source = {"checkpoint": str(Path(checkpoint).resolve())}
+        progress(f"reading checkpoint {checkpoint}")
+        weights: WeightSource = CheckpointWeights(checkpoint)
+        source: dict[str, Any] = {"checkpoint": str(Path(checkpoint).resolve())}
     else:
         progress(f"building the {preset_name!r} decoder with random weights (seed {seed})")
+        weights = ModuleWeights(build_decoder(preset_name, None, seed, torch_dtype))
         source = {"preset": preset_name}
-    decoder = build_decoder(preset_name, checkpoint, seed, torch_dtype)
-    source["weights_sha256"] = weights_fingerprint(decoder)
-    config = decoder.config
+    config = weights.config
     dynamic_ranges = decoder_dynamic_ranges(config.max_positions, max_seq_len)  # a bad max_seq_len fails here
-    wrapper = DecoderWithPast(decoder).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
     n = config.n_layers
+    weight_bytes = sum(math.prod(weights.shape(name)) for name in weights.names()) * torch_dtype.itemsize
+    require_free_space(out, weight_bytes + GOLDEN_BYTES_ALLOWANCE)  # before minutes of work, not after
 
-    progress("tracing the decoder with its KV cache to ONNX")
-    ids, past = decoder_feed(decoder, batch=2, past_len=3, seq=5, generator=generator)
-    past_axes = {0: "batch", 2: "past_seq"}
-    model = to_onnx(
-        wrapper, (ids, past),
-        ["input_ids", *past_names(n)], ["logits", *present_names(n)],
-        ({0: "batch", 1: "seq"}, [(past_axes, past_axes) for _ in range(n)]),
-        scope_prefix=WRAPPER_PREFIX,
-    )
+    progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
+    traced = trace_decoder(config, torch_dtype, weights.names())
+    progress(f"fingerprinting the weights ({weight_bytes / 1e9:.2f} GB)")
+    source["weights_sha256"] = fingerprint(weights, torch_dtype)
 
-    progress("running eager PyTorch on golden inputs")
-    ids, past = decoder_feed(decoder, batch=2, past_len=6, seq=4, generator=generator)
-    with torch.no_grad():
-        logits, present = wrapper(ids, past)
+    golden_in = golden_out = None
+    generator = torch.Generator().manual_seed(seed + 1)
+    reference = weights_reference(weights, torch_dtype)
+    progress("making golden inputs" + (" and running eager PyTorch on them, layer by layer" if golden else ""))
+    ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)
     feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
-    outputs = {"logits": logits, **dict(zip(present_names(n), [t for kv in present for t in kv], strict=True))}
     golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
-    golden_out = [{k: to_numpy(v) for k, v in outputs.items()}]
+    if golden:
+        with torch.no_grad():
+            logits, present = DecoderWithPast(reference).eval()(ids, past)
+        outputs = {"logits": logits, **dict(zip(present_names(n), [t for kv in present for t in kv], strict=True))}
+        golden_out = [{k: to_numpy(v) for k, v in outputs.items()}]
+    del reference
+
+    def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
+        progress(f"streaming {weight_bytes / 1e9:.2f} GB of weights into {MODEL_DATA_FILE}")
+        write_weights(traced, weights, torch_dtype, folder / MODEL_DATA_FILE, progress)
+        progress("checking the graph with the ONNX checker")
+        return save_graph(traced, folder / MODEL_FILE), [MODEL_FILE, MODEL_DATA_FILE]
 
     atol, rtol = DECODER_TOLERANCES[dtype]
-    manifest = _manifest(
-        name=DECODER, kind="decoder", dtype=dtype, model=model, seed=seed,
-        config={**config.to_dict(), "source": source},
-        dynamic_ranges=dynamic_ranges,
-        tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
-    )
-    manifest["max_seq_len"] = dynamic_ranges["seq"].max + dynamic_ranges["past_seq"].max
-    return _write(out, model, manifest, golden_in, golden_out, progress, force=force)
+
+    def manifest_for(model: onnx.ModelProto) -> dict[str, Any]:
+        manifest = _manifest(
+            name=DECODER, kind="decoder", dtype=dtype, model=model, seed=seed,
+            config={**config.to_dict(), "source": source},
+            dynamic_ranges=dynamic_ranges,
+            tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
+        )
+        manifest["max_seq_len"] = dynamic_ranges["seq"].max + dynamic_ranges["past_seq"].max
+        manifest["golden_outputs"] = golden
+        manifest["weights_layout"] = weight_summary(traced)
+        return manifest
+
+    return _write_artifact(out, write_model, manifest_for, golden_in, golden_out, progress, force=force)
+
+
+def weights_reference(weights: WeightSource, dtype: torch.dtype) -> torch.nn.Module:
+    """The eager decoder for golden outputs: the in-memory model of a preset, or the checkpoint's
+    model run one layer at a time (its weights read per layer), so memory stays one layer's."""
+    if isinstance(weights, ModuleWeights):
+        return weights.module
+    return layered_decoder(weights, dtype)
 
 
 def _manifest(
@@ -290,15 +327,35 @@ def _write(
     *,
     force: bool = False,
 ) -> Artifact:
+    """Write an artifact whose graph is in memory (the blocks: a few MB at most)."""
+    require_free_space(out, model.ByteSize() + GOLDEN_BYTES_ALLOWANCE)
+
+    def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
+        files = save_model(model, folder)
+        if reference is not None:
+            files += save_reference_weights(reference, folder)
+        return model, files
+
+    return _write_artifact(out, write_model, lambda _: manifest, golden_in, golden_out, progress, force=force)
+
+
+def _write_artifact(
+    out: str | Path,
+    write_model: Callable[[Path], tuple[onnx.ModelProto, list[str]]],
+    manifest_for: Callable[[onnx.ModelProto], dict[str, Any]],
+    golden_in: list[dict[str, np.ndarray]], golden_out: list[dict[str, np.ndarray]] | None, progress: Progress,
+    *,
+    force: bool = False,
+) -> Artifact:
+    """Model, golden I/O and manifest into a temp folder that replaces `out` only when all succeeded."""
     out = Path(out)
     progress(f"writing the artifact to {out}")
-    _check_dim_names(manifest)
-    golden_bytes = sum(a.nbytes for d in (*golden_in, *golden_out) for a in d.values())
-    require_free_space(out, model.ByteSize() + 3 * golden_bytes)  # Polygraphy JSON is base64: ~1.4x
     with atomic_directory(out, owned=is_artifact_folder, force=force) as tmp:
-        files = save_model(model, tmp) + save_golden(tmp, golden_in, golden_out)
-        if reference is not None:
-            files += save_reference_weights(reference, tmp)
+        model, files = write_model(tmp)
+        manifest = manifest_for(model)
+        _check_dim_names(manifest)
+        files += save_golden(tmp, golden_in, golden_out)
+        progress("hashing the artifact's files")
         manifest["files"] = {rel: sha256(tmp / rel) for rel in files}
         atomic_write_json(tmp / MANIFEST, manifest)
     return Artifact.load(out)

@@ -95,8 +95,8 @@ def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, 
 def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
     """Every node of the artifact's graph against TensorRT's ONNX parser support matrix."""
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
-    model = onnx.load(str(artifact.model_path))
-    onnx.checker.check_model(model, full_check=True)
+    onnx.checker.check_model(str(artifact.model_path), full_check=True)  # by path: any size
+    model = onnx.load(str(artifact.model_path), load_external_data=False)  # the graph, not the weights
     matrix = support_matrix()
     ops = matrix["operators"]
     report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"])

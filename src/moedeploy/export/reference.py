@@ -7,7 +7,6 @@ pure function of both) or the checkpoint folder, so a 500 MB model is not stored
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -15,6 +14,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype
+from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
 
 REFERENCE_FILE = "reference.safetensors"
 
@@ -27,12 +28,7 @@ def save_reference_weights(module: nn.Module, folder: Path) -> list[str]:
 
 def weights_fingerprint(module: nn.Module) -> str:
     """sha256 over every tensor of the state dict, in order: proves a rebuild is the exported model."""
-    digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(name.encode())
-        t = tensor.detach().contiguous().cpu()
-        digest.update(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
-    return digest.hexdigest()
+    return fingerprint(ModuleWeights(module))
 
 
 def build_decoder(preset_name: str | None, checkpoint: str | Path | None, seed: int, dtype: torch.dtype):
@@ -64,9 +60,14 @@ def load_reference(artifact: Artifact) -> nn.Module:
                 f"{artifact.path} was exported from checkpoint {checkpoint}, which is gone; "
                 "the eager reference needs it"
             )
-        decoder = build_decoder(source.get("preset"), checkpoint, artifact.manifest["seed"], dtype)
+        if checkpoint is not None:
+            weights: WeightSource = CheckpointWeights(checkpoint)
+            decoder = layered_decoder(weights, dtype)  # a checkpoint may barely fit: one layer at a time
+        else:
+            decoder = build_decoder(source.get("preset"), None, artifact.manifest["seed"], dtype)
+            weights = ModuleWeights(decoder)
         expected = source.get("weights_sha256")
-        if expected and weights_fingerprint(decoder) != expected:
+        if expected and fingerprint(weights, dtype) != expected:
             origin = f"checkpoint {checkpoint}" if checkpoint else f"preset {source.get('preset')!r}, seed {artifact.manifest['seed']}"
             raise ArtifactError(
                 f"the eager model rebuilt from {origin} is not the one {artifact.path} was exported from "

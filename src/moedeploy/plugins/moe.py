@@ -266,7 +266,9 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
 
     if activation == "swiglu":
         n_experts, hidden, dim = (int(d) for d in w_up.shape)  # expert weights are static
-        fc1 = interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
+        # A streamed decoder export stores gate and up interleaved already: use that weight as
+        # it is (no copy at session creation); anything else is interleaved by graph ops.
+        fc1 = interleaved_source(w_gate, w_up) or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
         fused_bias = nonzero(b_gate) is not None or nonzero(b_up) is not None
         fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if fused_bias else None
         extra = {"swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0}
@@ -289,6 +291,29 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+
+
+def interleaved_source(w_gate: ir.Value, w_up: ir.Value) -> ir.Value | None:
+    """The (E, 2I, H) weight that w_gate and w_up are the even and odd rows of, if they are.
+
+    True when both come from `Slice(fused, start, 2I, axis 1, step 2)` with starts 0 and 1
+    (what `export.streaming` writes), so com.microsoft::MoE can read `fused` directly.
+    """
+    sources = []
+    for value, start in ((w_gate, 0), (w_up, 1)):
+        node = value.producer()
+        if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 5:
+            return None
+        consts = [ir.convenience.get_const_tensor(v) for v in node.inputs[1:]]
+        if any(c is None for c in consts):
+            return None
+        starts, ends, axes, steps = (c.numpy().tolist() for c in consts)
+        fused = node.inputs[0]
+        rows = int(fused.shape[1]) if fused is not None and fused.shape is not None else -1
+        if (starts, axes, steps) != ([start], [1], [2]) or ends[0] < rows:
+            return None
+        sources.append(fused)
+    return sources[0] if sources[0] is sources[1] else None
 
 
 def nan_where_not_finite(add: Callable[..., ir.Value], y: ir.Value, x: ir.Value, logits: ir.Value) -> ir.Value:

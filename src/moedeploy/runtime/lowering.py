@@ -14,6 +14,7 @@ from typing import Literal
 
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from moedeploy.plugins import moe, rmsnorm
 
@@ -56,6 +57,9 @@ def lower_for_ort(
                 counts["rmsnorm_native"] += 1
             else:
                 counts["rmsnorm_function"] += 1
+    # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
+    # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
+    ir.passes.common.RemoveUnusedNodesPass()(ir_model)
     return ir.to_proto(ir_model), counts
 
 

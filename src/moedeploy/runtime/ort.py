@@ -15,7 +15,7 @@ import onnx
 import onnxruntime as ort
 
 import moedeploy
-from moedeploy.export.artifact import MODEL_FILE, Artifact, sha256
+from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact, sha256
 from moedeploy.runtime.lowering import LOWERING_VERSION, MoELowering, lower_for_ort
 from moedeploy.utils.io import atomic_write_json, normalise_modes
 
@@ -23,6 +23,9 @@ CACHE_DIR = "cache"
 CACHE_FORMAT = 2  # 1: the sidecar held only the lowering counts, nothing was verified
 
 log = logging.getLogger(__name__)
+
+#: ONNX Runtime reads the external initializers of a model given as bytes from this folder.
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -71,6 +74,14 @@ def session_options(threads: int | None = None, profile: bool = False) -> ort.Se
     return options
 
 
+def reads_weights_from(options: ort.SessionOptions, artifact: Artifact) -> ort.SessionOptions:
+    """Let a graph given as bytes read its external initializers from the artifact's data file
+    (ONNX Runtime resolves them against this folder, and memory-maps them there)."""
+    if MODEL_DATA_FILE in artifact.model_files():
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(artifact.path))
+    return options
+
+
 def create_session(
     artifact: Artifact | str,
     providers: list[str] | None = None,
@@ -92,8 +103,11 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     model, counts = lowered_model(artifact, provider, moe_lowering)
+    options = session_options(threads, profile)
+    if isinstance(model, bytes):
+        reads_weights_from(options, artifact)
     try:
-        session = ort.InferenceSession(model, session_options(threads, profile), providers=providers)
+        session = ort.InferenceSession(model, options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
     del model
@@ -102,8 +116,20 @@ def create_session(
 
 
 def lowered_model(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[str | bytes, dict[str, int]]:
-    """The lowered graph for ONNX Runtime: a verified cache file's path, else the bytes of a
-    graph lowered here (a read-only artifact: the cache is an optimisation, never a requirement)."""
+    """The lowered graph for ONNX Runtime.
+
+    An artifact with its weights in model.onnx.data (every decoder): the graph alone is
+    loaded and lowered here, and its bytes are returned; the session reads the weights from
+    the artifact's data file, which the lowering never copies (the streamed export stores the
+    experts in the layout com.microsoft::MoE takes). Nothing is cached: lowering a graph
+    without its weights takes milliseconds. Otherwise (a block, weights inside model.onnx): a
+    verified cache file's path, else the bytes of a graph lowered here (a read-only artifact:
+    the cache is an optimisation, never a requirement).
+    """
+    if MODEL_DATA_FILE in artifact.model_files():
+        graph = onnx.load(str(artifact.model_path), load_external_data=False)
+        lowered, counts = lower_for_ort(graph, provider, moe_lowering)
+        return lowered.SerializeToString(), counts
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)
         return str(path), counts

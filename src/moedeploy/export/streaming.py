@@ -1,0 +1,268 @@
+"""The decoder to ONNX without holding its weights: trace the graph over empty tensors, then
+stream the weights from their source into `model.onnx.data`, one tensor (or expert) at a time.
+
+Why: a real MoE checkpoint is tens of GB. Tracing with torch.onnx needs tensors of the right
+shapes, not their values, so the model is built on the meta device and given uninitialised
+CPU storage that is never written (the kernel maps no page until one is touched): tracing a
+2.8 GB model stays near 0.5 GB resident. No graph value may depend on those empty weights,
+so while the graph is optimised they are graph inputs (constant folding cannot touch an
+input), and the few folds that matter are redone here as recipes applied while writing:
+
+  copy        the tensor as it is (cast to the artifact's dtype)
+  transpose   W^T of a 2-D weight that feeds MatMul (what torch's exporter emits for Linear)
+  interleave  the experts' gate and up rows alternating, (E, 2I, H): the layout ONNX
+              Runtime's com.microsoft::MoE takes, so its lowering reads the artifact's weight
+              file as it is; the graph slices gate and up back out with two strided Slices
+
+Every weight then lives in `model.onnx.data` at a 64 KiB-aligned offset (ONNX Runtime can
+memory-map it), and model.onnx holds only the graph and the small constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from moedeploy.export.decoder import WRAPPER_PREFIX, DecoderWithPast, past_names, present_names
+from moedeploy.export.onnx_export import (
+    OPSET,
+    ExportError,
+    _quiet,
+    attach_function_bodies,
+    name_custom_nodes,
+    normalize_dim_sums,
+)
+from moedeploy.models.config import DecoderConfig
+from moedeploy.models.weights import WeightSource, chunks, tensor_bytes
+from moedeploy.plugins import moe
+
+DATA_ALIGNMENT = 1 << 16
+PENDING = "<not written yet>"
+Recipe = tuple[Literal["copy", "transpose", "interleave"], tuple[str, ...]]
+Progress = Callable[[str], None]
+
+
+@dataclass
+class TracedDecoder:
+    """The decoder's graph with empty weights, and how to make each weight initializer."""
+
+    model: ir.Model
+    recipes: dict[str, Recipe]  # initializer name -> (how, from which of our tensor names)
+
+
+def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A MoEDecoder with the right shapes and dtype whose weights are never written: no memory
+    is committed for them until something reads them (nothing here does)."""
+    from moedeploy.models.attention import RotaryEmbedding
+    from moedeploy.models.decoder import MoEDecoder
+
+    with torch.device("meta"):
+        decoder = MoEDecoder(config).to(dtype)
+    decoder = decoder.to_empty(device="cpu")
+    decoder.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)  # real values
+    return decoder.eval()
+
+
+def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> TracedDecoder:
+    """Trace DecoderWithPast over empty weights; returns the optimised graph and the weight recipes."""
+    decoder = empty_decoder(config, dtype)
+    n = config.n_layers
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    kv = (2, config.n_kv_heads, 3, config.head_dim)
+    past = [(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype)) for _ in range(n)]
+    past_axes = {0: "batch", 2: "past_seq"}
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                DecoderWithPast(decoder).eval(), (ids, past), dynamo=True, opset_version=OPSET,
+                input_names=["input_ids", *past_names(n)], output_names=["logits", *present_names(n)],
+                dynamic_shapes=({0: "batch", 1: "seq"}, [(past_axes, past_axes) for _ in range(n)]),
+                optimize=False, verbose=False,
+            )
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    model = program.model
+    del program, decoder
+    params = _lift_weights(model.graph, {WRAPPER_PREFIX + name: name for name in weight_names})
+    with _quiet():
+        import onnxscript.optimizer
+
+        onnxscript.optimizer.optimize(model)
+    recipes = _restore_weights(model.graph, params)
+    return TracedDecoder(model, recipes)
+
+
+def _lift_weights(graph: ir.Graph, names: dict[str, str]) -> dict[str, tuple[ir.Value, str]]:
+    """Turn every weight initializer into a graph input for the optimiser: an input is never
+    constant, so nothing is folded from the empty values. Returns value name -> (value, our name)."""
+    lifted = {}
+    for value_name, ours in names.items():
+        value = graph.initializers.get(value_name)
+        if value is None:
+            continue
+        graph.initializers.pop(value_name)
+        value.const_value = None
+        graph.inputs.append(value)
+        lifted[value_name] = (value, ours)
+    return lifted
+
+
+def _restore_weights(graph: ir.Graph, lifted: dict[str, tuple[ir.Value, str]]) -> dict[str, Recipe]:
+    """Make the lifted weights initializers again, folding what is worth storing folded."""
+    lifted_values = {id(v): (v, ours) for v, ours in lifted.values()}
+    for value, _ in lifted.values():
+        graph.inputs.remove(value)
+    recipes: dict[str, Recipe] = {}
+
+    def weight(value: ir.Value | None) -> str | None:
+        return lifted_values[id(value)][1] if value is not None and id(value) in lifted_values else None
+
+    for node in list(graph):
+        source = weight(node.inputs[0]) if node.inputs else None
+        if node.op_type == "Transpose" and node.domain == "" and source is not None:
+            perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+            if len(node.inputs[0].shape) == 2 and perm in (None, [1, 0], (1, 0)):
+                folded = _new_weight(graph, f"{node.inputs[0].name}.T", node.outputs[0])
+                ir.convenience.replace_all_uses_with(node.outputs[0], folded)
+                graph.remove(node, safe=True)
+                _register(graph, folded)
+                recipes[folded.name] = ("transpose", (source,))
+        elif node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE:
+            gate, up = weight(node.inputs[2]), weight(node.inputs[3])
+            if gate is not None and up is not None:
+                _fuse_gate_up(graph, node, gate, up, recipes)
+    for value, ours in lifted.values():
+        if value.uses():
+            _register(graph, value)
+            recipes[value.name] = ("copy", (ours,))
+    return recipes
+
+
+def _new_weight(graph: ir.Graph, name: str, like: ir.Value, shape: list[int] | None = None) -> ir.Value:
+    return ir.Value(name=name, shape=ir.Shape(shape if shape is not None else list(like.shape)), type=like.type)
+
+
+def _register(graph: ir.Graph, value: ir.Value) -> None:
+    """An initializer whose data is not written yet: `write_weights` points it at its bytes."""
+    value.const_value = ir.ExternalTensor(
+        PENDING, None, None, value.dtype, shape=ir.Shape(list(value.shape)), name=value.name
+    )
+    graph.register_initializer(value)
+
+
+def _fuse_gate_up(graph: ir.Graph, node: ir.Node, gate: str, up: str, recipes: dict[str, Recipe]) -> None:
+    """Feed the MoE node's gate and up weights from one interleaved (E, 2I, H) initializer."""
+    gate_value = node.inputs[2]
+    n_experts, hidden, dim = (int(d) for d in gate_value.shape)
+    fused = _new_weight(graph, gate_value.name.replace("w_gate", "w_gate_up"), gate_value, [n_experts, 2 * hidden, dim])
+    new_nodes = []
+
+    def const(values: list[int]) -> ir.Value:
+        n = ir.node("Constant", [], {"value": ir.tensor(values, dtype=ir.DataType.INT64)})
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    for index, start, name in ((2, 0, "w_gate"), (3, 1, "w_up")):
+        sliced = ir.node("Slice", [fused, const([start]), const([2 * hidden]), const([1]), const([2])],
+                         name=f"{node.name}/{name}" if node.name else None)
+        sliced.outputs[0].shape = ir.Shape([n_experts, hidden, dim])
+        sliced.outputs[0].type = gate_value.type
+        sliced.outputs[0].name = f"{fused.name}.{name}"
+        new_nodes.append(sliced)
+        node.replace_input_with(index, sliced.outputs[0])
+    graph.insert_before(node, new_nodes)
+    _register(graph, fused)
+    recipes[fused.name] = ("interleave", (gate, up))
+
+
+def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The initializer's values in order, in bounded pieces (one expert at most)."""
+    how, names = recipe
+    if how == "copy":
+        yield from chunks(source, names[0], dtype)
+    elif how == "transpose":
+        yield source.tensor(names[0]).to(dtype).t().contiguous()
+    elif how == "interleave":
+        for gate, up in zip(source.experts(names[0]), source.experts(names[1]), strict=True):
+            yield torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1]).to(dtype).contiguous()
+    else:
+        raise ValueError(f"unknown weight recipe {how!r}")
+
+
+def recipe_bytes(model: ir.Model, recipes: dict[str, Recipe]) -> int:
+    """The bytes the weight file will hold (before alignment padding)."""
+    graph = model.graph
+    return sum(_nbytes(graph.initializers[name]) for name in recipes)
+
+
+def _nbytes(value: ir.Value) -> int:
+    count = 1
+    for d in value.shape:
+        count *= int(d)
+    return int(count * value.dtype.itemsize)
+
+
+def write_weights(
+    traced: TracedDecoder, source: WeightSource, dtype: torch.dtype, data_file: Path,
+    progress: Progress,
+) -> int:
+    """Stream every weight into `data_file` and point its initializer there; returns bytes written.
+
+    Each tensor starts at a 64 KiB-aligned offset. A piece whose size disagrees with the
+    graph's shape stops the export: the file must be exactly what the graph says.
+    """
+    graph = traced.model.graph
+    total = recipe_bytes(traced.model, traced.recipes)
+    written = offset = 0
+    reported = -1
+    with data_file.open("wb") as f:
+        for name in list(graph.initializers):
+            if name not in traced.recipes:
+                continue
+            value = graph.initializers[name]
+            offset = -(-f.tell() // DATA_ALIGNMENT) * DATA_ALIGNMENT
+            f.seek(offset)
+            length = 0
+            for piece in recipe_chunks(traced.recipes[name], source, dtype):
+                length += f.write(tensor_bytes(piece))
+            if length != _nbytes(value):
+                raise ExportError(f"weight {name}: wrote {length} bytes, the graph's shape needs {_nbytes(value)}")
+            value.const_value = ir.ExternalTensor(
+                data_file.name, offset, length, value.dtype, shape=value.shape, name=name, base_dir=data_file.parent,
+            )
+            written += length
+            percent = written * 100 // max(total, 1)
+            if percent // 10 != reported // 10:
+                reported = percent
+                progress(f"writing weights: {written / 1e9:.2f} of {total / 1e9:.2f} GB ({percent}%)")
+    return written
+
+
+def save_graph(traced: TracedDecoder, model_file: Path) -> onnx.ModelProto:
+    """Serialise the graph (weights stay in the data file), attach the custom ops' function
+    bodies, name the custom nodes after their modules, and check the file by path (a model
+    past 2 GB cannot be checked in memory). Returns the proto without weight data."""
+    proto = ir.serde.serialize_model(traced.model)
+    attach_function_bodies(proto)
+    name_custom_nodes(proto, WRAPPER_PREFIX)
+    normalize_dim_sums(proto)
+    onnx.save_model(proto, str(model_file))
+    try:
+        onnx.checker.check_model(str(model_file), full_check=True)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"exported graph fails the ONNX checker: {str(e).splitlines()[0]}") from e
+    return proto
+
+
+def weight_summary(traced: TracedDecoder) -> dict[str, Any]:
+    """How many initializers each recipe made (for the manifest: a reader sees the layout)."""
+    counts: dict[str, int] = {}
+    for how, _ in traced.recipes.values():
+        counts[how] = counts.get(how, 0) + 1
+    return counts
