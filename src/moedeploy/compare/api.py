@@ -24,13 +24,18 @@ from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
-from moedeploy.export.reference import build_decoder, load_reference, weights_fingerprint
+from moedeploy.export.reference import load_reference
+from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.weights import fingerprint, layered_decoder
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
 from moedeploy.runtime.runners import BACKENDS, TorchRunner, make_runner
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
 
 REPORT_DIR = "report"
 RUN_RESULTS = "run_results.json"
+#: run_results.json keeps the first iterations whose outputs (all runners) fit in this many
+#: bytes: every iteration of a small model, not hundreds of MB of logits of a large one.
+RUN_RESULTS_BUDGET = 32 * 2**20
 ACCURACY = "accuracy.json"
 
 Progress = Callable[[str], None]
@@ -99,13 +104,14 @@ def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expecte
         )
     if not checkpoint.is_dir():
         raise ArtifactError(f"--checkpoint {checkpoint} is not a folder")
-    decoder = build_decoder(None, checkpoint, artifact.manifest["seed"], parse_dtype(artifact.dtype))
-    if weights_fingerprint(decoder) != expected:
+    dtype = parse_dtype(artifact.dtype)
+    weights = CheckpointWeights(checkpoint)
+    if fingerprint(weights, dtype) != expected:
         raise ArtifactError(
             f"--checkpoint {checkpoint} holds other weights than {artifact.path} was exported from "
             "(its weights_sha256 fingerprint differs); pass the checkpoint the artifact was made from"
         )
-    return DecoderWithPast(decoder).eval()
+    return DecoderWithPast(layered_decoder(weights, dtype)).eval()
 
 
 def handed_out_once(first: nn.Module, rebuild: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -207,6 +213,7 @@ def compare(
         "first_divergent_routing_flips": None,
         "first_divergent_routing_modules": None,
         "polygraphy": {"run_results": RUN_RESULTS, "accuracy": ACCURACY},
+        "run_results_iterations": None,
         "versions": library_versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -225,12 +232,39 @@ def compare(
     # report/ is the artifact's own subfolder, replaced on every run; anything else there is refused
     with atomic_directory(artifact.path / REPORT_DIR, owned=lambda p: (p / "report.json").is_file()) as tmp, \
             polygraphy_silenced():
-        run_results.save(str(tmp / RUN_RESULTS))
+        kept = saved_iterations(run_results, RUN_RESULTS_BUDGET)
+        report["run_results_iterations"] = kept
+        first_iterations(run_results, kept).save(str(tmp / RUN_RESULTS))
         accuracy.save(str(tmp / ACCURACY))
         atomic_write_json(tmp / "report.json", strict_json(report))
         atomic_write_text(tmp / "report.md", render_markdown(report))
         atomic_write_text(tmp / "report.html", render_html(report, _values(results_by_runner, reference.name)))
     return report
+
+
+def saved_iterations(run_results, budget: int) -> int:
+    """How many leading iterations of every runner fit in `budget` bytes of outputs."""
+    per_iteration = [0] * min(len(iters) for _, iters in run_results.items())
+    for _, iters in run_results.items():
+        for i in range(len(per_iteration)):
+            per_iteration[i] += sum(np.asarray(v).nbytes for v in iters[i].values())
+    total, kept = 0, 0
+    for size in per_iteration:
+        total += size
+        if total > budget:
+            break
+        kept += 1
+    return kept
+
+
+def first_iterations(run_results, count: int):
+    """A RunResults with each runner's first `count` iterations (Polygraphy reads it as usual)."""
+    from polygraphy.comparator import RunResults
+
+    trimmed = RunResults()
+    for name, iters in run_results.items():
+        trimmed.append((name, list(iters)[:count]))
+    return trimmed
 
 
 def strict_json(obj: Any) -> Any:
