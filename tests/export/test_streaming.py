@@ -1,0 +1,191 @@
+"""Streamed decoder export (the code path of a multi-GB checkpoint, on tiny sharded ones): the
+artifact's logits against transformers, its weight file against the checkpoint's tensors,
+layer-by-layer eager against the model loaded whole, and no second copy of the weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from moedeploy.export import export
+from moedeploy.export.artifact import Artifact, ArtifactError
+from moedeploy.export.blocks import DECODER_TOLERANCES
+from moedeploy.models import load_decoder
+from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.weights import fingerprint, layered_decoder
+from moedeploy.runtime.ort import create_session
+
+from ..models.helpers import tiny_mixtral
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE = dict(vocab_size=80, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Sharded Hugging Face checkpoints (an index and several shards), fp32 and bf16, with
+    transformers' own fp32 model loaded from each folder: the reference the export must match."""
+    from transformers import MixtralForCausalLM
+
+    root = tmp_path_factory.mktemp("ckpt")
+    made = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        tiny_mixtral(seed=3, **SHAPE).to(dtype).save_pretrained(root / name, max_shard_size="30KB")
+        assert (root / name / "model.safetensors.index.json").is_file()
+        assert len(list((root / name).glob("*.safetensors"))) > 2
+        hf = MixtralForCausalLM.from_pretrained(
+            root / name, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        )
+        made[name] = (root / name, hf.eval())
+    return made
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory) -> dict[tuple[str, str], Artifact]:
+    root = tmp_path_factory.mktemp("art")
+    out = {}
+    for ckpt, dtype in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "fp16")):
+        out[ckpt, dtype] = export("decoder", root / f"{ckpt}-{dtype}", checkpoint=checkpoints[ckpt][0], dtype=dtype)
+    return out
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, SHAPE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
+
+
+def _plain_ort_logits(artifact: Artifact, ids: torch.Tensor) -> np.ndarray:
+    """The artifact run by a plain onnxruntime session over model.onnx (the custom ops' function bodies)."""
+    session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
+    dtype = np.float16 if artifact.dtype == "fp16" else np.float32
+    c = artifact.manifest["config"]
+    feed = {"input_ids": ids.numpy()}
+    for i in session.get_inputs()[1:]:
+        feed[i.name] = np.zeros((ids.shape[0], c["n_kv_heads"], 0, c["head_dim"]), dtype)
+    return session.run(["logits"], feed)[0].astype(np.float32)
+
+
+@pytest.mark.parametrize(("ckpt", "dtype"), [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "fp16")])
+def test_streamed_artifact_matches_transformers(ckpt, dtype, checkpoints, exported) -> None:
+    artifact = exported[ckpt, dtype]
+    assert artifact.model_files() == ["model.onnx", "model.onnx.data"]
+    ids = _ids()
+    with torch.no_grad():
+        expected = checkpoints[ckpt][1](ids).logits.numpy()
+    assert expected.std() > 0.3  # O(1) logits: the tolerance is a real bound
+    atol, rtol = DECODER_TOLERANCES[dtype]
+    np.testing.assert_allclose(_plain_ort_logits(artifact, ids), expected, atol=atol, rtol=rtol)
+    lowered = create_session(artifact)  # com.microsoft::MoE reading the interleaved weight as stored
+    if dtype == "fp32":
+        assert lowered.lowering["moe_contrib"] == SHAPE["num_hidden_layers"]
+    c = artifact.manifest["config"]
+    feed = {"input_ids": ids.numpy().astype(np.int64)}
+    for name in artifact.input_names()[1:]:
+        feed[name] = np.zeros((2, c["n_kv_heads"], 0, c["head_dim"]), np.float16 if dtype == "fp16" else np.float32)
+    np.testing.assert_allclose(lowered.run(feed, ["logits"])[0].astype(np.float32), expected, atol=atol, rtol=rtol)
+
+
+def test_weight_file_holds_the_checkpoint_experts_interleaved(checkpoints, exported) -> None:
+    """model.onnx.data holds each layer's gate and up rows alternating (what com.microsoft::MoE
+    takes), read back by onnx and compared with transformers' own expert tensors."""
+    artifact = exported["fp32", "fp32"]
+    model = onnx.load(str(artifact.model_path))  # resolves the external data
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    hf = checkpoints["fp32"][1]
+    inter = SHAPE["intermediate_size"]
+    for layer in range(SHAPE["num_hidden_layers"]):
+        fused = weights[f"decoder.layers.{layer}.ffn.w_gate_up"]
+        assert fused.shape == (SHAPE["num_local_experts"], 2 * inter, SHAPE["hidden_size"])
+        gate_up = hf.model.layers[layer].mlp.experts.gate_up_proj.detach().numpy()  # (E, 2I, H), gate rows first
+        np.testing.assert_array_equal(fused[:, 0::2], gate_up[:, :inter])
+        np.testing.assert_array_equal(fused[:, 1::2], gate_up[:, inter:])
+        assert f"decoder.layers.{layer}.ffn.w_gate" not in weights  # stored once, not twice
+    for t in onnx.load(str(artifact.model_path), load_external_data=False).graph.initializer:
+        if t.name.startswith("decoder.") and t.name != "decoder.rope.inv_freq":
+            assert t.data_location == onnx.TensorProto.EXTERNAL, t.name
+
+
+def test_no_second_copy_of_the_weights_after_compare(exported) -> None:
+    """After compare (which lowers the graph for ONNX Runtime), the weights exist once: no
+    file of the artifact but model.onnx.data holds the bytes of any weight tensor."""
+    from moedeploy.compare.api import compare
+
+    artifact = exported["fp32", "fp32"]
+    report = compare(artifact, backends=["ort"], iterations=2)
+    assert report["passed"]
+    model = onnx.load(str(artifact.model_path))
+    samples = [numpy_helper.to_array(t).tobytes()[:256] for t in model.graph.initializer if t.name.startswith("decoder.")
+               and numpy_helper.to_array(t).nbytes >= 1024]
+    assert len(samples) >= 10
+    others = [p for p in artifact.path.rglob("*") if p.is_file() and p.name != "model.onnx.data"]
+    assert any(p.parent.name == "report" for p in others)
+    for path in others:
+        data = path.read_bytes()
+        assert not any(sample in data for sample in samples), f"{path} holds a copy of a weight"
+
+
+def test_layered_decoder_computes_what_the_whole_model_does(checkpoints) -> None:
+    folder = checkpoints["bf16"][0]
+    whole = load_decoder(folder, dtype=torch.float32)
+    layered = layered_decoder(CheckpointWeights(folder), torch.float32)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(layered(ids), whole(ids))
+    assert all(p.is_meta for p in layered.parameters())  # nothing stays loaded after a forward
+
+
+def test_streamed_fingerprint_is_sha256_of_the_whole_state_dict(checkpoints) -> None:
+    folder = checkpoints["bf16"][0]
+    whole = load_decoder(folder, dtype=torch.float16)
+    digest = hashlib.sha256()
+    for name, tensor in whole.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    assert fingerprint(CheckpointWeights(folder), torch.float16) == digest.hexdigest()
+
+
+def test_no_golden_skips_the_eager_outputs_and_compare_still_runs(checkpoints, tmp_path) -> None:
+    artifact = export("decoder", tmp_path / "a", checkpoint=checkpoints["fp32"][0], golden=False)
+    assert artifact.manifest["golden_outputs"] is False
+    assert not (artifact.path / "golden" / "outputs.json").exists()
+    assert artifact.golden_inputs()  # the inputs are still there
+    with pytest.raises(ArtifactError, match="--no-golden"):
+        artifact.golden_outputs()
+    from moedeploy.compare.api import compare
+
+    assert compare(artifact, backends=["ort"], iterations=1)["passed"]
+
+
+def test_export_refuses_before_tracing_when_the_disk_is_too_small(checkpoints, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    import moedeploy.export.exporter as exporter
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("traced although the artifact cannot fit")
+
+    free = shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr("moedeploy.utils.io.shutil.disk_usage", lambda _path: free)
+    monkeypatch.setattr(exporter, "trace_decoder", never)
+    with pytest.raises(OSError, match="not enough free space"):
+        export("decoder", tmp_path / "a", checkpoint=checkpoints["fp32"][0])
+    assert not (tmp_path / "a").exists()
+
+
+def test_manifest_records_how_the_weights_are_laid_out(exported) -> None:
+    manifest = json.loads((exported["fp32", "fp32"].path / "manifest.json").read_text())
+    layers = SHAPE["num_hidden_layers"]
+    # Per layer: q, k, v, o stored transposed (they feed MatMul), one interleaved expert
+    # weight (gate + up), and norms, router and down copied; plus the embedding, final norm
+    # and lm_head (transposed).
+    assert manifest["weights_layout"] == {"transpose": 4 * layers + 1, "interleave": layers, "copy": 4 * layers + 2}
