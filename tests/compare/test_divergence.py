@@ -50,7 +50,7 @@ def corrupt(source: Artifact, dest: Path, weight: str, rehash: bool = True) -> P
 
 # (artifact, layer k, weight, the module expected to diverge first)
 CASES = [
-    ("tiny", 0, "decoder.layers.0.ffn.w_up", "layers.0.ffn"),
+    ("tiny", 0, "decoder.layers.0.ffn.w_gate_up", "layers.0.ffn"),
     ("tiny", 1, "module:decoder.layers.1.attn.wq", "layers.1.attn"),
     ("deep", 0, "decoder.layers.0.attn_norm.weight", "layers.0.attn_norm"),
     ("deep", 1, "module:decoder.layers.1.attn.wk", "layers.1.attn"),
@@ -108,7 +108,7 @@ def test_compare_fails_and_names_the_corrupted_layer(artifacts, tmp_path, which,
 
 def test_cli_compare_exits_nonzero_and_names_the_layer(artifacts, tmp_path):
     k = 2
-    folder = corrupt(artifacts.deep_decoder(), tmp_path / "corrupt", f"decoder.layers.{k}.ffn.w_up")
+    folder = corrupt(artifacts.deep_decoder(), tmp_path / "corrupt", f"decoder.layers.{k}.ffn.w_gate_up")
     result = run_cli("compare", folder, "--iterations", "1")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
@@ -132,7 +132,7 @@ def test_cli_compare_passes_on_the_intact_decoder(artifacts, tmp_path):
 @pytest.fixture
 def tampered(artifacts, tmp_path) -> Path:
     """model.onnx edited without updating manifest.json's sha256."""
-    return corrupt(artifacts.decoder(), tmp_path / "tampered", "decoder.layers.1.ffn.w_up", rehash=False)
+    return corrupt(artifacts.decoder(), tmp_path / "tampered", "decoder.layers.1.ffn.w_gate_up", rehash=False)
 
 
 def test_tampered_model_is_rejected_by_artifact_load(tampered):

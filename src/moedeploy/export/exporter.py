@@ -246,12 +246,11 @@ def export_decoder(
 
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())
-    progress(f"fingerprinting the weights ({weight_bytes / 1e9:.2f} GB)")
-    source["weights_sha256"] = fingerprint(weights, torch_dtype)
+    source["weights_sha256"] = fingerprint(weights, torch_dtype, progress)
 
     golden_in = golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)
-    reference = weights_reference(weights, torch_dtype)
+    reference = weights_reference(weights, torch_dtype, progress)
     progress("making golden inputs" + (" and running eager PyTorch on them, layer by layer" if golden else ""))
     ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)
     feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
@@ -286,12 +285,12 @@ def export_decoder(
     return _write_artifact(out, write_model, manifest_for, golden_in, golden_out, progress, force=force)
 
 
-def weights_reference(weights: WeightSource, dtype: torch.dtype) -> torch.nn.Module:
+def weights_reference(weights: WeightSource, dtype: torch.dtype, progress: Progress) -> torch.nn.Module:
     """The eager decoder for golden outputs: the in-memory model of a preset, or the checkpoint's
     model run one layer at a time (its weights read per layer), so memory stays one layer's."""
     if isinstance(weights, ModuleWeights):
         return weights.module
-    return layered_decoder(weights, dtype)
+    return layered_decoder(weights, dtype, progress)
 
 
 def _manifest(

@@ -170,7 +170,7 @@ def _fuse_gate_up(graph: ir.Graph, node: ir.Node, gate: str, up: str, recipes: d
 
     for index, start, name in ((2, 0, "w_gate"), (3, 1, "w_up")):
         sliced = ir.node("Slice", [fused, const([start]), const([2 * hidden]), const([1]), const([2])],
-                         name=f"{node.name}/{name}" if node.name else None)
+                         name=f"{fused.name}/{name}")
         sliced.outputs[0].shape = ir.Shape([n_experts, hidden, dim])
         sliced.outputs[0].type = gate_value.type
         sliced.outputs[0].name = f"{fused.name}.{name}"

@@ -9,7 +9,7 @@ checkpoint folder (`CheckpointWeights`) and an in-memory model (`ModuleWeights`)
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -77,17 +77,23 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def fingerprint(source: WeightSource, dtype: torch.dtype | None = None) -> str:
+def fingerprint(
+    source: WeightSource, dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None
+) -> str:
     """sha256 over every tensor's name and bytes in `dtype`, in state-dict order.
 
     Streamed one expert at a time, and equal to `fingerprint(ModuleWeights(m), dtype)` of the
     model loaded whole: it proves a rebuilt reference holds the weights an artifact was exported from.
+    `progress` hears how far it got, at most every tenth of the names.
     """
     digest = hashlib.sha256()
-    for name in source.names():
+    names = source.names()
+    for i, name in enumerate(names, 1):
         digest.update(name.encode())
         for piece in chunks(source, name, dtype):
             digest.update(tensor_bytes(piece))
+        if progress is not None and (i * 10 // len(names)) != ((i - 1) * 10 // len(names)):
+            progress(f"fingerprinting the weights: {i} of {len(names)} tensors")
     return digest.hexdigest()
 
 
@@ -97,7 +103,9 @@ def _weight_units(decoder: nn.Module) -> list[tuple[str, nn.Module]]:
             ("norm", decoder.norm), ("lm_head", decoder.lm_head)]
 
 
-def layered_decoder(source: WeightSource, dtype: torch.dtype) -> nn.Module:
+def layered_decoder(
+    source: WeightSource, dtype: torch.dtype, progress: Callable[[str], None] | None = None
+) -> nn.Module:
     """An eval-mode MoEDecoder whose weights live in `source` and are loaded one layer at a time.
 
     Each unit (the embedding, every decoder layer, the final norm, the LM head) gets its
@@ -105,7 +113,7 @@ def layered_decoder(source: WeightSource, dtype: torch.dtype) -> nn.Module:
     model needs one layer's weights in memory, not the model's: the eager reference for a
     checkpoint that barely fits. Every forward reads the weights again (from the page
     cache once warm), so this trades speed for memory; it computes exactly what the model
-    loaded whole computes.
+    loaded whole computes. `progress` hears of every decoder layer done.
     """
     from moedeploy.models.attention import RotaryEmbedding
     from moedeploy.models.decoder import MoEDecoder
@@ -118,6 +126,9 @@ def layered_decoder(source: WeightSource, dtype: torch.dtype) -> nn.Module:
     for prefix, unit in _weight_units(decoder):
         unit.register_forward_pre_hook(_loader(source, prefix, dtype))
         unit.register_forward_hook(_unloader(prefix))
+        if progress is not None and prefix.startswith("layers."):
+            done = f"eager PyTorch: layer {int(prefix.split('.')[1]) + 1} of {config.n_layers} done"
+            unit.register_forward_hook(lambda *_, line=done: progress(line))
     return decoder.eval()
 
 
@@ -129,7 +140,7 @@ def _loader(source: WeightSource, prefix: str, dtype: torch.dtype):
     return load
 
 
-def _unloader(prefix: str):
+def _unloader(_prefix: str):
     def unload(module: nn.Module, _args, _output) -> None:
         for name, param in list(module.named_parameters()):
             _set(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
