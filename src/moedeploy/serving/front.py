@@ -9,9 +9,11 @@ It detects a client's cancellation on gRPC only; over HTTP an abandoned generati
 last token.
 
 - HTTP (aiohttp): bodies stream through in both directions. A request whose Content-Length is
-  over the limit, or a chunked (or compressed, counted decompressed) body once the bytes
-  received pass it, gets 413 with KServe's one-line `{"error": ...}` and is never forwarded
-  (with `Expect: 100-continue` its body is not even sent). Every other status, header and body
+  over the limit gets 413 with KServe's one-line `{"error": ...}` and is never forwarded (with
+  `Expect: 100-continue` its body is not even sent). A body of no stated length (chunked) or a
+  compressed one (counted decompressed) is read whole in the front first, up to the limit, and
+  forwarded with its length, or refused the same way once it passes the limit: Triton keeps
+  the memory of whatever it has buffered, so it never gets part of a refused body. Every other status, header and body
   passes through unchanged. An inference request to a generation model gets a fresh
   `REQUEST_ID_HEADER`, which Triton forwards to the model as a request parameter
   (`--http-header-forward-pattern`); when its client disconnects before the answer, the id is
@@ -32,7 +34,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote
@@ -93,12 +95,8 @@ class CancelledRequests:
 
 def too_big_message(limit: int, size: int | None) -> str:
     """The 413's reason: the body's size (None: a body of unknown length that passed the limit)."""
-    body = f"the request body ({size} bytes)" if size is not None else "the request body (of no stated length)"
+    body = f"the request body ({size} bytes)" if size is not None else "the request body (sent without a length, or compressed)"
     return f"{body} is over the server's limit of {limit} bytes ({limit / 2**20:g} MiB); {LIMIT_FLAG} raises it"
-
-
-class _TooBig(Exception):
-    pass
 
 
 class HttpFront:
@@ -189,12 +187,16 @@ class HttpFront:
             request.writer.output_size = 0
         return None
 
-    async def _body(self, request, received: list[int]) -> AsyncIterator[bytes]:
+    async def _whole_body(self, request) -> bytearray | None:
+        """A body of no stated length (chunked) or that aiohttp decompressed, read up to the limit;
+        None once it passes the limit. Forwarded whole, with its length: Triton keeps the memory of
+        a body it has buffered, so it must never get part of one that is refused."""
+        body = bytearray()
         async for chunk in request.content.iter_any():
-            received[0] += len(chunk)
-            if received[0] > self.max_bytes:
-                raise _TooBig
-            yield chunk
+            body += chunk
+            if len(body) > self.max_bytes:
+                return None
+        return body
 
     async def _handle(self, request):
         from aiohttp import ClientError, web
@@ -213,13 +215,17 @@ class HttpFront:
         if request.method == "POST" and infer and unquote(infer[1]) in self.generation_models:
             request_id = uuid.uuid4().hex
             headers.append((REQUEST_ID_HEADER, request_id))
-        received = [0]
-        body = None
+        body: Any = None
         if request.body_exists:
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
-            if encoding in _DECODED:  # aiohttp hands us the decompressed bytes: count and send those
+            if size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
+                body = await self._whole_body(request)
+                if body is None:
+                    return self._refusal(413, too_big_message(self.max_bytes, None))
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
-            body = self._body(request, received)
+                headers.append(("Content-Length", str(len(body))))
+            else:  # streamed through; aiohttp stops at the stated length
+                body = request.content.iter_any()
         answered = False
         response: web.StreamResponse | None = None
         try:
@@ -240,9 +246,7 @@ class HttpFront:
             if request_id is not None and not answered:
                 self.cancelled.cancel(request_id)
             raise
-        except (ClientError, OSError, _TooBig, asyncio.TimeoutError) as e:
-            if received[0] > self.max_bytes:
-                return self._refusal(413, too_big_message(self.max_bytes, None))
+        except (ClientError, OSError, asyncio.TimeoutError) as e:
             if response is not None:  # mid-answer: the status is sent; cut the connection
                 if request.transport is not None:
                     request.transport.abort()
