@@ -111,3 +111,40 @@ def test_requests_over_the_limit_are_refused_before_triton_and_memory_stays(serv
     time.sleep(1.0)
     after = tree_pss_mb(os.getpid())
     assert after < before * 1.10, f"server memory went from {before:.0f} MB to {after:.0f} MB"
+
+
+def test_cancelled_requests_forget_and_stay_bounded() -> None:
+    from moedeploy.serving.front import CancelledRequests
+
+    cancelled = CancelledRequests(ttl_s=3600, max_ids=3)
+    for i in range(5):
+        cancelled.cancel(f"id{i}")
+    assert len(cancelled) == 3 and not cancelled.is_cancelled("id0") and cancelled.is_cancelled("id4")
+    cancelled.forget(["id3", "id4", "unknown"])
+    assert len(cancelled) == 1
+    stale = CancelledRequests(ttl_s=0.0)
+    stale.cancel("old")
+    time.sleep(0.01)
+    stale.cancel("new")  # an id no generation ever forgot is dropped once older than ttl_s
+    assert not stale.is_cancelled("old") and len(stale) == 1
+
+
+def test_a_group_stops_only_when_every_request_in_it_is_cancelled(tmp_path) -> None:
+    """HTTP ids (the front's registry) and gRPC tokens (stub_guard's marker files) mix in one group."""
+    from moedeploy.models.generation import SamplingConfig
+    from moedeploy.serving.decoder import GenerationModel, GenerationRequest
+    from moedeploy.serving.front import CancelledRequests
+
+    cancelled = CancelledRequests()
+    model = GenerationModel(None, tmp_path, cancelled)  # type: ignore[arg-type] (no decoding here)
+
+    def request(token: str | None = None, request_id: str | None = None) -> GenerationRequest:
+        return GenerationRequest(np.zeros((1, 3), np.int64), 4, SamplingConfig(), None, token, request_id)
+
+    group = [request(request_id="http-1"), request(token="grpc-1")]
+    stop = model.all_cancelled(group)
+    cancelled.cancel("http-1")
+    assert not stop()
+    (tmp_path / "grpc-1").touch()
+    assert stop()
+    assert not model.all_cancelled([*group, request()])()  # a request nobody can cancel keeps it running
