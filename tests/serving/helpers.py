@@ -109,3 +109,21 @@ def post(url: str, body: bytes) -> tuple[int, str]:
         return e.code, e.read().decode()
     except OSError as e:
         return 0, str(e)
+
+
+def tree_pss_mb(pid: int) -> float:
+    """Summed PSS of a process and its descendants, in MB, as benchmarks/serving_soak.py measures
+    a server: shared memory (the Python backend's /dev/shm pool) counts once, not per mapping."""
+    pids, todo = [pid], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                pids += kids
+                todo += kids
+    total = 0
+    for p in pids:
+        with suppress(OSError):
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            total += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+    return total / 1024

@@ -1,5 +1,5 @@
 """`moedeploy serve` as a process, from launch to exit: never ready before every model is, a
-request-size cap, a clean and quick SIGTERM after concurrent bad traffic (503 while draining,
+request-size cap (on the body, at the front, and on the tensors, in Triton's stub), a clean and quick SIGTERM after concurrent bad traffic (503 while draining,
 every model unloaded, nothing left behind), and a sweep of what a SIGKILL leaves behind."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.serving.test_cli import SHIM
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
 MODELS = ["moe", "decoder", "decoder_generate"]
-MAX_REQUEST_MB = 0.05  # 52,428 bytes: x of (16, 16, 64) fp32 (65,536 bytes) is over, (1, 4, 64) is far under
+MAX_REQUEST_MB = 0.2  # 209,715 bytes: x of (16, 64, 64) fp32 (262,144 bytes) is over, (1, 4, 64) is far under
 STARTUP_S = 180
 
 
@@ -114,9 +114,17 @@ def test_ready_only_once_every_model_is(served) -> None:
 
 
 def test_requests_over_the_byte_cap_are_refused(served) -> None:
-    status, text = post(f"{served.http}/v2/models/moe/infer", moe_body(np.zeros((16, 16, 64), np.float32)))
+    """A body over the cap is refused by the front (413) before Triton reads it; a body under it
+    whose tensors are over (compact JSON: 2 bytes a number, 4 a float32) by the stub (400)."""
+    x = np.zeros((16, 64, 64), np.float32)
+    status, text = post(f"{served.http}/v2/models/moe/infer", moe_body(x))  # "0.0, " a number: 327,760 bytes
+    assert status == 413
+    assert json.loads(text)["error"] == ("the request body (327760 bytes) is over the server's limit of 209715 bytes "
+                                         "(0.2 MiB); moedeploy serve --max-request-mb raises it")
+    compact = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": [0] * x.size}]}
+    status, text = helpers.post(f"{served.http}/v2/models/moe/infer", json.dumps(compact, separators=(",", ":")).encode())
     assert status == 400
-    assert json.loads(text)["error"] == ("the request's tensors hold 65536 bytes, over the server's limit of 52428 "
+    assert json.loads(text)["error"] == ("the request's tensors hold 262144 bytes, over the server's limit of 209715 "
                                          "(moedeploy serve --max-request-mb)")
     x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(4))
     status, text = post(f"{served.http}/v2/models/moe/infer", moe_body(x.numpy()))

@@ -128,6 +128,8 @@ def test_serve_shows_triton_without_the_harmless_lines(store) -> None:
         hidden += ["Failed to initialize NVML", "DCGM unable to start"]
     for message in hidden:
         assert message not in console
-    assert f'"Started HTTPService at {HOST}:{http}"' in stdout  # Triton's other lines still show
+    # Triton's other lines still show (it listens on a private loopback port, behind moedeploy's front)
+    assert f'"Started HTTPService at {HOST}:' in stdout
+    assert f"serving HTTP {HOST}:{http}  gRPC {HOST}:{grpc}" in stdout
     assert "successfully loaded 'moe'" in stdout
     assert "stopped (SIGTERM)" in stdout

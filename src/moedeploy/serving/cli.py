@@ -23,15 +23,15 @@ def register(app: typer.Typer) -> None:
         artifacts: list[Path] = typer.Argument(..., help="Artifact folder(s) made by `moedeploy export`; one Triton server serves them all.", show_default=False),
         backend: str = typer.Option("ort", "--backend", help="Runner behind every model: ort, trt or torch (eager PyTorch)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address every endpoint binds to (0.0.0.0 to serve beyond this machine)."),
-        http_port: int = typer.Option(8000, "--http-port", help="KServe v2 HTTP/REST port (also /v2/health/live and /v2/health/ready)."),
-        grpc_port: int = typer.Option(8001, "--grpc-port", help="KServe v2 gRPC port."),
+        http_port: int = typer.Option(8000, "--http-port", help="KServe v2 HTTP/REST port (also /v2/health/live and /v2/health/ready); moedeploy's front listens here, Triton on a private loopback port behind it."),
+        grpc_port: int = typer.Option(8001, "--grpc-port", help="KServe v2 gRPC port (moedeploy's front, like --http-port)."),
         metrics_port: int = typer.Option(8002, "--metrics-port", help="Prometheus metrics port (/metrics)."),
         max_batch_size: int = typer.Option(None, "--max-batch-size", help="Largest batch one execution takes (default: the artifact's batch range max)."),
         max_queue_delay_us: int = typer.Option(100, "--max-queue-delay-us", help="How long the dynamic batcher may hold a request to grow a batch."),
         dynamic_batching: bool = typer.Option(True, "--dynamic-batching/--no-dynamic-batching", help="Let Triton merge concurrent requests into one execution."),
         instances: int = typer.Option(1, "--instances", help="Model instances (each with its own runner) per model."),
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
-        max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Most tensor data one request may carry (MiB); larger ones are refused (400) before they reach a model. Shapes are also held to the artifact's dynamic ranges."),
+        max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Largest request (MiB): an HTTP body or gRPC message over it is refused (HTTP 413, gRPC RESOURCE_EXHAUSTED) before Triton reads it; tensors holding more are refused (400) too. Shapes are also held to the artifact's dynamic ranges."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
         eos_token_id: one value per request, sent with shape [batch, 1] and the same value
         in every row; a request whose rows differ is refused). A bad request gets HTTP 400 /
-        gRPC INVALID_ARGUMENT with its reason and fails alone. Runs until SIGINT or SIGTERM.
+        gRPC INVALID_ARGUMENT with its reason and fails alone. A generation stops at its next
+        token when its HTTP client disconnects or its gRPC client cancels. Runs until SIGINT or SIGTERM.
 
         \b
         Example:

@@ -30,6 +30,7 @@ from moedeploy.serving.batching import (
     RunFn,
     run_isolated,
 )
+from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -135,7 +136,8 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingConfig
     eos_token_id: int | None
-    token: str | None = None  # stub_guard's token: <cancel_dir>/<token> appears if the client cancels
+    token: str | None = None  # stub_guard's token: <cancel_dir>/<token> appears if a gRPC client cancels
+    request_id: str | None = None  # the HTTP front's id: marked in CancelledRequests if its client goes away
 
     @property
     def batchable(self) -> bool:
@@ -185,11 +187,17 @@ def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
 
 class GenerationModel:
     """PyTriton callable of `<name>_generate`: checks each request on its own, then decodes the
-    valid ones in groups; a refused request gets its own RequestError and changes no other."""
+    valid ones in groups; a refused request gets its own RequestError and changes no other.
 
-    def __init__(self, decoder: RunnerDecoder, cancel_dir: Path | None = None) -> None:
+    A group stops before its next token once every request in it is cancelled: a gRPC request
+    when stub_guard's marker `<cancel_dir>/<token>` exists, an HTTP one when the front has
+    marked its id in `cancelled` (the callable runs in the front's process)."""
+
+    def __init__(self, decoder: RunnerDecoder, cancel_dir: Path | None = None,
+                 cancelled: CancelledRequests | None = None) -> None:
         self.decoder = decoder
         self.cancel_dir = cancel_dir
+        self.cancelled = cancelled
 
     def __call__(self, requests: list[Any]) -> list[Outcome]:
         outcomes: dict[int, Outcome] = {}
@@ -200,22 +208,37 @@ class GenerationModel:
             except RequestError as e:
                 outcomes[i] = e
                 continue
-            token = (getattr(r, "parameters", None) or {}).get(TOKEN_PARAMETER)
-            parsed[i] = replace(request, token=str(token) if token else None)
+            parameters = getattr(r, "parameters", None) or {}
+            token, request_id = parameters.get(TOKEN_PARAMETER), parameters.get(REQUEST_ID_HEADER)
+            parsed[i] = replace(request, token=str(token) if token else None,
+                                request_id=str(request_id) if request_id else None)
         groups: dict[tuple, list[int]] = {}
         for i, r in parsed.items():
             key = (r.ids.shape[1], r.max_new_tokens) if r.batchable else ("alone", i)
             groups.setdefault(key, []).append(i)
-        for members in groups.values():
-            outcomes |= run_isolated(members, lambda group: self.decode([parsed[i] for i in group]))
+        try:
+            for members in groups.values():
+                outcomes |= run_isolated(members, lambda group: self.decode([parsed[i] for i in group]))
+        finally:
+            if self.cancelled is not None:  # answered (or stopped): its id is no longer needed
+                self.cancelled.forget(r.request_id for r in parsed.values() if r.request_id)
         return [outcomes[i] for i in range(len(requests))]
+
+    def _cancelled(self, request: GenerationRequest) -> Callable[[], bool] | None:
+        """Whether this request's client cancelled it or went away; None if that cannot be known."""
+        checks: list[Callable[[], bool]] = []
+        if request.token and self.cancel_dir is not None:
+            checks.append((self.cancel_dir / request.token).exists)
+        if request.request_id and self.cancelled is not None:
+            checks.append(lambda: self.cancelled.is_cancelled(request.request_id))
+        return (lambda: any(check() for check in checks)) if checks else None
 
     def all_cancelled(self, group: list[GenerationRequest]) -> Callable[[], bool]:
         """Whether every request of the group was cancelled (then nobody waits for its tokens)."""
-        markers = [self.cancel_dir / r.token for r in group if r.token] if self.cancel_dir else []
-        if len(markers) < len(group):
+        checks = [self._cancelled(r) for r in group]
+        if any(check is None for check in checks):
             return lambda: False
-        return lambda: all(m.exists() for m in markers)
+        return lambda: all(check() for check in checks)
 
     def decode(self, group: list[GenerationRequest]) -> list[Feed]:
         """One generation over requests that may share it (same length, budget and sampling)."""

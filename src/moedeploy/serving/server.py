@@ -15,6 +15,11 @@ INVALID_ARGUMENT) and the rest of its batch runs.
 
 The models are written into PyTriton's workspace before Triton starts, so Triton loads them
 at start-up: its endpoints (health included) open only once every model is loaded.
+
+Triton listens on loopback only, on private ports; the user's HTTP and gRPC ports belong to
+moedeploy's front (`front`), which refuses a request over `--max-request-mb` before Triton reads
+it and cancels the generation of an HTTP client that went away. The front opens once Triton is
+ready and closes first when the server stops. Prometheus metrics come from Triton directly.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from moedeploy.export.artifact import Artifact, quiet_polygraphy
 from moedeploy.serving import stub_guard, triton_output
 from moedeploy.serving.batching import BatchedModel, PerRequest
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
+from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
 from moedeploy.serving.specs import (
     GENERATE_SUFFIX,
     ModelSpec,
@@ -52,6 +58,7 @@ from moedeploy.serving.specs import (
 BACKENDS = ("ort", "trt", "torch")
 UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
 INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
+TRITON_HOST = "127.0.0.1"  # Triton's HTTP and gRPC endpoints: loopback only, behind the front
 
 
 class ServingUnavailable(RuntimeError):
@@ -145,15 +152,17 @@ def activated_runner(backend: str, artifact: Artifact):
     return runner
 
 
-def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None) -> PerRequest:
+def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None,
+                   cancelled: CancelledRequests | None = None) -> PerRequest:
     """The PyTriton callable of one served model over one runner; generation stops early once
-    stub_guard marks its requests cancelled in `cancel_dir`."""
+    stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
+    in `cancelled`."""
     run = runner.infer
     required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
         model: Any = BatchedModel(run, [t.name for t in spec.outputs])
     elif spec.name.endswith(GENERATE_SUFFIX):
-        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir)
+        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -235,6 +244,18 @@ def _children(pid: int) -> list[int]:
     return pids
 
 
+def loopback_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
+    """n distinct ports free on loopback a moment ago (the kernel's picks), none of `avoid`."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((TRITON_HOST, 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
+
+
 def _is_tritonserver(pid: int, http_port: int) -> bool:
     """Whether `pid` is the tritonserver listening on `http_port` (not another server of this process)."""
     try:
@@ -286,6 +307,9 @@ class ModelServer:
         self._triton: Any = None
         self._workspace: Any = None
         self._output: triton_output.TritonOutputFilter | None = None
+        self.cancelled = CancelledRequests()  # HTTP generations whose client went away
+        self._fronts: list[HttpFront | GrpcFront] = []
+        self._triton_ports: tuple[int, int] | None = None  # Triton's own (http, grpc), behind the front
 
     @property
     def model_names(self) -> list[str]:
@@ -298,6 +322,20 @@ class ModelServer:
     @property
     def grpc_url(self) -> str:
         return f"{self._host_for_url()}:{self.options.grpc_port}"
+
+    @property
+    def triton_http_url(self) -> str:
+        """Triton's own HTTP endpoint on loopback, behind the front: no size limit, no HTTP cancellation."""
+        return f"{TRITON_HOST}:{self._private_ports()[0]}"
+
+    @property
+    def triton_grpc_url(self) -> str:
+        return f"{TRITON_HOST}:{self._private_ports()[1]}"
+
+    def _private_ports(self) -> tuple[int, int]:
+        if self._triton_ports is None:
+            raise ServingError("the server is not running")
+        return self._triton_ports
 
     @property
     def metrics_url(self) -> str:
@@ -325,13 +363,15 @@ class ModelServer:
             for artifact, spec in self.specs:
                 runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                 self._runners += runners
-                callables.append([model_callable(artifact, spec, r, cancel_dir) for r in runners])
+                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled) for r in runners])
+            self._triton_ports = tuple(loopback_ports(2, avoid=(o.http_port, o.grpc_port, o.metrics_port)))
             self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
             self._triton = self._bind(callables, gpu_metrics=gpu)
             self._output = triton_output.install(triton_output.harmless_lines(gpu))  # what is hidden, and why
             with python_library_first():
                 self._triton.run()
+            self._start_fronts()
         except BaseException as e:
             self.stop()
             if _from_triton(e):  # a model that would not load, a server that never came up
@@ -341,6 +381,23 @@ class ModelServer:
             raise
         return self
 
+    def _start_fronts(self) -> None:
+        """The user's HTTP and gRPC ports, once Triton is ready (so they too open only then)."""
+        o = self.options
+        max_bytes = int(o.max_request_mb * 2**20)
+        generation = [spec.name for _, spec in self.specs if spec.name.endswith(GENERATE_SUFFIX)]
+        self._fronts.append(HttpFront(o.host, o.http_port, f"http://{self.triton_http_url}", max_bytes, generation,
+                                      self.cancelled))
+        self._fronts[-1].start()
+        self._fronts.append(GrpcFront(o.host, o.grpc_port, self.triton_grpc_url, max_bytes))
+        self._fronts[-1].start()
+
+    def _stop_fronts(self) -> None:
+        for front in reversed(self._fronts):
+            with contextlib.suppress(Exception):  # best effort: stop the others regardless
+                front.stop()
+        self._fronts = []
+
     def _bind(self, callables: list[list[Any]], gpu_metrics: bool):
         """A PyTriton server with every model bound; GPU metrics only where a GPU is visible
         (elsewhere Triton's NVML and DCGM probes print errors at start-up and measure nothing)."""
@@ -348,9 +405,12 @@ class ModelServer:
         from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
 
         o = self.options
+        triton_http, triton_grpc = self._private_ports()
         config = TritonConfig(
-            http_address=o.host, grpc_address=o.host, metrics_address=o.host,
-            http_port=o.http_port, grpc_port=o.grpc_port, metrics_port=o.metrics_port,
+            http_address=TRITON_HOST, grpc_address=TRITON_HOST, metrics_address=o.host,
+            http_port=triton_http, grpc_port=triton_grpc, metrics_port=o.metrics_port,
+            # the front's request id reaches the model as a request parameter (HTTP cancellation)
+            http_header_forward_pattern=TRITON_FORWARD_PATTERN,
             # Our drain waits exit_timeout_s for requests in flight; Triton's own exit timeout
             # also covers unloading the models after SIGTERM (a Python-backend model takes 2-4 s).
             exit_timeout_secs=o.exit_timeout_s + UNLOAD_TIMEOUT_S, log_verbose=0,
@@ -389,16 +449,19 @@ class ModelServer:
         """Drain, let tritonserver stop itself, then stop PyTriton and free the runners.
 
         Draining answers every request that reaches a model from now on with UNAVAILABLE
-        (HTTP 503) and waits (up to the exit timeout) for the calls in progress. Then
-        tritonserver gets SIGTERM while our inference handlers still run: it closes its
-        endpoints at once (a new request finds no listener, rather than the 404 "unknown
-        model" of an unloaded model), unloads every model, and its Python-backend stubs
+        (HTTP 503) and waits (up to the exit timeout) for the calls in progress. Then the
+        front closes the user's ports (a new request finds no listener, rather than the 404
+        "unknown model" of an unloaded model) and every connection to Triton, and tritonserver
+        gets SIGTERM while our inference handlers still run: it closes its endpoints, unloads
+        every model, and its Python-backend stubs
         finalize against live handlers. Were PyTriton's stop first (it closes the handlers,
         then unloads), stubs would hang on as orphans until Triton's exit timeout. Where
         tritonserver cannot be found, every model is unloaded through the API instead.
         """
         if self._triton is not None:
             self._drain()
+        self._stop_fronts()
+        if self._triton is not None:
             if not self._stop_tritonserver():
                 with contextlib.suppress(Exception):  # best effort: the server may be gone already
                     self._unload_models()
@@ -416,6 +479,7 @@ class ModelServer:
                 runner.deactivate()
         self._runners = []
         self._callables = []
+        self._triton_ports = None
 
     def _drain(self) -> None:
         for model in self._callables:
@@ -425,7 +489,7 @@ class ModelServer:
             time.sleep(0.02)
 
     def _tritonservers(self) -> list[int]:
-        return [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self.options.http_port)]
+        return [pid for pid in _children(os.getpid()) if _is_tritonserver(pid, self._private_ports()[0])]
 
     def _stop_tritonserver(self) -> bool:
         """SIGTERM to this server's tritonserver; whether it exited (within the exit timeout + UNLOAD_TIMEOUT_S + 5 s)."""
@@ -449,7 +513,7 @@ class ModelServer:
         # PyTriton restricts the model-repository API to holders of its access token.
         headers = {TRITON_ACCESS_HEADER: self._triton.get_access_token()}
         servers = self._tritonservers()
-        client = http.InferenceServerClient(self.http_url, network_timeout=self.options.exit_timeout_s + 10.0)
+        client = http.InferenceServerClient(self.triton_http_url, network_timeout=self.options.exit_timeout_s + 10.0)
         try:
             for name in self.model_names:
                 client.unload_model(name, headers=headers)

@@ -17,7 +17,8 @@ to it that call `install`, which replaces two of that module's functions:
 - `TritonPythonModel.execute`: every request in execution gets a token (passed on in its
   parameters as `TOKEN_PARAMETER`), and a watcher thread creates `<cancel_dir>/<token>` when
   Triton reports the request cancelled (a gRPC client cancelled it or went away; Triton 2.51
-  detects no cancellation over HTTP). A generation polls for that file between tokens.
+  detects no cancellation over HTTP, for which moedeploy's front marks the request itself, see
+  `front`). A generation polls for that file between tokens.
 
 Standard library and NumPy only: the stub's Python need not see moedeploy.
 """
