@@ -189,3 +189,23 @@ def test_manifest_records_how_the_weights_are_laid_out(exported) -> None:
     # weight (gate + up), and norms, router and down copied; plus the embedding, final norm
     # and lm_head (transposed).
     assert manifest["weights_layout"] == {"transpose": 4 * layers + 1, "interleave": layers, "copy": 4 * layers + 2}
+
+
+def test_run_results_keep_only_the_iterations_that_fit_the_budget(exported, monkeypatch) -> None:
+    """A large model's outputs are not all saved: run_results.json keeps the first iterations
+    that fit, report.json says how many, and Polygraphy still loads the file."""
+    from polygraphy.comparator import RunResults
+
+    import moedeploy.compare.api as api
+
+    artifact = exported["fp32", "fp32"]
+    report = api.compare(artifact, backends=["ort"], iterations=3)
+    assert report["run_results_iterations"] == 3  # a small model keeps everything
+    saved = RunResults.load(str(artifact.path / "report" / "run_results.json"))
+    first = sum(v.nbytes for _, iters in saved.items() for v in iters[0].values())
+    monkeypatch.setattr(api, "RUN_RESULTS_BUDGET", first)  # room for iteration 0 of both runners only
+    report = api.compare(artifact, backends=["ort"], iterations=3)
+    assert report["passed"] and report["run_results_iterations"] == 1
+    saved = RunResults.load(str(artifact.path / "report" / "run_results.json"))
+    assert [len(iters) for _, iters in saved.items()] == [1, 1]
+    assert "the first 1 of 3 iterations" in (artifact.path / "report" / "report.html").read_text()

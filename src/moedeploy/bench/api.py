@@ -97,8 +97,8 @@ def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
 
 
 def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
-    """Where a preset's cached export lives and its size, measured after the run: the ort backend
-    adds its lowered graph (as big again) under <artifact>/cache/."""
+    """Where a preset's cached export lives and its size, measured after the run (the ort backend
+    writes nothing there: a decoder's lowered graph reads the artifact's own weight file)."""
     if written is None:
         return None
     return {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
