@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -209,3 +210,37 @@ def test_run_results_keep_only_the_iterations_that_fit_the_budget(exported, monk
     saved = RunResults.load(str(artifact.path / "report" / "run_results.json"))
     assert [len(iters) for _, iters in saved.items()] == [1, 1]
     assert "the first 1 of 3 iterations" in (artifact.path / "report" / "report.html").read_text()
+
+
+def test_bf16_checkpoint_exports_to_bf16_bit_exact(checkpoints, tmp_path) -> None:
+    """bf16 in, bf16 out: every weight byte is the checkpoint's own (read back by onnx,
+    compared with the safetensors shards through transformers' names)."""
+    from safetensors.torch import load_file
+
+    folder = checkpoints["bf16"][0]
+    artifact = export("decoder", tmp_path / "a", checkpoint=folder, dtype="bf16", golden=False)
+    stored = {}
+    for shard in folder.glob("*.safetensors"):
+        stored.update(load_file(str(shard)))
+    weights = {t.name: t for t in onnx.load(str(artifact.model_path)).graph.initializer}
+
+    def bits(name: str) -> np.ndarray:
+        t = weights[name]
+        assert t.data_type == onnx.TensorProto.BFLOAT16
+        return np.frombuffer(t.raw_data, dtype=np.uint16)
+
+    def hf_bits(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
+
+    np.testing.assert_array_equal(bits("decoder.embed.weight"), hf_bits(stored["model.embed_tokens.weight"]))
+    # q_proj is stored transposed (it feeds MatMul)
+    np.testing.assert_array_equal(bits("decoder.layers.1.attn.wq.weight.T"),
+                                  hf_bits(stored["model.layers.1.self_attn.q_proj.weight"].t()))
+    # the experts: transformers' own fused (E, 2I, H) tensor (its fp32 copy of the bf16 values
+    # is exact), gate rows interleaved with up rows
+    inter = SHAPE["intermediate_size"]
+    gate_up = checkpoints["bf16"][1].model.layers[1].mlp.experts.gate_up_proj.detach().to(torch.bfloat16)
+    interleaved = torch.stack([gate_up[:, :inter], gate_up[:, inter:]], dim=2).reshape(gate_up.shape)
+    np.testing.assert_array_equal(bits("decoder.layers.1.ffn.w_gate_up"), hf_bits(interleaved))
+    assert (artifact.path / "model.onnx.data").stat().st_size >= sum(
+        math.prod(weights[n].dims) * 2 for n in weights if n.startswith("decoder.") and n != "decoder.rope.inv_freq")
