@@ -62,6 +62,7 @@ from moedeploy.utils.io import (
     check_replaceable,
     require_free_space,
 )
+from moedeploy.utils.progress import size_text
 
 Progress = Callable[[str], None]
 DECODER = "decoder"
@@ -251,7 +252,8 @@ def export_decoder(
     golden_in = golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)
     reference = weights_reference(weights, torch_dtype, progress)
-    progress("making golden inputs" + (" and running eager PyTorch on them, layer by layer" if golden else ""))
+    eager = "running eager PyTorch on them" + ("" if checkpoint is None else ", one layer at a time")
+    progress("making golden inputs" + (f" and {eager}" if golden else ""))
     ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)
     feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
     golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
@@ -263,7 +265,7 @@ def export_decoder(
     del reference
 
     def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
-        progress(f"streaming {weight_bytes / 1e9:.2f} GB of weights into {MODEL_DATA_FILE}")
+        progress(f"streaming {size_text(weight_bytes)} of weights into {MODEL_DATA_FILE}")
         write_weights(traced, weights, torch_dtype, folder / MODEL_DATA_FILE, progress)
         progress("checking the graph with the ONNX checker")
         return save_graph(traced, folder / MODEL_FILE), [MODEL_FILE, MODEL_DATA_FILE]

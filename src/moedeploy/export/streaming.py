@@ -41,6 +41,7 @@ from moedeploy.export.onnx_export import (
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.weights import WeightSource, chunks, tensor_bytes
 from moedeploy.plugins import moe
+from moedeploy.utils.progress import size_text, throttled
 
 DATA_ALIGNMENT = 1 << 16
 PENDING = "<not written yet>"
@@ -220,7 +221,7 @@ def write_weights(
     graph = traced.model.graph
     total = recipe_bytes(traced.model, traced.recipes)
     written = offset = 0
-    reported = -1
+    report = throttled(progress)
     with data_file.open("wb") as f:
         for name in list(graph.initializers):
             if name not in traced.recipes:
@@ -237,10 +238,7 @@ def write_weights(
                 data_file.name, offset, length, value.dtype, shape=value.shape, name=name, base_dir=data_file.parent,
             )
             written += length
-            percent = written * 100 // max(total, 1)
-            if percent // 10 != reported // 10:
-                reported = percent
-                progress(f"writing weights: {written / 1e9:.2f} of {total / 1e9:.2f} GB ({percent}%)")
+            report(f"writing weights: {size_text(written)} of {size_text(total)} ({written * 100 // max(total, 1)}%)")
     return written
 
 

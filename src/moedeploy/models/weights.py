@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from moedeploy.models.config import DecoderConfig
+from moedeploy.utils.progress import throttled
 
 
 class WeightSource(Protocol):
@@ -84,16 +85,16 @@ def fingerprint(
 
     Streamed one expert at a time, and equal to `fingerprint(ModuleWeights(m), dtype)` of the
     model loaded whole: it proves a rebuilt reference holds the weights an artifact was exported from.
-    `progress` hears how far it got, at most every tenth of the names.
+    `progress` hears how far it got every few seconds.
     """
+    report = throttled(progress or (lambda _: None))
     digest = hashlib.sha256()
     names = source.names()
     for i, name in enumerate(names, 1):
         digest.update(name.encode())
         for piece in chunks(source, name, dtype):
             digest.update(tensor_bytes(piece))
-        if progress is not None and (i * 10 // len(names)) != ((i - 1) * 10 // len(names)):
-            progress(f"fingerprinting the weights: {i} of {len(names)} tensors")
+        report(f"fingerprinting the weights: {i} of {len(names)} tensors")
     return digest.hexdigest()
 
 
@@ -113,7 +114,7 @@ def layered_decoder(
     model needs one layer's weights in memory, not the model's: the eager reference for a
     checkpoint that barely fits. Every forward reads the weights again (from the page
     cache once warm), so this trades speed for memory; it computes exactly what the model
-    loaded whole computes. `progress` hears of every decoder layer done.
+    loaded whole computes. `progress` hears which decoder layer is done, every few seconds.
     """
     from moedeploy.models.attention import RotaryEmbedding
     from moedeploy.models.decoder import MoEDecoder
@@ -123,12 +124,13 @@ def layered_decoder(
         decoder = MoEDecoder(config).to(dtype)
     decoder.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)
     decoder.layered_source = source  # a reader of the model can tell it is streamed
+    report = None if progress is None else throttled(progress)
     for prefix, unit in _weight_units(decoder):
         unit.register_forward_pre_hook(_loader(source, prefix, dtype))
         unit.register_forward_hook(_unloader(prefix))
-        if progress is not None and prefix.startswith("layers."):
+        if report is not None and prefix.startswith("layers."):
             done = f"eager PyTorch: layer {int(prefix.split('.')[1]) + 1} of {config.n_layers} done"
-            unit.register_forward_hook(lambda *_, line=done: progress(line))
+            unit.register_forward_hook(lambda *_, line=done: report(line))
     return decoder.eval()
 
 
