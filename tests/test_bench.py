@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
 from moedeploy.models import preset
+from tests.export.artifacts import ArtifactStore
 
 
 def test_small_preset_decode_step_bytes_by_hand() -> None:
@@ -34,7 +36,13 @@ def test_small_preset_decode_step_bytes_by_hand() -> None:
     assert decode_step_flops(c, batch=2) == 2 * decode_step_flops(c, batch=1)
 
 
-def test_bench_cli_writes_the_documented_json(tmp_path: Path) -> None:
+def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) -> None:
+    """The real command on a cache that already holds the tiny preset: the session's export of it
+    (the same `export("decoder", preset_name="tiny")`), copied where bench looks. Exporting into an
+    empty cache, and saying so, is test_a_failed_backend_exits_1_and_the_spread_is_shown's part."""
+    folder = tmp_path / "cache" / "bench" / "decoder-tiny-fp32-seed0"
+    shared = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+    shutil.copytree(shared.path, folder, ignore=shutil.ignore_patterns("cache", "report", "engines"))
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "moedeploy.cli", "bench", "tiny", "--backend", "torch,ort", "--prompt-len", "8",
@@ -61,18 +69,17 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path) -> None:
             assert spread["median"] == pytest.approx((runs[0] + runs[1]) / 2, rel=1e-12)
             assert spread["median"] == raw[key]  # the table's figure
     assert "min / median / max over 2 runs:" in done.stdout
+    # read, not exported again (a copy that failed to load would have been re-exported: written True)
+    assert f"was read from the cache {folder}" in done.stderr
     # the cache's size is measured after the run; the ort backend added no second copy of the
     # weights (its lowered graph reads model.onnx.data where it is)
-    folder = tmp_path / "cache" / "bench" / "decoder-tiny-fp32-seed0"
     assert not (folder / "cache").exists()
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
-    assert report["cache"] == {"path": str(folder), "bytes": size, "written": True}
+    assert report["cache"] == {"path": str(folder), "bytes": size, "written": False}
 
 
-def test_bench_rejects_a_block_and_an_unknown_backend(tmp_path: Path) -> None:
-    from moedeploy.export import export
-
-    block = export("rmsnorm", tmp_path / "rms")
+def test_bench_rejects_a_block_and_an_unknown_backend(tmp_path_factory) -> None:
+    block = ArtifactStore.for_session(tmp_path_factory).block("rmsnorm")  # only read: refused before any work
     for args in (["bench", str(block.path)], ["bench", "tiny", "--backend", "tpu"]):
         done = subprocess.run([sys.executable, "-m", "moedeploy.cli", *args], capture_output=True, text=True, check=False)
         assert done.returncode == 1

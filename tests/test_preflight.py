@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +12,17 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from moedeploy.export import export
 from moedeploy.export.artifact import MANIFEST, Artifact, sha256
 from moedeploy.export.preflight import check_tensorrt, support_matrix
+from tests.export.artifacts import ArtifactStore
+
+DERIVED = shutil.ignore_patterns("cache", "report", "engines")  # what other tests add to a shared artifact
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory) -> Artifact:
-    return export("decoder", tmp_path_factory.mktemp("pf") / "decoder")
+    """The session's tiny decoder (exported once for every test directory): only read here."""
+    return ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
 
 
 def _replace_model(artifact: Artifact, model: onnx.ModelProto) -> None:
@@ -49,8 +53,9 @@ def test_decoder_passes_with_every_custom_node_on_a_plugin(decoder: Artifact) ->
     assert sum(report.op_counts.values()) == len(model.graph.node)
 
 
-def test_unsupported_and_contrib_ops_are_reported(tmp_path: Path) -> None:
-    artifact = export("rmsnorm", tmp_path / "rms")
+def test_unsupported_and_contrib_ops_are_reported(tmp_path: Path, tmp_path_factory) -> None:
+    shared = ArtifactStore.for_session(tmp_path_factory).block("rmsnorm")
+    artifact = Artifact.load(shutil.copytree(shared.path, tmp_path / "rms", ignore=DERIVED))  # a private copy to edit
     model = onnx.load(str(artifact.model_path))
     y = model.graph.output[0].name
     # append an op TensorRT 10.16 does not import, and a contrib op
@@ -69,9 +74,7 @@ def test_unsupported_and_contrib_ops_are_reported(tmp_path: Path) -> None:
 
 
 def test_attention_with_two_d_mask_is_restricted(decoder: Artifact, tmp_path: Path) -> None:
-    import shutil
-
-    copy = Path(shutil.copytree(decoder.path, tmp_path / "dec"))
+    copy = Path(shutil.copytree(decoder.path, tmp_path / "dec", ignore=DERIVED))
     model = onnx.load(str(copy / "model.onnx"))
     attention = next(n for n in model.graph.node if n.op_type == "Attention")
     mask2d = helper.make_tensor_value_info("mask2d", TensorProto.BOOL, ["s", "t"])

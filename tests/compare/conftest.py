@@ -1,7 +1,10 @@
 """Artifacts for the comparison tests, exported once per session.
 
-Tests never compare the shared artifacts in place (compare writes <artifact>/report/):
-they take a private copy with `fresh_copy`.
+The blocks and the tiny decoder come from the session-wide store that tests/export and
+tests/runtime share (the same `export` call with the same defaults: fp32, seed 0, BatchNorm
+folded), so none of them is exported twice in one run. Tests never compare the shared
+artifacts in place (compare writes <artifact>/report/): they take a private copy with
+`fresh_copy`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from moedeploy.export import export
 from moedeploy.export.artifact import Artifact
 from moedeploy.models import DecoderConfig, MoEDecoder, RMSNorm
 from tests.compare.helpers import COMPARED_ITERATIONS, fresh_copy
+from tests.export.artifacts import ArtifactStore
 
 # Four layers, so "the first divergent layer" has somewhere to be besides the ends.
 DEEP_CONFIG = DecoderConfig(
@@ -25,21 +29,18 @@ DEEP_CONFIG = DecoderConfig(
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shared: ArtifactStore) -> None:
         self.root = root
-        self._cache: dict[tuple, Artifact] = {}
+        self.shared = shared
+        self._cache: dict[str, Artifact] = {}
 
     def block(self, name: str, dtype: str = "fp32") -> Artifact:
-        key = ("block", name, dtype)
-        if key not in self._cache:
-            self._cache[key] = export(name, self.root / f"{name}-{dtype}", dtype=dtype)
-        return self._cache[key]
+        """`export(name, dtype=dtype)` with its defaults (seed 0, BatchNorm folded)."""
+        return self.shared.block(name, dtype)
 
     def decoder(self) -> Artifact:
         """The tiny preset (2 layers), seed 0."""
-        if "decoder" not in self._cache:
-            self._cache["decoder"] = export("decoder", self.root / "decoder")
-        return self._cache["decoder"]
+        return self.shared.decoder("fp32")
 
     def checkpoint_decoder(self, name: str, config: DecoderConfig) -> Artifact:
         """A decoder exported from a checkpoint; its norm weights are random (not all ones),
@@ -62,7 +63,7 @@ class Store:
 
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Store:
-    return Store(tmp_path_factory.mktemp("compare-artifacts"))
+    return Store(tmp_path_factory.mktemp("compare-artifacts"), ArtifactStore.for_session(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")

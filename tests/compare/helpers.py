@@ -29,9 +29,11 @@ COMPARED_ITERATIONS = 3  # of the session's compared_decoder
 
 
 def fresh_copy(artifact: Artifact | Path, dest: Path) -> Path:
-    """A private copy of an artifact folder, so each test owns its report/ folder."""
+    """A private copy of an artifact folder, so each test owns its report/ folder. What other
+    tests derived from the shared artifact (a report, ONNX Runtime's lowered-graph cache, TensorRT
+    engines) stays behind: the copy is the artifact as exported."""
     src = artifact.path if isinstance(artifact, Artifact) else Path(artifact)
-    shutil.copytree(src, dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("cache", "report", "engines"))
     return dest
 
 

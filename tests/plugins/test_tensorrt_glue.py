@@ -78,10 +78,14 @@ def test_glue_has_no_postponed_annotations() -> None:
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed: the message applies only without it")
-def test_build_without_tensorrt_says_so_in_one_line(tmp_path: Path) -> None:
-    from moedeploy.export import export
+def test_build_without_tensorrt_says_so_in_one_line(tmp_path: Path, tmp_path_factory) -> None:
+    import shutil
 
-    artifact = export("rmsnorm", tmp_path / "rmsnorm")
+    from moedeploy.export.artifact import Artifact
+    from tests.export.artifacts import ArtifactStore
+
+    shared = ArtifactStore.for_session(tmp_path_factory).block("rmsnorm")  # the session's export, privately copied
+    artifact = Artifact.load(shutil.copytree(shared.path, tmp_path / "rmsnorm", ignore=shutil.ignore_patterns("cache", "report", "engines")))
     done = subprocess.run(
         [sys.executable, "-m", "moedeploy.cli", "build", str(artifact.path)], capture_output=True, text=True, check=False
     )

@@ -162,16 +162,23 @@ def test_fp16_node_is_not_contrib_eligible_on_cpu() -> None:
     assert counts["moe_contrib"] == 0 and counts["moe_function"] == 1
 
 
-def test_session_works_when_the_cache_cannot_be_written(tmp_path) -> None:
+def test_session_works_when_the_cache_cannot_be_written(store, tmp_path) -> None:
     """A read-only artifact (simulated: a file where cache/ would go, which defeats root too)
     still loads, lowered the same way, and matches a session built from the cached file."""
+    import shutil
+
     import numpy as np
 
-    from moedeploy.export import export
+    from moedeploy.export.artifact import Artifact
     from moedeploy.runtime.ort import CACHE_DIR, create_session
 
-    writable = export("moe", tmp_path / "ok")
-    blocked = export("moe", tmp_path / "blocked")
+    def private_copy(name: str) -> Artifact:  # of the session's moe export, without any cache/ others wrote
+        dest = shutil.copytree(store.block("moe").path, tmp_path / name, ignore=shutil.ignore_patterns("cache", "report", "engines"))
+        return Artifact.load(dest)
+
+    writable = private_copy("ok")
+    blocked = private_copy("blocked")
+    assert not (writable.path / CACHE_DIR).exists()  # both start without a cache: the first session writes it
     (blocked.path / CACHE_DIR).write_text("not a folder")
     cached, uncached = create_session(writable), create_session(blocked)
     assert uncached.lowering == cached.lowering and uncached.lowering["moe_contrib"] == 1
