@@ -244,3 +244,47 @@ def test_bf16_checkpoint_exports_to_bf16_bit_exact(checkpoints, tmp_path) -> Non
     np.testing.assert_array_equal(bits("decoder.layers.1.ffn.w_gate_up"), hf_bits(interleaved))
     assert (artifact.path / "model.onnx.data").stat().st_size >= sum(
         math.prod(weights[n].dims) * 2 for n in weights if n.startswith("decoder.") and n != "decoder.rope.inv_freq")
+
+
+def test_one_expert_per_expert_checkpoint_loads_and_exports(tmp_path) -> None:
+    """num_local_experts=1 in the per-expert layout: one file tensor per expert is still stacked."""
+    from transformers import MixtralForCausalLM
+
+    folder = tmp_path / "one"
+    tiny_mixtral(seed=5, **{**SHAPE, "num_local_experts": 1, "num_experts_per_tok": 1}).save_pretrained(folder)
+    hf = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                            experts_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(load_decoder(folder)(ids), expected, atol=1e-4, rtol=1e-4)
+    artifact = export("decoder", tmp_path / "a", checkpoint=folder, golden=False)
+    np.testing.assert_allclose(_plain_ort_logits(artifact, ids), expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_large_2d_weights_stream_in_blocks(checkpoints, monkeypatch) -> None:
+    """An embedding or LM head is read a block of rows (or, transposed, of columns) at a time,
+    and the blocks put together are the tensor: same bytes as read whole."""
+    import moedeploy.models.weights as weights_module
+    from moedeploy.export.streaming import recipe_chunks
+
+    source = CheckpointWeights(checkpoints["bf16"][0])
+    monkeypatch.setattr(weights_module, "BLOCK_BYTES", 4 * SHAPE["hidden_size"] * 7)  # 7 rows a block
+    whole = source.tensor("lm_head.weight").float()
+    pieces = list(weights_module.chunks(source, "lm_head.weight", torch.float32))
+    assert len(pieces) == -(-SHAPE["vocab_size"] // 7) and all(p.shape[0] <= 7 for p in pieces)
+    assert torch.equal(torch.cat(pieces), whole)
+    transposed = list(recipe_chunks(("transpose", ("lm_head.weight",)), source, torch.float32))
+    assert len(transposed) > 1 and torch.equal(torch.cat(transposed), whole.t())
+
+
+def test_layered_decoder_drops_a_layers_weights_even_when_its_forward_raises(checkpoints) -> None:
+    layered = layered_decoder(CheckpointWeights(checkpoints["fp32"][0]), torch.float32)
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("boom")
+
+    layered.layers[1].attn.forward = fail
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        layered(_ids())
+    assert all(p.is_meta for p in layered.parameters())

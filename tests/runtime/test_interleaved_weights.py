@@ -15,10 +15,13 @@ E, I, H = 3, 4, 5  # noqa: E741
 def _slice(fused: ir.Value, start: int, end: int, step: int, axis: int = 1) -> ir.Value:
     consts = [ir.node("Constant", [], {"value": ir.tensor([v], dtype=ir.DataType.INT64)}).outputs[0]
               for v in (start, end, axis, step)]
-    return ir.node("Slice", [fused, *consts]).outputs[0]
+    out = ir.node("Slice", [fused, *consts]).outputs[0]
+    out.shape = ir.Shape([E, I, H])  # as the exporter records it
+    return out
 
 
 def _fused(rows: int = 2 * I) -> ir.Value:
+    """An (E, rows, H) expert weight of known shape."""
     return ir.Value(name="w_gate_up", shape=ir.Shape([E, rows, H]), type=ir.TensorType(ir.DataType.FLOAT))
 
 
@@ -49,3 +52,10 @@ def test_slices_of_two_different_weights_or_another_axis_are_not_interleaved() -
     assert interleaved_source(_slice(fused, 0, 2 * I, 2, axis=2), _slice(fused, 1, 2 * I, 2, axis=2)) is None
     plain = ir.Value(name="w_gate", shape=ir.Shape([E, I, H]), type=ir.TensorType(ir.DataType.FLOAT))
     assert interleaved_source(plain, _slice(fused, 1, 2 * I, 2)) is None  # an initializer, not a slice
+
+
+def test_a_weight_of_unknown_or_other_shape_is_not_taken_whole() -> None:
+    unknown = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT))
+    assert interleaved_source(_slice(unknown, 0, 2 * I, 2), _slice(unknown, 1, 2 * I, 2)) is None
+    longer = _fused(rows=2 * I + 2)  # the slices would not cover it whole
+    assert interleaved_source(_slice(longer, 0, 2 * I + 2, 2), _slice(longer, 1, 2 * I + 2, 2)) is None

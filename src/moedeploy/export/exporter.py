@@ -53,7 +53,13 @@ from moedeploy.export.decoder import (
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
 from moedeploy.export.reference import build_decoder, save_reference_weights
-from moedeploy.export.streaming import save_graph, trace_decoder, weight_summary, write_weights
+from moedeploy.export.streaming import (
+    DATA_ALIGNMENT,
+    save_graph,
+    trace_decoder,
+    weight_summary,
+    write_weights,
+)
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
 from moedeploy.utils.io import (
@@ -243,26 +249,32 @@ def export_decoder(
     dynamic_ranges = decoder_dynamic_ranges(config.max_positions, max_seq_len)  # a bad max_seq_len fails here
     n = config.n_layers
     weight_bytes = sum(math.prod(weights.shape(name)) for name in weights.names()) * torch_dtype.itemsize
-    require_free_space(out, weight_bytes + GOLDEN_BYTES_ALLOWANCE)  # before minutes of work, not after
+    padding = len(weights.names()) * 2 * DATA_ALIGNMENT  # each initializer starts aligned (a few are stored twice)
+    require_free_space(out, weight_bytes + padding + GOLDEN_BYTES_ALLOWANCE)  # before minutes of work, not after
 
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())
     source["weights_sha256"] = fingerprint(weights, torch_dtype, progress)
 
-    golden_in = golden_out = None
+    golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)
-    reference = weights_reference(weights, torch_dtype, progress)
-    eager = "running eager PyTorch on them" + ("" if checkpoint is None else ", one layer at a time")
-    progress("making golden inputs" + (f" and {eager}" if golden else ""))
-    ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)
-    feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
-    golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
     if golden:
+        reference = weights_reference(weights, torch_dtype, progress)
+        eager = "running eager PyTorch on them" + ("" if checkpoint is None else ", one layer at a time")
+        progress(f"making golden inputs and {eager}")
+        ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)  # a real KV cache
         with torch.no_grad():
             logits, present = DecoderWithPast(reference).eval()(ids, past)
         outputs = {"logits": logits, **dict(zip(present_names(n), [t for kv in present for t in kv], strict=True))}
         golden_out = [{k: to_numpy(v) for k, v in outputs.items()}]
-    del reference
+        del reference
+    else:  # no pass over the weights at all: a random KV cache (attention is defined for any)
+        ids = torch.randint(0, config.vocab_size, (2, 4), generator=generator)
+        kv = (2, config.n_kv_heads, 6, config.head_dim)
+        past = [(torch.randn(kv, generator=generator).to(torch_dtype), torch.randn(kv, generator=generator).to(torch_dtype))
+                for _ in range(n)]
+    feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
+    golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
 
     def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
         progress(f"streaming {size_text(weight_bytes)} of weights into {MODEL_DATA_FILE}")

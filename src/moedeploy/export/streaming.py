@@ -39,7 +39,7 @@ from moedeploy.export.onnx_export import (
     normalize_dim_sums,
 )
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.weights import WeightSource, chunks, tensor_bytes
+from moedeploy.models.weights import WeightSource, chunks, tensor_bytes, transposed_chunks
 from moedeploy.plugins import moe
 from moedeploy.utils.progress import size_text, throttled
 
@@ -188,7 +188,7 @@ def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype) -> I
     if how == "copy":
         yield from chunks(source, names[0], dtype)
     elif how == "transpose":
-        yield source.tensor(names[0]).to(dtype).t().contiguous()
+        yield from transposed_chunks(source, names[0], dtype)
     elif how == "interleave":
         for gate, up in zip(source.experts(names[0]), source.experts(names[1]), strict=True):
             yield torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1]).to(dtype).contiguous()
@@ -197,9 +197,10 @@ def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype) -> I
 
 
 def recipe_bytes(model: ir.Model, recipes: dict[str, Recipe]) -> int:
-    """The bytes the weight file will hold (before alignment padding)."""
+    """The bytes of weights the data file will hold (without alignment padding)."""
     graph = model.graph
     return sum(_nbytes(graph.initializers[name]) for name in recipes)
+
 
 
 def _nbytes(value: ir.Value) -> int:

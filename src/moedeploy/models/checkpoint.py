@@ -136,10 +136,7 @@ class _Part:
 
     files: tuple[tuple[Path, str], ...]  # (shard, tensor name): one, or one per expert
     rows: tuple[int, int] | None = None
-
-    @property
-    def per_expert(self) -> bool:
-        return len(self.files) > 1
+    per_expert: bool = False  # one file tensor per expert (a single expert included), stacked on read
 
 
 class CheckpointWeights:
@@ -210,6 +207,15 @@ class CheckpointWeights:
         (file, key), = part.files
         for e in range(self.shape(name)[0]):
             yield _read(file, key, (e, slice(*part.rows)) if part.rows else (e,))
+
+    def block(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part of a tensor that is stored whole (rows or columns of a 2-D weight), read
+        without the rest: the unit of streaming for a large embedding or LM head."""
+        part = self._parts[self._alias(name)]
+        if part.per_expert or part.rows:
+            return self.tensor(name)[index]
+        (file, key), = part.files
+        return _read(file, key, index)
 
     def _alias(self, name: str) -> str:
         return "embed.weight" if name == "lm_head.weight" and self.config.tie_embeddings else name
@@ -307,7 +313,7 @@ def _hf_mixtral_parts(
         first = experts[0][2]
         if any(shape != first for _, _, shape in experts.values()):
             raise CheckpointError(f"layer {layer} {w}: the experts' weights differ in shape")
-        parts[ours] = _Part(tuple((experts[j][0], experts[j][1]) for j in range(config.n_experts)))
+        parts[ours] = _Part(tuple((experts[j][0], experts[j][1]) for j in range(config.n_experts)), per_expert=True)
         shapes[ours] = (config.n_experts, *first)
     return parts, shapes
 

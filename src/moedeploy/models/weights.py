@@ -38,6 +38,10 @@ class WeightSource(Protocol):
         """A stacked (E, out, in) expert tensor one (out, in) expert at a time."""
         ...
 
+    def block(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part `index` of a tensor (rows or columns of a 2-D weight), read alone."""
+        ...
+
 
 class ModuleWeights:
     """The weights of an in-memory MoEDecoder (a preset with seeded random weights)."""
@@ -59,22 +63,51 @@ class ModuleWeights:
     def experts(self, name: str) -> Iterator[torch.Tensor]:
         yield from self._state[name].detach()
 
+    def block(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._state[name].detach()[index]
+
 
 def is_expert_tensor(source: WeightSource, name: str) -> bool:
     """The stacked (E, out, in) expert weights: streamed per expert, the biggest tensors by far."""
     return len(source.shape(name)) == 3
 
 
+#: The most bytes of a 2-D weight read at once (a 152k-token embedding is 1.2 GB in fp32).
+BLOCK_BYTES = 64 * 2**20
+
+
 def chunks(source: WeightSource, name: str, dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
-    """A tensor's values in `dtype` (None: as stored), contiguous, in order: per expert for expert weights."""
-    pieces = source.experts(name) if is_expert_tensor(source, name) else iter([source.tensor(name)])
+    """A tensor's values in `dtype` (None: as stored), contiguous, in order: per expert for
+    expert weights, in blocks of rows for large 2-D ones."""
+    shape = source.shape(name)
+    if is_expert_tensor(source, name):
+        pieces = source.experts(name)
+    elif len(shape) == 2:
+        pieces = (source.block(name, (slice(r, r + step),)) for r, step in _blocks(shape))
+    else:
+        pieces = iter([source.tensor(name)])
     for piece in pieces:
         yield (piece if dtype is None else piece.to(dtype)).contiguous()
 
 
+def transposed_chunks(source: WeightSource, name: str, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """W^T of a 2-D weight, in order, in blocks: its rows are W's columns, read a block at a time."""
+    rows, cols = source.shape(name)
+    for c, step in _blocks((cols, rows)):
+        yield source.block(name, (slice(None), slice(c, c + step))).to(dtype).t().contiguous()
+
+
+def _blocks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(start, count) of row blocks of a 2-D shape, each at most BLOCK_BYTES in fp32."""
+    rows, cols = shape
+    step = max(1, BLOCK_BYTES // (4 * max(cols, 1)))
+    for start in range(0, rows, step):
+        yield start, min(step, rows - start)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy (bf16 included)."""
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().contiguous().reshape(-1)  # 0-d tensors too
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
@@ -127,7 +160,7 @@ def layered_decoder(
     report = None if progress is None else throttled(progress)
     for prefix, unit in _weight_units(decoder):
         unit.register_forward_pre_hook(_loader(source, prefix, dtype))
-        unit.register_forward_hook(_unloader(prefix))
+        unit.register_forward_hook(_unloader(prefix), always_call=True)  # even when forward raises
         if report is not None and prefix.startswith("layers."):
             done = f"eager PyTorch: layer {int(prefix.split('.')[1]) + 1} of {config.n_layers} done"
             unit.register_forward_hook(lambda *_, line=done: report(line))

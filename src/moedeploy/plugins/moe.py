@@ -309,8 +309,11 @@ def interleaved_source(w_gate: ir.Value, w_up: ir.Value) -> ir.Value | None:
             return None
         starts, ends, axes, steps = (c.numpy().tolist() for c in consts)
         fused = node.inputs[0]
-        rows = int(fused.shape[1]) if fused is not None and fused.shape is not None else -1
-        if (starts, axes, steps) != ([start], [1], [2]) or ends[0] < rows:
+        shape = fused.shape if fused is not None else None
+        if shape is None or len(shape) != 3 or not all(isinstance(d, int) for d in shape):
+            return None  # only a weight of known static shape can be proven whole
+        half = w_up.shape[1] if w_up.shape is not None and len(w_up.shape) == 3 else None
+        if (starts, axes, steps) != ([start], [1], [2]) or ends[0] < shape[1] or shape[1] != 2 * (half or -1):
             return None
         sources.append(fused)
     return sources[0] if sources[0] is sources[1] else None
