@@ -239,7 +239,7 @@ def test_error_wrong_model_type(hf_folder: Path) -> None:
         ({"hidden_size": None}, "invalid config"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
-        ({"sliding_window": 8}, "sliding-window"),
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types='chunked_attention'"),
     ],
 )
 def test_error_unsupported_hf_config(change: dict, message: str, hf_folder: Path) -> None:

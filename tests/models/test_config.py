@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from moedeploy.models import PRESETS, DecoderConfig, preset
+from moedeploy.models.families import mixtral
 
 from .helpers import tiny_mixtral_config
 
@@ -116,7 +117,7 @@ def test_from_hf_mixtral() -> None:
         head_dim=6,
         tie_word_embeddings=True,
     ).to_dict()
-    c = DecoderConfig.from_hf_mixtral(hf)
+    c = mixtral.config(hf)
     expected = DecoderConfig(
         vocab_size=97,
         hidden_size=40,
@@ -139,6 +140,7 @@ def test_from_hf_mixtral() -> None:
 
 def test_from_hf_mixtral_legacy_rope_theta_and_missing_kv_heads() -> None:
     hf = {
+        "model_type": "mixtral",
         "vocab_size": 10,
         "hidden_size": 16,
         "num_hidden_layers": 1,
@@ -149,7 +151,7 @@ def test_from_hf_mixtral_legacy_rope_theta_and_missing_kv_heads() -> None:
         "intermediate_size": 8,
         "rope_theta": 1234.0,
     }
-    c = DecoderConfig.from_hf_mixtral(hf)
+    c = mixtral.config(hf)
     assert c.rope_theta == 1234.0
     assert c.n_kv_heads == 2  # no KV heads given: plain multi-head attention
     assert c.head_dim == 8
@@ -160,15 +162,14 @@ def test_from_hf_mixtral_legacy_rope_theta_and_missing_kv_heads() -> None:
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
-        ({"sliding_window": 16}, "sliding-window"),
     ],
 )
 def test_from_hf_mixtral_rejects_unsupported(change: dict, message: str) -> None:
     hf = {**tiny_mixtral_config().to_dict(), **change}
     with pytest.raises(ValueError, match=message):
-        DecoderConfig.from_hf_mixtral(hf)
+        mixtral.config(hf)
 
 
-def test_sliding_window_beyond_max_positions_is_harmless() -> None:
-    hf = {**tiny_mixtral_config(max_position_embeddings=64).to_dict(), "sliding_window": 64}
-    assert DecoderConfig.from_hf_mixtral(hf).max_positions == 64
+def test_mixtral_sliding_window_applies_to_every_layer() -> None:
+    c = mixtral.config({**tiny_mixtral_config(num_hidden_layers=3).to_dict(), "sliding_window": 16})
+    assert [c.window(i) for i in range(3)] == [16, 16, 16]

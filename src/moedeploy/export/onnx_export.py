@@ -14,7 +14,7 @@ from typing import Any
 import onnx
 import torch
 
-from moedeploy.plugins import CUSTOM_OPS
+from moedeploy.plugins import CUSTOM_OPS, moe
 
 OPSET = 23
 #: Node metadata where torch's exporter records the PyTorch module path of every node:
@@ -56,7 +56,7 @@ def attach_function_bodies(model: onnx.ModelProto) -> None:
     domains = {o.domain for o in model.opset_import}
     for domain in {d for d, _ in used if (d, _) in CUSTOM_OPS}:
         if domain not in domains:
-            model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+            model.opset_import.append(onnx.helper.make_opsetid(domain, moe.VERSION))
 
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

@@ -60,13 +60,12 @@ class TracedDecoder:
 def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
     """A MoEDecoder with the right shapes and dtype whose weights are never written: no memory
     is committed for them until something reads them (nothing here does)."""
-    from moedeploy.models.attention import RotaryEmbedding
-    from moedeploy.models.decoder import MoEDecoder
+    from moedeploy.models.decoder import MoEDecoder, rotary_embedding
 
     with torch.device("meta"):
         decoder = MoEDecoder(config).to(dtype)
     decoder = decoder.to_empty(device="cpu")
-    decoder.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)  # real values
+    decoder.rope = rotary_embedding(config)  # real values
     return decoder.eval()
 
 

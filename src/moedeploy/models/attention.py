@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moedeploy.models.norms import RMSNorm
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al.) in the half-split layout of Hugging Face Llama/Mixtral.
@@ -55,8 +57,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, nh, S, hd) queries or keys by their positions' angles, in x's dtype (as HF does)."""
+    """Rotate (B, nh, S, hd) queries or keys by their positions' angles, in x's dtype (as HF does).
+
+    With partial rotary (cos narrower than the head), only the first cos.shape[-1] features
+    rotate and the rest pass through, as in GLM-4-MoE and MiniMax-M2.
+    """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -92,11 +102,15 @@ class StaticLayerCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def causal_mask(start_pos: int | torch.SymInt, q_len: int, device=None) -> torch.Tensor:
-    """(q_len, start_pos + q_len) bool mask: query at absolute position p sees keys 0..p."""
+def causal_mask(start_pos: int | torch.SymInt, q_len: int, device=None, window: int = 0) -> torch.Tensor:
+    """(q_len, start_pos + q_len) bool mask: query at absolute position p sees keys 0..p, or
+    with a sliding window only the last `window` of them, p - window < key <= p (as HF)."""
     q_pos = torch.arange(q_len, device=device) + start_pos
     k_pos = torch.arange(start_pos + q_len, device=device)
-    return k_pos[None, :] <= q_pos[:, None]
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+    return mask
 
 
 class Attention(nn.Module):
@@ -105,11 +119,18 @@ class Attention(nn.Module):
     Each KV head serves n_heads // n_kv_heads query heads, which shrinks the KV cache by
     that factor. `rope` and `cache` are optional, so the same module serves the encoder
     (bidirectional, no RoPE) and the decoder (causal, RoPE, cached).
+
+    Family variants: biases on q/k/v (and o), RMSNorm of q and k per head (Qwen3-MoE,
+    GLM-4-MoE) or over the whole projection (OLMoE, MiniMax-M2), OLMoE's clamp of q/k/v,
+    partial rotary (the rope tables are narrower than the head) and a softmax scale other
+    than 1/sqrt(head_dim) (GraniteMoE).
     """
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int | None = None,
         head_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
+        out_bias: bool | None = None, qk_norm: str = "none", norm_eps: float = 1e-5,
+        scale: float | None = None, clip_qkv: float | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -120,7 +141,17 @@ class Attention(nn.Module):
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias if out_bias is None else out_bias)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, norm_eps), RMSNorm(self.head_dim, norm_eps)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(n_heads * self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, norm_eps)
+        elif qk_norm != "none":
+            raise ValueError(f"qk_norm {qk_norm!r} must be 'none', 'head' or 'full'")
+        self.scale = scale
+        self.clip_qkv = clip_qkv
         self.dropout = dropout
 
     def forward(
@@ -132,9 +163,17 @@ class Attention(nn.Module):
         start_pos: int | torch.SymInt = 0,
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -144,6 +183,8 @@ class Attention(nn.Module):
         # enable_gqa: each KV head serves n_heads // n_kv_heads query heads without copying
         # K/V; exported as one ONNX Attention with fewer KV heads than query heads.
         gqa = self.n_kv_heads != self.n_heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=drop, enable_gqa=gqa, scale=self.scale
+        )
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, nh*hd)
         return self.wo(out)

@@ -1,9 +1,11 @@
-"""Checkpoints: safetensors only (pickle can run code), in our layout or Hugging Face Mixtral's.
+"""Checkpoints: safetensors only (pickle can run code), in our layout or a Hugging Face family's.
 
-Hugging Face Mixtral folders come in two tensor layouts:
+A Hugging Face folder is read through its family (`moedeploy.models.families`, by model_type).
+Its expert weights come in two layouts:
   per-expert  model.layers.{i}.block_sparse_moe.experts.{j}.w1/w2/w3.weight   (gate/down/up)
+              model.layers.{i}.mlp.experts.{j}.gate_proj/up_proj/down_proj.weight
   fused       model.layers.{i}.mlp.experts.gate_up_proj  (E, 2*I, H)  gate rows first
-              model.layers.{i}.mlp.experts.down_proj     (E, H, I)
+              (GraniteMoE: block_sparse_moe.input_linear.weight), and down_proj (E, H, I)
 Both map onto our stacked (E, out, in) expert weights; anything unexpected is an error.
 """
 
@@ -19,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moedeploy.models.attention import RotaryEmbedding
 from moedeploy.models.config import DecoderConfig
+from moedeploy.models.families import Family, UnsupportedOption, family_for
 from moedeploy.utils.io import atomic_directory, atomic_write_json
 
 FORMAT = "moedeploy"
@@ -54,12 +56,12 @@ def _is_moedeploy_checkpoint(path: Path) -> bool:
 
 
 def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
-    """Build an eval-mode MoEDecoder from a moedeploy or Hugging Face Mixtral folder.
+    """Build an eval-mode MoEDecoder from a moedeploy folder or a Hugging Face one of a supported family.
 
     dtype: None keeps the checkpoint's dtype (a bf16 Mixtral stays bf16). Every tensor is read,
     stacked and cast one at a time, so loading needs the model once, not the model twice.
     """
-    from moedeploy.models.decoder import MoEDecoder
+    from moedeploy.models.decoder import MoEDecoder, rotary_embedding
 
     weights = CheckpointWeights(path)
     config = weights.config
@@ -75,13 +77,15 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     # Non-persistent buffers were built on the meta device: rebuild them for real.
-    model.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)
+    model.rope = rotary_embedding(config)
     return model.eval()
 
 
-def _parse(make: Callable[[], DecoderConfig], path: Path) -> DecoderConfig:
+def _parse(make: Callable[[], DecoderConfig], path: Path, family: str = "moedeploy") -> DecoderConfig:
     try:
         return make()
+    except UnsupportedOption as e:
+        raise CheckpointError(f"{path / 'config.json'}: {family}: {e}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
@@ -158,18 +162,16 @@ class CheckpointWeights:
             headers = _read_headers(path)
             self._parts = {name: _Part(((file, name),)) for name, (file, _) in headers.items()}
             self._shapes = {name: shape for name, (_, shape) in headers.items()}
-        elif raw_config.get("model_type") == "mixtral":
-            self.config = _parse(lambda: DecoderConfig.from_hf_mixtral(raw_config), path)
+        else:
             try:
-                self._parts, self._shapes = _hf_mixtral_parts(_read_headers(path), self.config)
+                family = family_for(raw_config.get("model_type"))
+            except UnsupportedOption as e:
+                raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+            self.config = _parse(lambda: family.config(raw_config), path, family.title)
+            try:
+                self._parts, self._shapes = _hf_parts(_read_headers(path), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree
                 raise CheckpointError(f"{path}: {e}") from None
-        else:
-            kind = raw_config.get("model_type", "<no model_type>")
-            raise CheckpointError(
-                f"{path / 'config.json'}: model_type {kind!r} is not supported; "
-                "expected a Hugging Face Mixtral checkpoint (model_type 'mixtral') or one saved by moedeploy"
-            )
         if self.config.tie_embeddings:
             # torch's state_dict() and some exporters keep the tied copy; the embedding is the truth.
             self._parts.pop("lm_head.weight", None)
@@ -246,65 +248,50 @@ def _read_headers(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return found
 
 
-_HF_DIRECT = {
-    r"model\.embed_tokens\.weight": "embed.weight",
-    r"model\.norm\.weight": "norm.weight",
-    r"lm_head\.weight": "lm_head.weight",
-    r"model\.layers\.(\d+)\.input_layernorm\.weight": r"layers.\1.attn_norm.weight",
-    r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": r"layers.\1.ffn_norm.weight",
-    r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight": r"layers.\1.attn.wq.weight",
-    r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight": r"layers.\1.attn.wk.weight",
-    r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight": r"layers.\1.attn.wv.weight",
-    r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight": r"layers.\1.attn.wo.weight",
-    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight": r"layers.\1.ffn.router.weight",
-    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.down_proj": r"layers.\1.ffn.w_down",
-}
-_HF_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_HF_GATE_UP = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.gate_up_proj")
-_W_NAME = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
-
-
-def _hf_mixtral_parts(
-    headers: dict[str, tuple[Path, tuple[int, ...]]], config: DecoderConfig
+def _hf_parts(
+    headers: dict[str, tuple[Path, tuple[int, ...]]], config: DecoderConfig, family: Family
 ) -> tuple[dict[str, _Part], dict[str, tuple[int, ...]]]:
     """Map Hugging Face tensor names onto ours: renamed, per-expert files stacked, a fused
     gate_up_proj split into its gate and up rows. Shapes come from the headers."""
+    names = family.names
     parts: dict[str, _Part] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     per_expert: dict[tuple[int, str], dict[int, tuple[Path, str, tuple[int, ...]]]] = {}
+    direct = [(re.compile(pattern), target) for pattern, target in names.direct]
+    per_expert_re, fused_re = re.compile(names.per_expert), re.compile(names.fused_gate_up)
     unknown = []
     for name, (file, shape) in headers.items():
-        if m := _HF_PER_EXPERT.fullmatch(name):
+        if m := per_expert_re.fullmatch(name):
             layer, expert, w = int(m[1]), int(m[2]), m[3]
-            per_expert.setdefault((layer, _W_NAME[w]), {})[expert] = (file, name, shape)
-        elif m := _HF_GATE_UP.fullmatch(name):
-            # transformers' Mixtral layout (E, 2I, H), gate rows first. Shapes cannot tell it
+            per_expert.setdefault((layer, names.roles[w]), {})[expert] = (file, name, shape)
+        elif m := fused_re.fullmatch(name):
+            # (E, 2I, H), gate rows first, as transformers writes it. Shapes cannot tell it
             # from a transposed (E, H, 2I) one when H == 2I, so no other layout is guessed at:
             # anything else fails the shape check below with a clear message.
             I = config.expert_hidden  # noqa: E741
             if len(shape) != 3 or shape[1] != 2 * I:
                 raise CheckpointError(
                     f"{name} has shape {shape}; expected (num_experts, "
-                    f"2 * intermediate_size = {2 * I}, hidden_size) as transformers writes it"
+                    f"2 * the experts' intermediate size = {2 * I}, hidden_size) as transformers writes it"
                 )
             for w, rows in (("w_gate", (0, I)), ("w_up", (I, 2 * I))):
                 parts[f"layers.{m[1]}.ffn.{w}"] = _Part(((file, name),), rows)
                 shapes[f"layers.{m[1]}.ffn.{w}"] = (shape[0], I, shape[2])
         else:
-            for pattern, target in _HF_DIRECT.items():
-                if re.fullmatch(pattern, name):
-                    ours = re.sub(pattern, target, name)
+            for pattern, target in direct:
+                if pattern.fullmatch(name):
+                    ours = pattern.sub(target, name)
                     parts[ours], shapes[ours] = _Part(((file, name),)), shape
                     break
             else:
                 unknown.append(name)
     if unknown:
-        raise CheckpointError(f"unexpected tensors for a Mixtral checkpoint: {_few(unknown)}")
+        raise CheckpointError(f"unexpected tensors for a {family.title} checkpoint: {_few(unknown)}")
     for (layer, w), experts in per_expert.items():
         missing = sorted(set(range(config.n_experts)) - set(experts))
         if missing or len(experts) != config.n_experts:
             raise CheckpointError(
-                f"layer {layer} {w}: config.json says num_local_experts={config.n_experts}, but the weights "
+                f"layer {layer} {w}: config.json says {family.experts_key}={config.n_experts}, but the weights "
                 f"hold {len(experts)}: {_few([str(j) for j in sorted(experts)], 8)}"
                 + (f" (missing {_few([str(j) for j in missing])})" if missing else "")
                 + "; fix config.json or the weight files"

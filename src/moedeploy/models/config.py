@@ -1,7 +1,8 @@
-"""Model configuration: one dataclass for the MoE decoder, with derived fields and presets.
+"""Model configuration: one dataclass for every MoE decoder family, with derived fields and presets.
 
-The field names follow our own model; `from_hf_mixtral` maps a Hugging Face
-`config.json` onto them so a Mixtral checkpoint loads without guessing.
+The field names follow our own model. Defaults are Mixtral's; each family module in
+`moedeploy.models.families` maps a Hugging Face `config.json` onto these fields, so one
+decoder covers them all through its config.
 """
 
 from __future__ import annotations
@@ -10,10 +11,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moedeploy.plugins.moe import Routing
+
+NORMS = ("rms", "layer")
+QK_NORMS = ("none", "head", "full")
+
 
 @dataclass
 class DecoderConfig:
-    """Shape of a Mixtral-style decoder: pre-RMSNorm layers, GQA + RoPE attention, top-k MoE FFN."""
+    """Shape of a pre-norm MoE decoder: GQA + RoPE attention, top-k routed SwiGLU experts.
+
+    Everything after `head_dim` is a family variant; the defaults give Mixtral.
+    """
 
     vocab_size: int = 32000
     hidden_size: int = 512
@@ -31,13 +40,44 @@ class DecoderConfig:
     tie_embeddings: bool = False
     head_dim: int = field(default=0)  # 0 = derived as hidden_size // n_heads
 
+    # --- family variants --------------------------------------------------------------------
+    family: str = "mixtral"  # the Hugging Face model_type this config describes
+    norm: str = "rms"  # "layer": LayerNorm with bias (PhiMoE)
+    # attention
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2-MoE, GLM-4-MoE, PhiMoE)
+    o_bias: bool = False  # a bias on the output projection (PhiMoE)
+    qk_norm: str = "none"  # RMSNorm of q and k: per head ("head") or over the whole projection ("full")
+    clip_qkv: float = 0.0  # OLMoE: clamp q, k, v to [-clip, clip]; 0 = off
+    rotary_dim: int = 0  # features of each head that rotate (partial rotary); 0 = head_dim
+    attention_scale: float = 0.0  # softmax scale; 0 = 1 / sqrt(head_dim)
+    sliding_window: int = 0  # a query sees the last `sliding_window` positions; 0 = all
+    sliding_layers: list[int] | None = None  # layers with the window; None = all (when set)
+    # feed-forward
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense SwiGLU, not MoE
+    dense_hidden: int = 0  # that SwiGLU's width; 0 = expert_hidden
+    shared_expert_hidden: int = 0  # a shared SwiGLU expert every token runs; 0 = none
+    shared_expert_gate: bool = False  # Qwen2-MoE scales it by sigmoid(w x)
+    # routing (see moedeploy.plugins.moe.Routing)
+    scoring: str = "softmax"
+    score_bias: bool = False  # a per-expert bias that only selects (e_score_correction_bias)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    jitter_eps: float = 0.01
+    # scalings (GraniteMoE) and the LM head
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # logits are divided by this
+    lm_head_bias: bool = False
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "n_experts",
                      "top_k", "expert_hidden", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.head_dim < 0:
-            raise ValueError(f"head_dim must be >= 0 (0 = derived), got {self.head_dim}")
+        for name in ("head_dim", "rotary_dim", "sliding_window", "dense_hidden", "shared_expert_hidden"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off or derived), got {getattr(self, name)}")
         if self.head_dim == 0:
             if self.hidden_size % self.n_heads:
                 raise ValueError(
@@ -45,6 +85,8 @@ class DecoderConfig:
                     "set head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.n_heads
+        if self.rotary_dim == 0:
+            self.rotary_dim = self.head_dim
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads} "
@@ -52,13 +94,40 @@ class DecoderConfig:
             )
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must lie in [1, n_experts={self.n_experts}]")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm {self.norm!r} must be one of {NORMS}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} must be one of {QK_NORMS}")
+        for name in ("dense_layers", "sliding_layers"):
+            layers = getattr(self, name)
+            if layers is not None:
+                layers = sorted({int(i) for i in layers})
+                if any(not 0 <= i < self.n_layers for i in layers):
+                    raise ValueError(f"{name} {layers} name layers outside 0..{self.n_layers - 1}")
+                setattr(self, name, layers)
+        self.routing.check(self.n_experts)
 
     @property
     def kv_groups(self) -> int:
         """How many query heads share one KV head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def routing(self) -> Routing:
+        """The moe::MoE routing attributes of every MoE layer."""
+        return Routing(self.top_k, self.normalize_topk, self.scoring, self.n_group, self.topk_group,
+                       self.routed_scaling_factor, self.jitter_eps)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`, 0 for full attention."""
+        if not self.sliding_window or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return 0
+        return self.sliding_window
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,36 +139,6 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}")
         return cls(**data)
-
-    @classmethod
-    def from_hf_mixtral(cls, hf: dict[str, Any]) -> DecoderConfig:
-        """Map a Hugging Face MixtralConfig dict (config.json) onto our fields."""
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
-        window = hf.get("sliding_window")
-        # A window at least max_positions long never bites; a shorter one we would not honour.
-        if window not in (None, 0) and window < hf.get("max_position_embeddings", 0):
-            raise ValueError("sliding-window attention is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (Mixtral uses silu)")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            n_experts=hf["num_local_experts"],
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["intermediate_size"],
-            max_positions=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            normalize_topk=True,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            head_dim=hf.get("head_dim") or 0,
-        )
 
 
 PRESETS: dict[str, DecoderConfig] = {

@@ -10,31 +10,34 @@ from torch import nn
 from moedeploy.models.attention import LayerCache, RotaryEmbedding, StaticLayerCache, causal_mask
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.models.layers import DecoderLayer
+from moedeploy.models.layers import DecoderLayer, make_norm
 from moedeploy.models.moe import SparseMoE
-from moedeploy.models.norms import RMSNorm
+from moedeploy.models.norms import LayerNorm, RMSNorm
+
+
+def rotary_embedding(config: DecoderConfig) -> RotaryEmbedding:
+    """The decoder's rotary tables (rotary_dim wide: narrower than a head for partial rotary)."""
+    return RotaryEmbedding(config.rotary_dim, config.max_positions, config.rope_theta)
 
 
 class MoEDecoder(nn.Module):
-    """Token embedding -> N pre-RMSNorm decoder layers with MoE FFNs -> final RMSNorm -> LM head."""
+    """Token embedding -> N pre-norm decoder layers (MoE or dense FFN) -> final norm -> LM head.
+
+    One model for every supported family: the config says which attention, norm, routing and
+    FFN variant each layer has (see DecoderConfig and moedeploy.models.families).
+    """
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
         c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                c.hidden_size, c.n_heads, c.n_kv_heads, c.expert_hidden, c.head_dim, moe=True,
-                n_experts=c.n_experts, top_k=c.top_k, normalize_topk=c.normalize_topk, eps=c.norm_eps,
-            )
-            for _ in range(c.n_layers)
-        )
-        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer.from_config(c, i) for i in range(c.n_layers))
+        self.norm = make_norm(c.norm, c.hidden_size, c.norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias)
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(c.head_dim, c.max_positions, c.rope_theta)
+        self.rope = rotary_embedding(c)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -42,13 +45,15 @@ class MoEDecoder(nn.Module):
         # Hugging Face's initializer_range: keeps random-weight logits in a sane range.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, (RMSNorm, LayerNorm)):
             # Not all ones (a checkpoint sets them anyway): random models must exercise the scale,
             # or an exported graph that dropped it would still match.
             nn.init.normal_(module.weight, mean=1.0, std=0.1)
         elif isinstance(module, SparseMoE):
             for w in (module.w_gate, module.w_up, module.w_down):
                 nn.init.normal_(w, std=std)
+            if module.score_bias is not None:
+                nn.init.normal_(module.score_bias, std=0.1)
 
     def forward(
         self,
@@ -61,15 +66,23 @@ class MoEDecoder(nn.Module):
         With a cache, each layer appends this step's keys/values to it and attends over the
         whole history; without one, start_pos must be 0 (a full forward).
         """
+        c = self.config
         S = input_ids.shape[1]
         x = self.embed(input_ids)  # (B, S, D)
+        if c.embedding_multiplier != 1.0:
+            x = x * c.embedding_multiplier
         positions = torch.arange(S, device=input_ids.device) + start_pos
         rope = self.rope(positions)
-        # (1, 1, S, start_pos + S): 4-D because TensorRT's ONNX Attention takes no other mask rank
-        mask = causal_mask(start_pos, S, input_ids.device)[None, None]
+        # (1, 1, S, start_pos + S): 4-D because TensorRT's ONNX Attention takes no other mask rank.
+        # One mask per distinct window (full attention is window 0), built once for all layers.
+        masks: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, mask, rope, None if cache is None else cache[i], start_pos)
-        return self.lm_head(self.norm(x))
+            window = c.window(i)
+            if window not in masks:
+                masks[window] = causal_mask(start_pos, S, input_ids.device, window)[None, None]
+            x = layer(x, masks[window], rope, None if cache is None else cache[i], start_pos)
+        logits = self.lm_head(self.norm(x))
+        return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[StaticLayerCache]:
         """One preallocated KV cache per layer, in the model's dtype and device."""

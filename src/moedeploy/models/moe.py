@@ -8,17 +8,19 @@ import torch
 from torch import nn
 
 from moedeploy.models.ffn import SwiGLU
-from moedeploy.plugins.moe import moe
+from moedeploy.plugins.moe import Routing, moe
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed MoE FFN (Mixtral / Switch style).
+    """Top-k routed MoE FFN (Mixtral / Switch style), with the routing variants of the families.
 
     Experts are stored stacked, `w_gate`/`w_up` as (E, hidden, dim) and `w_down` as
     (E, dim, hidden): every expert owns its own slice. (The seed notebook put one shared
-    SwiGLU in every slot, so its "experts" were a single FFN.) Routing is softmax over all
-    experts, top-k, optional renormalisation of the k weights, weighted sum; it lives in
-    `moedeploy.plugins.moe`, which export turns into one `moe::MoE` node.
+    SwiGLU in every slot, so its "experts" were a single FFN.) Routing (softmax, sigmoid or
+    sparsemixer scores, an optional selection-only `score_bias`, group-limited top-k,
+    renormalisation, scaling) and the weighted sum live in `moedeploy.plugins.moe`, which
+    export turns into one `moe::MoE` node. A shared expert (Qwen2-MoE, GLM-4-MoE), gated by
+    sigmoid(shared_gate x) in Qwen2-MoE, is an ordinary SwiGLU added to the routed output.
     """
 
     def __init__(
@@ -26,16 +28,19 @@ class SparseMoE(nn.Module):
         dim: int,
         hidden: int,
         n_experts: int,
-        top_k: int,
+        top_k: int | Routing,
         normalize_topk: bool = True,
         bias: bool = False,
         router_bias: bool = False,
+        score_bias: bool = False,
+        shared_hidden: int = 0,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k {top_k} must lie in [1, n_experts={n_experts}]")
-        self.top_k = top_k
-        self.normalize_topk = normalize_topk
+        self.routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
+        self.routing.check(n_experts)
+        self.top_k = self.routing.top_k
+        self.normalize_topk = self.routing.normalize_topk
         self.router = nn.Linear(dim, n_experts, bias=router_bias)
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -46,6 +51,9 @@ class SparseMoE(nn.Module):
             self.b_down = nn.Parameter(torch.zeros(n_experts, dim))
         else:
             self.b_gate = self.b_up = self.b_down = None
+        self.score_bias = nn.Parameter(torch.zeros(n_experts)) if score_bias else None
+        self.shared = SwiGLU(dim, shared_hidden) if shared_hidden else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_hidden and shared_gate else None
         self.reset_parameters()
 
     @property
@@ -83,7 +91,12 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, D): routing is per token
         logits = self.router(x)  # (N, E)
         y = moe(
-            x, logits, self.w_gate, self.w_up, self.w_down, self.top_k, self.normalize_topk,
-            "swiglu", self.b_gate, self.b_up, self.b_down,
+            x, logits, self.w_gate, self.w_up, self.w_down, self.routing, activation="swiglu",
+            b_gate=self.b_gate, b_up=self.b_up, b_down=self.b_down, score_bias=self.score_bias,
         )
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            y = y + shared
         return y.reshape(shape)

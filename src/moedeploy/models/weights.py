@@ -149,13 +149,12 @@ def layered_decoder(
     cache once warm), so this trades speed for memory; it computes exactly what the model
     loaded whole computes. `progress` hears which decoder layer is done, every few seconds.
     """
-    from moedeploy.models.attention import RotaryEmbedding
-    from moedeploy.models.decoder import MoEDecoder
+    from moedeploy.models.decoder import MoEDecoder, rotary_embedding
 
     config = source.config
     with torch.device("meta"):
         decoder = MoEDecoder(config).to(dtype)
-    decoder.rope = RotaryEmbedding(config.head_dim, config.max_positions, config.rope_theta)
+    decoder.rope = rotary_embedding(config)
     decoder.layered_source = source  # a reader of the model can tell it is streamed
     report = None if progress is None else throttled(progress)
     for prefix, unit in _weight_units(decoder):

@@ -1,21 +1,32 @@
 """The `moe::MoE` op: top-k routed mixture of experts over stacked expert weights.
 
-Semantics (the seed notebook's SMoE, done right):
-  probs   = softmax(router_logits)                  over all E experts, in fp32
-  w, idx  = top_k(probs)                            k experts per token
-  w       = w / sum(w)                              if normalize_topk (Mixtral)
-  y[n]    = sum_j w[n, j] * expert_{idx[n, j]}(x[n])
+Semantics (opset "moe" version 2; version 1 is version 2 with every new attribute at its default):
+
+  routing, in fp32 (`scoring`):
+    softmax      s = softmax(logits)         Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE (whose
+                                             top-k-then-softmax equals renormalised softmax top-k)
+    sigmoid      s = sigmoid(logits)         GLM-4-MoE, MiniMax-M2, DeepSeek-V3
+    sparsemixer  PhiMoE's inference router (top-2 only): each of the two picks is the arg-max
+                 of the logits left, weighted by a softmax over the logits within `jitter_eps`
+                 (relative) of that maximum
+  selection    idx = top_k(s + score_bias)   the bias (zeros for most families) only chooses
+               with n_group > 1, only the `topk_group` groups of experts with the largest
+               sum of their two best (s + bias) compete; the others are set to 0 (as HF does)
+  weights      w = s[idx]; w /= sum(w) if normalize_topk; w *= routed_scaling_factor
+  y[n]         sum_j w[n, j] * expert_{idx[n, j]}(x[n])
   expert_e(x) = down_e(silu(gate_e x) * up_e x)     activation "swiglu"
               = down_e(act(up_e x))                 activation "relu" / "gelu" (no gate)
 
-Weights are stacked `[E, out, in]` (nn.Linear's layout per expert); biases `[E, out]`.
-`x` is `[N, H]`, `router_logits` `[N, E]`. For relu/gelu experts the w_gate/b_gate inputs are
-ignored; they must still have w_up's/b_up's shapes (the exporter passes w_up and zeros).
+Weights are stacked `[E, out, in]` (nn.Linear's layout per expert); biases `[E, out]`;
+`score_bias` is `[E]`. `x` is `[N, H]`, `router_logits` `[N, E]`. For relu/gelu experts the
+w_gate/b_gate inputs are ignored; they must still have w_up's/b_up's shapes (the exporter passes
+w_up and zeros).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import onnx
 import onnx_ir as ir
@@ -26,20 +37,112 @@ from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "MoE"
-VERSION = 1
+#: The "moe" domain's opset version (shared by moe::RMSNorm): 2 added routing variants.
+VERSION = 2
 PLUGIN_NAMESPACE = "moe"
 ACTIVATIONS = ("swiglu", "relu", "gelu")
+SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token picks and weighs its experts: the op's routing attributes in one place."""
+
+    top_k: int = 2
+    normalize_topk: bool = True
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    jitter_eps: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"unknown MoE scoring {self.scoring!r}; choose one of {SCORINGS}")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"sparsemixer routing picks exactly 2 experts, not top_k={self.top_k}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"need 1 <= topk_group ({self.topk_group}) <= n_group ({self.n_group})")
+
+    def check(self, n_experts: int) -> None:
+        """Refuse a routing these experts cannot follow (before any node is built)."""
+        if not 1 <= self.top_k <= n_experts:
+            raise ValueError(f"top_k {self.top_k} must lie in [1, n_experts={n_experts}]")
+        if self.n_group > 1:
+            if n_experts % self.n_group or n_experts // self.n_group < 2:
+                raise ValueError(
+                    f"n_group {self.n_group} must divide n_experts {n_experts} into groups of at least 2"
+                )
+            if self.top_k > self.topk_group * (n_experts // self.n_group):
+                raise ValueError(f"top_k {self.top_k} exceeds the experts of {self.topk_group} groups")
+
+    def attributes(self) -> dict[str, int | float | str]:
+        """The node attributes (defaults included, so a reader never needs ours)."""
+        return {
+            "top_k": int(self.top_k),
+            "normalize_topk": int(self.normalize_topk),
+            "scoring": self.scoring,
+            "n_group": int(self.n_group),
+            "topk_group": int(self.topk_group),
+            "routed_scaling_factor": float(self.routed_scaling_factor),
+            "jitter_eps": float(self.jitter_eps),
+        }
+
+    @classmethod
+    def from_attributes(cls, attrs: dict) -> Routing:
+        """From a node's attributes (name -> Python value); missing ones take version 1's defaults."""
+        known = {k: attrs[k] for k in cls.__dataclass_fields__ if k in attrs}
+        if "normalize_topk" in known:
+            known["normalize_topk"] = bool(known["normalize_topk"])
+        return cls(**known)
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, normalize_topk: bool
+    router_logits: torch.Tensor,
+    top_k: int | Routing,
+    normalize_topk: bool = True,
+    score_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, keep the k largest; returns fp32 weights (N, k) and indices (N, k)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if normalize_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    """Pick each token's experts; returns fp32 weights (N, k) and expert indices (N, k).
+
+    `top_k` is a Routing, or the top-k of plain softmax routing (with `normalize_topk`).
+    """
+    r = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
+    logits = router_logits.float()
+    if r.scoring == "sparsemixer":
+        return _sparsemixer(logits, r.jitter_eps)
+    scores = torch.softmax(logits, dim=-1) if r.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if r.n_group > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, r.n_group, e // r.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(r.topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // r.n_group, dim=1), 0.0)
+    experts = choice.topk(r.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if r.normalize_topk:
+        # sigmoid scores need not sum to anything; HF's +1e-20 guards a zero sum there
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if r.scoring == "sigmoid" else 0.0))
+    if r.routed_scaling_factor != 1.0:
+        weights = weights * r.routed_scaling_factor
     return weights, experts
+
+
+def _sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's router at inference: two picks, each the arg-max of what is left, weighted by
+    a softmax over the logits within 2 * jitter_eps (relative) of that maximum."""
+
+    def pick(remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, index = remaining.max(dim=-1, keepdim=True)
+        factor = logits.abs().clamp(min=best)
+        far = (best - logits) / factor > 2 * jitter_eps
+        weight = torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1).gather(1, index)
+        return weight, index
+
+    w1, i1 = pick(logits)
+    w2, i2 = pick(logits.scatter(1, i1, float("-inf")))
+    return torch.cat([w1, w2], dim=1), torch.cat([i1, i2], dim=1)
 
 
 def expert_forward(
@@ -71,14 +174,17 @@ def moe_reference(
     w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-    top_k: int,
+    top_k: int | Routing,
     normalize_topk: bool = True,
     activation: str = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact sparse MoE: each token runs through its k experts only.
+
+    `top_k` is a Routing, or the top-k of plain softmax routing (with `normalize_topk`).
 
     Tokens are grouped by expert with one stable sort, so each expert does a single GEMM
     over its rows (an expert with no rows does an empty one). Eager only: the group sizes
@@ -86,7 +192,9 @@ def moe_reference(
     """
     n_tokens, _ = x.shape
     n_experts = w_up.shape[0]
-    weights, experts = route(router_logits, top_k, normalize_topk)  # (N, k), (N, k)
+    routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
+    top_k = routing.top_k
+    weights, experts = route(router_logits, routing, score_bias=score_bias)  # (N, k), (N, k)
 
     flat_experts = experts.reshape(-1)  # (N*k,) slot n*k + j -> expert
     order = flat_experts.argsort(stable=True)  # slots grouped by expert
@@ -127,20 +235,23 @@ def moe(
     w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-    top_k: int,
+    top_k: int | Routing,
     normalize_topk: bool = True,
     activation: str = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op as the models call it: eager math, or one `moe::MoE` node under ONNX export.
 
-    The node always takes the three bias inputs (zeros when the model has none), so the
-    function body needs no optional-input plumbing; lowerings drop all-zero biases.
+    The node always takes the three bias inputs and the score bias (zeros when the model has
+    none), so the function body needs no optional-input plumbing; lowerings drop zero biases.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; choose one of {ACTIVATIONS}")
+    routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
+    routing.check(w_up.shape[0])
     if torch.onnx.is_in_onnx_export():
         n_experts, hidden, dim = w_up.shape
         dt = x.dtype
@@ -151,22 +262,20 @@ def moe(
         b_gate = w_up.new_zeros(n_experts, hidden) if b_gate is None else b_gate
         b_up = w_up.new_zeros(n_experts, hidden) if b_up is None else b_up
         b_down = w_up.new_zeros(n_experts, dim) if b_down is None else b_down
+        score_bias = w_up.new_zeros(n_experts, dtype=torch.float32) if score_bias is None else score_bias
         dtype, shape = output_spec(x)
         return torch.onnx.ops.symbolic(
             f"{DOMAIN}::{OP_TYPE}",
-            tuple(t.to(dt) for t in (x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)),
-            {
-                "top_k": int(top_k),
-                "normalize_topk": int(normalize_topk),
-                "activation": activation,
-                "plugin_namespace": PLUGIN_NAMESPACE,
-            },
+            (*(t.to(dt) for t in (x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)),
+             score_bias.float()),
+            {**routing.attributes(), "activation": activation, "plugin_namespace": PLUGIN_NAMESPACE},
             dtype=dtype,
             shape=shape,
             version=VERSION,
         )
     return moe_reference(
-        x, router_logits, w_gate, w_up, w_down, top_k, normalize_topk, activation, b_gate, b_up, b_down
+        x, router_logits, w_gate, w_up, w_down, routing, activation=activation,
+        b_gate=b_gate, b_up=b_up, b_down=b_down, score_bias=score_bias,
     )
 
 
@@ -175,17 +284,61 @@ _opset = onnxscript.values.Opset(DOMAIN, VERSION)
 
 @onnxscript.script(_opset, default_opset=op)
 def MoE(
-    X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down,
-    top_k: int = 2, normalize_topk: int = 1, activation: str = "swiglu",
+    X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down, score_bias,
+    top_k: int = 2, normalize_topk: int = 1, activation: str = "swiglu", scoring: str = "softmax",
+    n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0, jitter_eps: float = 0.01,
 ):
-    # Routing in fp32: softmax over all experts, top-k, optional renormalisation.
-    probs = op.Softmax(op.Cast(router_logits, to=1), axis=-1)  # (N, E)
-    k = op.Reshape(op.Constant(value_int=top_k), op.Constant(value_ints=[1]))
-    top_w, top_i = op.TopK(probs, k, axis=-1)  # (N, k)
-    sums = op.ReduceSum(top_w, op.Constant(value_ints=[-1]), keepdims=1)
-    top_w = op.Where(op.Cast(op.Constant(value_int=normalize_topk), to=9), top_w / sums, top_w)
+    # Routing in fp32 (see the module docstring): scores, selection, weights.
+    logits = op.Cast(router_logits, to=1)  # (N, E)
+    last = op.Constant(value_ints=[-1])
+    score_kind = op.Constant(value_string=scoring)
+    if op.Equal(score_kind, op.Constant(value_string="sparsemixer")):
+        # PhiMoE: two arg-max picks, each weighted by a softmax over the logits near it.
+        two_eps = op.Constant(value_float=jitter_eps) * op.Constant(value_float=2.0)
+        best1 = op.ReduceMax(logits, last, keepdims=1)
+        pick1 = op.ArgMax(logits, axis=-1, keepdims=1)
+        far1 = op.Greater(op.Div(best1 - logits, op.Max(op.Abs(logits), best1)), two_eps)
+        minus_inf = op.CastLike(op.Constant(value_float=float("-inf")), logits)
+        weight1 = op.GatherElements(op.Softmax(op.Where(far1, minus_inf, logits), axis=-1), pick1, axis=-1)
+        rest = op.ScatterElements(logits, pick1, op.Expand(minus_inf, op.Shape(pick1)), axis=-1)
+        best2 = op.ReduceMax(rest, last, keepdims=1)
+        pick2 = op.ArgMax(rest, axis=-1, keepdims=1)
+        far2 = op.Greater(op.Div(best2 - logits, op.Max(op.Abs(logits), best2)), two_eps)
+        weight2 = op.GatherElements(op.Softmax(op.Where(far2, minus_inf, rest), axis=-1), pick2, axis=-1)
+        top_w = op.Concat(weight1, weight2, axis=-1)
+        top_i = op.Concat(pick1, pick2, axis=-1)
+        scores = logits
+    else:
+        if op.Equal(score_kind, op.Constant(value_string="sigmoid")):
+            scores = op.Sigmoid(logits)
+            guard = op.Constant(value_float=1e-20)  # HF's guard against a zero sum of sigmoids
+        else:
+            scores = op.Softmax(logits, axis=-1)
+            guard = op.Constant(value_float=0.0)
+        choice = scores + op.Unsqueeze(op.Cast(score_bias, to=1), op.Constant(value_ints=[0]))
+        if op.Greater(op.Constant(value_int=n_group), op.Constant(value_int=1)):
+            # Group-limited: only the topk_group groups with the best two-expert sums compete.
+            n_experts = op.Shape(choice, start=1, end=2)
+            groups = op.Reshape(op.Constant(value_int=n_group), op.Constant(value_ints=[1]))
+            grouped = op.Reshape(choice, op.Concat(op.Constant(value_ints=[0]), groups, last, axis=0), allowzero=0)
+            best2, _ = op.TopK(grouped, op.Constant(value_ints=[2]), axis=-1)
+            group_scores = op.ReduceSum(best2, last, keepdims=0)  # (N, G)
+            kept_k = op.Reshape(op.Constant(value_int=topk_group), op.Constant(value_ints=[1]))
+            _, kept = op.TopK(group_scores, kept_k, axis=-1)
+            zeros = op.Mul(group_scores, op.Constant(value_float=0.0))
+            ones = op.Add(op.Mul(op.Cast(kept, to=1), op.Constant(value_float=0.0)), op.Constant(value_float=1.0))
+            keep = op.ScatterElements(zeros, kept, ones, axis=-1)  # (N, G) 1 for kept groups
+            keep_e = op.Reshape(op.Expand(op.Unsqueeze(keep, last), op.Shape(grouped)),
+                                op.Concat(op.Constant(value_ints=[0]), n_experts, axis=0))
+            choice = op.Where(op.Cast(keep_e, to=9), choice, op.Mul(choice, op.Constant(value_float=0.0)))
+        k = op.Reshape(op.Constant(value_int=top_k), op.Constant(value_ints=[1]))
+        _, top_i = op.TopK(choice, k, axis=-1)  # (N, k)
+        top_w = op.GatherElements(scores, top_i, axis=-1)
+        sums = op.ReduceSum(top_w, last, keepdims=1) + guard
+        top_w = op.Where(op.Cast(op.Constant(value_int=normalize_topk), to=9), top_w / sums, top_w)
+        top_w = top_w * op.Constant(value_float=routed_scaling_factor)
     # Dense (N, E) routing weights: zero for every expert outside a token's top-k.
-    dense = op.ScatterElements(op.Mul(probs, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
+    dense = op.ScatterElements(op.Mul(scores, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
     # Every expert on every token (E/k times the sparse work): exact and runs anywhere.
     x = op.Unsqueeze(X, op.Constant(value_ints=[0]))  # (1, N, H)
     one = op.Constant(value_ints=[1])
@@ -223,11 +376,26 @@ CONTRIB_KERNELS = {
 CONTRIB_ACTIVATIONS = ("swiglu", "relu")
 
 
+def node_routing(node: ir.Node) -> Routing:
+    """The Routing a moe::MoE node's attributes describe (version 1 nodes included)."""
+    return Routing.from_attributes({name: attr.value for name, attr in node.attributes.items()})
+
+
 def contrib_eligible(node: ir.Node, provider: str) -> bool:
-    """Whether com.microsoft::MoE on `provider` computes exactly what this node means."""
+    """Whether com.microsoft::MoE on `provider` computes exactly what this node means.
+
+    Its router is softmax, top-k, optional renormalisation: sigmoid or sparsemixer scoring,
+    group-limited selection, a scaling factor or a selection bias it cannot express.
+    """
     dtype = node.inputs[0].dtype
     activation = node.attributes["activation"].as_string() if "activation" in node.attributes else "swiglu"
-    return dtype in CONTRIB_KERNELS.get(provider, set()) and activation in CONTRIB_ACTIVATIONS
+    r = node_routing(node)
+    plain_routing = r.scoring == "softmax" and r.n_group == 1 and r.routed_scaling_factor == 1.0
+    score_bias = node.inputs[8] if len(node.inputs) > 8 else None
+    if score_bias is not None:
+        tensor = ir.convenience.get_const_tensor(score_bias)
+        plain_routing = plain_routing and tensor is not None and not tensor.numpy().any()
+    return dtype in CONTRIB_KERNELS.get(provider, set()) and activation in CONTRIB_ACTIVATIONS and plain_routing
 
 
 def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:

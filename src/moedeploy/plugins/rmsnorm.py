@@ -18,7 +18,9 @@ from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "RMSNorm"
-VERSION = 1
+#: The "moe" domain's opset version, shared with moe::MoE (which added routing variants in 2;
+#: RMSNorm is unchanged since 1). One model imports one version per domain.
+VERSION = 2
 PLUGIN_NAMESPACE = "moe"
 
 

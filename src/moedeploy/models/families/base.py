@@ -1,0 +1,138 @@
+"""What a family module provides, and the config helpers every family shares.
+
+A family maps a Hugging Face `config.json` onto DecoderConfig (refusing, in one line, any
+option the shared decoder does not implement) and the checkpoint's tensor names onto ours.
+Most families keep Llama's names, so `LLAMA_NAMES` serves them; a family overrides only what
+it renames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moedeploy.models.config import DecoderConfig
+
+
+class UnsupportedOption(ValueError):
+    """A config.json option the shared decoder does not implement (named in the message)."""
+
+
+#: The MoE block's module name: Mixtral, GraniteMoE and MiniMax-M2 say block_sparse_moe, the others mlp.
+MOE = r"(?:block_sparse_moe|mlp)"
+LAYER = r"model\.layers\.(\d+)"
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Hugging Face tensor names (regexes; group 1 is the layer) and the ones they become.
+
+    direct       one file tensor is one of ours (renamed)
+    per_expert   groups (layer, expert, role): one tensor per expert, stacked on read
+    fused        gate and up in one (E, 2I, H) tensor, gate rows first
+    """
+
+    direct: tuple[tuple[str, str], ...]
+    per_expert: str = LAYER + r"\." + MOE + r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+    roles: dict[str, str] = field(default_factory=lambda: {
+        "w1": "w_gate", "w3": "w_up", "w2": "w_down", "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+    })
+    fused_gate_up: str = LAYER + r"\." + MOE + r"\.(?:experts\.gate_up_proj|input_linear\.weight)"
+
+
+LLAMA_NAMES = TensorNames(direct=(
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.norm\.(weight|bias)", r"norm.\1"),
+    (r"lm_head\.(weight|bias)", r"lm_head.\1"),
+    (LAYER + r"\.input_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+    (LAYER + r"\.post_attention_layernorm\.(weight|bias)", r"layers.\1.ffn_norm.\2"),
+    (LAYER + r"\.self_attn\.(q|k|v|o)_proj\.(weight|bias)", r"layers.\1.attn.w\2.\3"),
+    (LAYER + r"\.self_attn\.(q|k)_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    # the router: gate (most), router (PhiMoE), router.layer (GraniteMoE)
+    (LAYER + r"\." + MOE + r"\.(?:gate|router|router\.layer)\.weight", r"layers.\1.ffn.router.weight"),
+    (LAYER + r"\." + MOE + r"\.(?:gate\.)?e_score_correction_bias", r"layers.\1.ffn.score_bias"),
+    (LAYER + r"\." + MOE + r"\.(?:experts\.down_proj|output_linear\.weight)", r"layers.\1.ffn.w_down"),
+    (LAYER + r"\." + MOE + r"\.shared_experts?\.gate_proj\.weight", r"layers.\1.ffn.shared.w1.weight"),
+    (LAYER + r"\." + MOE + r"\.shared_experts?\.up_proj\.weight", r"layers.\1.ffn.shared.w3.weight"),
+    (LAYER + r"\." + MOE + r"\.shared_experts?\.down_proj\.weight", r"layers.\1.ffn.shared.w2.weight"),
+    (LAYER + r"\." + MOE + r"\.shared_expert_gate\.weight", r"layers.\1.ffn.shared_gate.weight"),
+    # a dense layer's SwiGLU
+    (LAYER + r"\.mlp\.gate_proj\.weight", r"layers.\1.ffn.w1.weight"),
+    (LAYER + r"\.mlp\.up_proj\.weight", r"layers.\1.ffn.w3.weight"),
+    (LAYER + r"\.mlp\.down_proj\.weight", r"layers.\1.ffn.w2.weight"),
+))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture the shared decoder implements."""
+
+    model_type: str
+    title: str  # what users call it, e.g. "Qwen3-MoE"
+    config: Callable[[dict[str, Any]], DecoderConfig]
+    options: str  # the config.json options it honours, for `moedeploy families`
+    names: TensorNames = LLAMA_NAMES
+    experts_key: str = "num_local_experts"  # the config.json key of the expert count, for messages
+
+
+def refuse(option: str, value: Any, why: str) -> UnsupportedOption:
+    return UnsupportedOption(f"{option}={value!r} is not supported: {why}")
+
+
+def rope(hf: dict[str, Any]) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from rope_parameters (transformers 5) or the legacy
+    top-level fields; any RoPE type other than the default is refused."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise refuse("rope_type", kind, "only the default RoPE is implemented (no scaled variants yet)")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return theta, factor
+
+
+def common(hf: dict[str, Any], rotary: bool = True) -> dict[str, Any]:
+    """The fields every Llama-style config.json names the same way."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise refuse("hidden_act", act, "the experts are SwiGLU (silu)")
+    theta, factor = rope(hf)
+    window_layers(hf)  # refuses attention kinds we do not implement
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    fields = {
+        "family": hf["model_type"],
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "top_k": hf["num_experts_per_tok"],
+        "max_positions": hf.get("max_position_embeddings", 4096),
+        "rope_theta": theta,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "head_dim": head_dim,
+    }
+    if rotary and factor != 1.0:
+        fields["rotary_dim"] = int(head_dim * factor)
+    return fields
+
+
+def sparse_layers(hf: dict[str, Any]) -> list[int]:
+    """Qwen's dense layers: those in mlp_only_layers, and those off the decoder_sparse_step."""
+    step = hf.get("decoder_sparse_step", 1) or 1
+    only = set(hf.get("mlp_only_layers") or [])
+    return [i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step]
+
+
+def window_layers(hf: dict[str, Any]) -> list[int] | None:
+    """Layers with sliding-window attention from `layer_types`, None when it does not say."""
+    types = hf.get("layer_types")
+    if not types:
+        return None
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise refuse("layer_types", unknown[0], "only sliding_attention and full_attention layers exist")
+    return [i for i, kind in enumerate(types) if kind == "sliding_attention"]

@@ -1,0 +1,108 @@
+"""Tiny random configurations of every supported family, made with transformers' own config
+classes (nothing downloaded), and the helpers that turn one into a saved checkpoint folder.
+
+Each family has several: odd sizes, GQA and MQA, shared experts, dense-plus-MoE layer mixes,
+sliding windows shorter than the prompt, norm_topk_prob off and on, group-limited routing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+PROMPT = 13  # longer than every sliding window below
+
+BASE = dict(vocab_size=72, hidden_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=96, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _cfg(name: str, **kw):
+    import transformers as T
+
+    cls = {
+        "mixtral": T.MixtralConfig, "qwen2_moe": T.Qwen2MoeConfig, "qwen3_moe": T.Qwen3MoeConfig,
+        "olmoe": T.OlmoeConfig, "granitemoe": T.GraniteMoeConfig, "phimoe": T.PhimoeConfig,
+        "glm4_moe": T.Glm4MoeConfig, "minimax_m2": T.MiniMaxM2Config,
+    }[name]
+    args = {**BASE, **kw}
+    if "rope_parameters" in kw:
+        args["rope_parameters"] = {**BASE["rope_parameters"], **kw["rope_parameters"]}
+    config = cls(**args)
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
+
+def cases() -> dict[str, object]:
+    """case id -> a transformers config (built lazily: transformers imports slowly)."""
+    return {
+        "mixtral-window": _cfg("mixtral", intermediate_size=33, num_local_experts=5, num_experts_per_tok=2,
+                               sliding_window=5),
+        "qwen2_moe-shared-dense": _cfg("qwen2_moe", moe_intermediate_size=18, intermediate_size=44,
+                                       shared_expert_intermediate_size=26, num_experts=6, num_experts_per_tok=2,
+                                       mlp_only_layers=[1], norm_topk_prob=False),
+        "qwen2_moe-window-mqa": _cfg("qwen2_moe", num_key_value_heads=1, moe_intermediate_size=18,
+                                     intermediate_size=44, shared_expert_intermediate_size=26, num_experts=4,
+                                     num_experts_per_tok=3, norm_topk_prob=True, use_sliding_window=True,
+                                     sliding_window=4, max_window_layers=3, decoder_sparse_step=2),
+        "qwen3_moe-headdim": _cfg("qwen3_moe", head_dim=14, moe_intermediate_size=18, intermediate_size=44,
+                                  num_experts=6, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True),
+        "qwen3_moe-window-mqa": _cfg("qwen3_moe", num_key_value_heads=1, moe_intermediate_size=22,
+                                     num_experts=5, num_experts_per_tok=3, norm_topk_prob=False,
+                                     use_sliding_window=True, sliding_window=6),
+        "olmoe": _cfg("olmoe", intermediate_size=22, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+        "olmoe-clip-norm": _cfg("olmoe", num_key_value_heads=1, intermediate_size=22, num_experts=5,
+                                num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.4),
+        "granitemoe": _cfg("granitemoe", intermediate_size=26, num_local_experts=5, num_experts_per_tok=2,
+                           embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.6,
+                           logits_scaling=2.5),
+        "phimoe": _cfg("phimoe", intermediate_size=26, num_local_experts=6, num_experts_per_tok=2,
+                       attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, sliding_window=6),
+        "glm4_moe-groups": _cfg("glm4_moe", head_dim=16, moe_intermediate_size=18, intermediate_size=44,
+                                n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                                first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                rope_parameters={"partial_rotary_factor": 0.5}),
+        "glm4_moe-plain": _cfg("glm4_moe", num_key_value_heads=1, moe_intermediate_size=18, intermediate_size=44,
+                               n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=2,
+                               first_k_dense_replace=0, norm_topk_prob=False, use_qk_norm=False,
+                               rope_parameters={"partial_rotary_factor": 0.6}),
+        "minimax_m2": _cfg("minimax_m2", head_dim=12, intermediate_size=22, num_local_experts=6,
+                           num_experts_per_tok=2, rope_parameters={"partial_rotary_factor": 0.5}),
+    }
+
+
+@torch.no_grad()
+def make_model(config, seed: int = 0):
+    """transformers' own model of `config`, every parameter and selection bias randomised at a
+    scale that keeps activations O(1) (default inits would hide a wrong routing)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if "e_score_correction_bias" in name:
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        elif not p.is_floating_point() or "inv_freq" in name:
+            continue
+        elif p.dim() == 1 and ("norm" in name and name.endswith("weight")):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        elif p.dim() == 1:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return model
+
+
+def save_checkpoint(model, folder: Path) -> Path:
+    """save_pretrained in sharded form (the released per-expert tensor names)."""
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+def prompt(vocab: int, batch: int = 2, length: int = PROMPT, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
