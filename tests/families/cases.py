@@ -18,7 +18,7 @@ BASE = dict(vocab_size=72, hidden_size=40, num_hidden_layers=3, num_attention_he
             max_position_embeddings=96, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def _cfg(name: str, **kw):
+def _family_config(name: str, n_layers: int, **kw):
     import transformers as T
 
     cls = {
@@ -26,18 +26,26 @@ def _cfg(name: str, **kw):
         "olmoe": T.OlmoeConfig, "granitemoe": T.GraniteMoeConfig, "phimoe": T.PhimoeConfig,
         "glm4_moe": T.Glm4MoeConfig, "minimax_m2": T.MiniMaxM2Config,
     }[name]
-    args = {**BASE, **kw}
+    args = {**BASE, "num_hidden_layers": n_layers, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            **kw}
     if "rope_parameters" in kw:
         args["rope_parameters"] = {**BASE["rope_parameters"], **kw["rope_parameters"]}
     config = cls(**args)
-    config.pad_token_id = config.bos_token_id = config.eos_token_id = None
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     return config
 
 
-def cases() -> dict[str, object]:
+#: One case per family for the (slower) export tests: the one that exercises most of it.
+EXPORT_CASES = ("mixtral-window", "qwen2_moe-window-mqa", "qwen3_moe-headdim", "olmoe-clip-norm", "granitemoe",
+                "phimoe", "glm4_moe-groups", "minimax_m2")
+
+
+def cases(n_layers: int = 3) -> dict[str, object]:
     """case id -> a transformers config (built lazily: transformers imports slowly)."""
+    def _cfg(name: str, **kw):
+        return _family_config(name, n_layers, **kw)
+
     return {
         "mixtral-window": _cfg("mixtral", intermediate_size=33, num_local_experts=5, num_experts_per_tok=2,
                                sliding_window=5),

@@ -28,7 +28,7 @@ from moedeploy.export.reference import load_reference
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint, layered_decoder
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
-from moedeploy.runtime.runners import BACKENDS, TorchRunner, make_runner
+from moedeploy.runtime.runners import BACKENDS, TorchRunner, lowering_text, make_runner
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
 
 REPORT_DIR = "report"
@@ -197,6 +197,8 @@ def compare(
     comparisons = []
     for runner in runners[1:]:
         comparisons.append(_comparison(reference.name, runner.name, results_by_runner, tolerances, accuracy))
+        if (path := lowering_text(getattr(runner, "lowering", {}))) is not None:
+            comparisons[-1]["path"] = path  # which lowering ran: the fast path or the function body
     passed = all(c["passed"] for c in comparisons)
 
     report: dict[str, Any] = {

@@ -104,6 +104,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## {c['backend']} vs {c['reference']}: {_mark(c['passed'])}",
             "",
+            *([f"Path: {c['path']}.", ""] if c.get("path") else []),
             "| output | max abs | mean abs | p99 abs | max rel | cosine | atol | rtol | result |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]

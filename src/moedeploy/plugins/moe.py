@@ -392,10 +392,21 @@ def contrib_eligible(node: ir.Node, provider: str) -> bool:
     r = node_routing(node)
     plain_routing = r.scoring == "softmax" and r.n_group == 1 and r.routed_scaling_factor == 1.0
     score_bias = node.inputs[8] if len(node.inputs) > 8 else None
-    if score_bias is not None:
-        tensor = ir.convenience.get_const_tensor(score_bias)
-        plain_routing = plain_routing and tensor is not None and not tensor.numpy().any()
+    plain_routing = plain_routing and (score_bias is None or is_zero(score_bias))
     return dtype in CONTRIB_KERNELS.get(provider, set()) and activation in CONTRIB_ACTIVATIONS and plain_routing
+
+
+def is_zero(value: ir.Value) -> bool:
+    """Whether `value` is all zeros by construction: a constant, or ConstantOfShape of zero
+    (what torch's exporter emits for `new_zeros`)."""
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is not None:
+        return not tensor.numpy().any()
+    node = value.producer()
+    if node is None or node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
+        return False
+    fill = node.attributes.get("value")
+    return fill is None or not fill.as_tensor().numpy().any()
 
 
 def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
@@ -427,10 +438,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
     def nonzero(value: ir.Value | None) -> ir.Value | None:
         if value is None:
             return None
-        tensor = ir.convenience.get_const_tensor(value)
-        if tensor is not None and not tensor.numpy().any():
-            return None
-        return value
+        return None if is_zero(value) else value
 
     if activation == "swiglu":
         n_experts, hidden, dim = (int(d) for d in w_up.shape)  # expert weights are static

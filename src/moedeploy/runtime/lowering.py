@@ -1,8 +1,9 @@
 """Lower the custom ops of an artifact's graph to what an ONNX Runtime provider runs fastest.
 
   moe::MoE      -> com.microsoft::MoE where its kernel takes the dtype on that provider
-                   (fp32 on CPU), else the node stays and ONNX Runtime inlines its dense
-                   standard-op function body
+                   (fp32 on CPU) and its router expresses the node's (softmax top-k, with or
+                   without renormalisation), else the node stays and ONNX Runtime inlines its
+                   dense standard-op function body
   moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype
 
 The artifact on disk is never changed: lowering works on an in-memory copy.
@@ -20,8 +21,9 @@ from moedeploy.plugins import moe, rmsnorm
 
 MoELowering = Literal["auto", "contrib", "function"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
-#: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows).
-LOWERING_VERSION = 2
+#: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
+#: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped).
+LOWERING_VERSION = 3
 MOE_LOWERINGS = ("auto", "contrib", "function")
 
 

@@ -75,12 +75,40 @@ class TorchRunner(BaseRunner):
 
 
 def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt"):
-    """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation)."""
+    """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation).
+
+    The runner's `lowering` dict is filled when the session is made: what the custom ops were
+    lowered to (com.microsoft::MoE or the function body), so a report can say which path ran.
+    """
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
     from moedeploy.runtime.ort import create_session
 
-    return OnnxrtRunner(lambda: create_session(artifact, moe_lowering=moe_lowering, threads=threads).session, name=name)
+    lowering: dict[str, int] = {}
+
+    def session():
+        lowered = create_session(artifact, moe_lowering=moe_lowering, threads=threads)
+        lowering.clear()
+        lowering.update(lowered.lowering)
+        return lowered.session
+
+    runner = OnnxrtRunner(session, name=name)
+    runner.lowering = lowering
+    return runner
+
+
+def lowering_text(lowering: dict[str, int]) -> str | None:
+    """One line on which path the custom ops took on ONNX Runtime, or None when there were none."""
+    parts = []
+    if lowering.get("moe_contrib"):
+        parts.append(f"{lowering['moe_contrib']} moe::MoE on com.microsoft::MoE (fast path)")
+    if lowering.get("moe_function"):
+        parts.append(f"{lowering['moe_function']} moe::MoE on the standard-op function body")
+    if lowering.get("rmsnorm_native"):
+        parts.append(f"{lowering['rmsnorm_native']} moe::RMSNorm on RMSNormalization-23")
+    if lowering.get("rmsnorm_function"):
+        parts.append(f"{lowering['rmsnorm_function']} moe::RMSNorm on the function body")
+    return "; ".join(parts) or None
 
 
 def make_runner(backend: str, artifact: Artifact) -> BaseRunner:

@@ -6,7 +6,15 @@ the decoder does not implement) and a `Family`, list it here, and add its parity
 
 from __future__ import annotations
 
-from moedeploy.models.families import glm4_moe, granitemoe, minimax_m2, mixtral, olmoe, phimoe, qwen_moe
+from moedeploy.models.families import (
+    glm4_moe,
+    granitemoe,
+    minimax_m2,
+    mixtral,
+    olmoe,
+    phimoe,
+    qwen_moe,
+)
 from moedeploy.models.families.base import LLAMA_NAMES, Family, TensorNames, UnsupportedOption
 
 FAMILIES: dict[str, Family] = {

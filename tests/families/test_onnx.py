@@ -1,0 +1,65 @@
+"""Every family exported from its Hugging Face folder: the artifact on a plain
+onnxruntime.InferenceSession (the custom ops' standard-op function bodies, nothing of moedeploy
+imported) matches transformers within 1e-4 in fp32, and moedeploy's ONNX Runtime decoder gives
+transformers' 16 greedy tokens over the KV cache, on com.microsoft::MoE wherever that contrib op
+expresses the family's routing and on the function body where it does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from moedeploy.export import export
+from moedeploy.runtime.generation import OrtDecoder
+
+from .cases import EXPORT_CASES, cases, make_model, prompt, save_checkpoint
+
+CASES = cases(n_layers=2)  # two layers keep the export quick and still mix dense/MoE and window/full
+#: Families whose routing com.microsoft::MoE computes (softmax top-k, renormalised or not).
+CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"}
+
+
+@pytest.fixture(scope="module", params=EXPORT_CASES)
+def exported(request, tmp_path_factory):
+    """(transformers model, fp32 artifact exported from its saved folder, case id)."""
+    hf = make_model(CASES[request.param], seed=1)
+    root = tmp_path_factory.mktemp(request.param)
+    artifact = export("decoder", root / "artifact", checkpoint=save_checkpoint(hf, root / "checkpoint"), dtype="fp32")
+    return hf, artifact, request.param
+
+
+def test_manifest_names_the_family(exported) -> None:
+    hf, artifact, _ = exported
+    assert artifact.manifest["config"]["family"] == hf.config.model_type
+
+
+@torch.no_grad()
+def test_plain_onnxruntime_matches_transformers(exported) -> None:
+    hf, artifact, _ = exported
+    ids = prompt(hf.config.vocab_size, seed=7)
+    session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
+    c = artifact.manifest["config"]
+    feed = {"input_ids": ids.numpy()}
+    for i in session.get_inputs()[1:]:
+        feed[i.name] = np.zeros((ids.shape[0], c["n_kv_heads"], 0, c["head_dim"]), np.float32)
+    got = session.run(["logits"], feed)[0]
+    expected = hf(ids).logits.numpy()
+    assert np.abs(expected).max() > 1.0
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_onnxruntime_greedy_tokens_match_transformers(exported) -> None:
+    hf, artifact, _ = exported
+    ids = prompt(hf.config.vocab_size, seed=8)
+    decoder = OrtDecoder(artifact)
+    got = decoder.generate(ids, max_new_tokens=16)
+    expected = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(got, expected)
+    config = artifact.manifest["config"]
+    n_moe = config["n_layers"] - len(config["dense_layers"])
+    fast = hf.config.model_type in CONTRIB_FAMILIES
+    assert decoder.lowering["moe_contrib"] == (n_moe if fast else 0)
+    assert decoder.lowering["moe_function"] == (0 if fast else n_moe)
