@@ -214,6 +214,22 @@ def version() -> None:
         out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
 
 
+@app.command("families")
+@handle_errors
+def families_cmd() -> None:
+    """List the Hugging Face model families `export decoder --checkpoint` takes, and their options.
+
+    A checkpoint folder's config.json says its family (model_type). Options not listed, or
+    set to values the shared decoder does not implement (a scaled RoPE, say), are refused
+    with a line that names them, before anything is written.
+    """
+    from moedeploy.models.families import FAMILIES
+
+    width = max(len(f.model_type) for f in FAMILIES.values())
+    for f in FAMILIES.values():  # one line each, name first (as export --list): easy to grep
+        out.print(escape(f"{f.model_type:<{width}}  {f.title}: {f.options}"), highlight=False, soft_wrap=True)
+
+
 @app.command("export")
 @handle_errors
 def export_cmd(
@@ -222,7 +238,7 @@ def export_cmd(
     out_dir: Path = typer.Option(None, "--out", "-o", help="Artifact folder to write: new, empty, or an artifact to replace.", show_default=False),
     list_blocks: bool = typer.Option(False, "--list", help="List the exportable blocks, one per line, name first."),
     preset_name: str = typer.Option(None, "--preset", help="Decoder shape with random weights: tiny (default) or small.", show_default=False),
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="Hugging Face Mixtral or moedeploy checkpoint folder (decoder only).", show_default=False),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="Hugging Face checkpoint folder of a supported family (see `moedeploy families`), or a moedeploy one (decoder only).", show_default=False),
     dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
     fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="BatchNorm blocks: fold the frozen EMA stats into Linear / scale+shift."),
     calibration_batches: int = typer.Option(8, "--calibration-batches", help="BatchNorm blocks: train-mode batches that update the EMA stats first."),

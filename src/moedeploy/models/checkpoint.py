@@ -260,7 +260,10 @@ def _hf_parts(
     direct = [(re.compile(pattern), target) for pattern, target in names.direct]
     per_expert_re, fused_re = re.compile(names.per_expert), re.compile(names.fused_gate_up)
     unknown = []
+    extra_layer = re.compile(r"model\.layers\.(\d+)\.")
     for name, (file, shape) in headers.items():
+        if names.skip_extra_layers and (m := extra_layer.match(name)) and int(m[1]) >= config.n_layers:
+            continue
         if m := per_expert_re.fullmatch(name):
             layer, expert, w = int(m[1]), int(m[2]), m[3]
             per_expert.setdefault((layer, names.roles[w]), {})[expert] = (file, name, shape)

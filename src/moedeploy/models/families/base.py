@@ -39,6 +39,9 @@ class TensorNames:
         "w1": "w_gate", "w3": "w_up", "w2": "w_down", "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
     })
     fused_gate_up: str = LAYER + r"\." + MOE + r"\.(?:experts\.gate_up_proj|input_linear\.weight)"
+    #: Layers past num_hidden_layers are multi-token-prediction modules (GLM-4.5): not part of
+    #: the decoder, skipped as transformers skips them. Elsewhere such a tensor is an error.
+    skip_extra_layers: bool = False
 
 
 LLAMA_NAMES = TensorNames(direct=(
@@ -94,6 +97,10 @@ def rope(hf: dict[str, Any]) -> tuple[float, float]:
 
 def common(hf: dict[str, Any], rotary: bool = True) -> dict[str, Any]:
     """The fields every Llama-style config.json names the same way."""
+    quantized = hf.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise refuse("quantization_config.quant_method", method, "load the unquantized (bf16/fp32) checkpoint")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise refuse("hidden_act", act, "the experts are SwiGLU (silu)")

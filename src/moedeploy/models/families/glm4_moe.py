@@ -5,10 +5,11 @@ biases (attention_bias) and optional per-head q/k RMSNorm (use_qk_norm)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.families.base import Family, common
+from moedeploy.models.families.base import LLAMA_NAMES, Family, common
 
 
 def config(hf: dict[str, Any]) -> DecoderConfig:
@@ -38,5 +39,6 @@ FAMILY = Family(
     "glm4_moe", "GLM-4-MoE", config,
     "sigmoid + e_score_correction_bias, n_group/topk_group, routed_scaling_factor, norm_topk_prob, "
     "n_shared_experts, first_k_dense_replace, partial_rotary_factor, attention_bias, use_qk_norm",
+    names=dataclasses.replace(LLAMA_NAMES, skip_extra_layers=True),  # its MTP layer follows the decoder's
     experts_key="n_routed_experts",
 )
