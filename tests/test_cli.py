@@ -52,6 +52,21 @@ def _not_mixtral(d: Path) -> None:
     (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
 
 
+def _hf_config(model_type: str, **changes) -> Callable[[Path], None]:
+    """A checkpoint folder whose config.json is of a supported family but asks for something the
+    decoder does not implement (it is refused from config.json alone: no weights needed)."""
+
+    def setup(d: Path) -> None:
+        config = {"model_type": model_type, "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts_per_tok": 2, "num_experts": 4,
+                  "num_local_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 8, "intermediate_size": 8,
+                  **changes}
+        (d / "ckpt").mkdir()
+        (d / "ckpt" / "config.json").write_text(json.dumps(config))
+
+    return setup
+
+
 def _a_file(d: Path) -> None:
     (d / "file").write_text("not a folder")
 
@@ -105,6 +120,24 @@ CASES |= {
     for name, (args, setup, message, out) in {
         "checkpoint-not-mixtral": (
             ["export", "decoder", "--checkpoint", "llama", "--out", "out"], _not_mixtral, "llama", "out"
+        ),
+        "checkpoint-unknown-family": (
+            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"], _hf_config("deepseek_v3"),
+            "model_type 'deepseek_v3' is not supported", "out",
+        ),
+        "checkpoint-scaled-rope": (
+            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"],
+            _hf_config("qwen3_moe", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+            "Qwen3-MoE: rope_type='yarn' is not supported", "out",
+        ),
+        "checkpoint-quantized": (
+            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"],
+            _hf_config("glm4_moe", quantization_config={"quant_method": "fp8"}),
+            "quant_method='fp8' is not supported", "out",
+        ),
+        "checkpoint-phimoe-top3": (
+            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"],
+            _hf_config("phimoe", num_experts_per_tok=3), "num_experts_per_tok=3 is not supported", "out",
         ),
         "checkpoint-is-a-file": (
             ["export", "decoder", "--checkpoint", "file", "--out", "out"], _a_file, "not a folder", "out"
