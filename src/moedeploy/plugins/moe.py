@@ -11,7 +11,9 @@ Semantics (opset "moe" version 2; version 1 is version 2 with every new attribut
                  (relative) of that maximum
   selection    idx = top_k(s + score_bias)   the bias (zeros for most families) only chooses
                with n_group > 1, only the `topk_group` groups of experts with the largest
-               sum of their two best (s + bias) compete; the others are set to 0 (as HF does)
+               sum of their two best (s + bias) compete (the others are masked with -inf, as
+               transformers does); equal values go to the lower expert index (ONNX TopK's
+               rule; torch.topk, and so transformers, leaves that order unspecified)
   weights      w = s[idx]; w /= sum(w) if normalize_topk; w *= routed_scaling_factor
   y[n]         sum_j w[n, j] * expert_{idx[n, j]}(x[n])
   expert_e(x) = down_e(silu(gate_e x) * up_e x)     activation "swiglu"
@@ -117,9 +119,9 @@ def route(
         n, e = choice.shape
         grouped = choice.view(n, r.n_group, e // r.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(r.topk_group, dim=-1).indices, 1.0)
-        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // r.n_group, dim=1), 0.0)
-    experts = choice.topk(r.top_k, dim=-1).indices
+        keep = torch.zeros_like(group_scores).scatter_(1, _top_indices(group_scores, r.topk_group), 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // r.n_group, dim=1), float("-inf"))
+    experts = _top_indices(choice, r.top_k)
     weights = scores.gather(1, experts)
     if r.normalize_topk:
         # sigmoid scores need not sum to anything; HF's +1e-20 guards a zero sum there
@@ -127,6 +129,15 @@ def route(
     if r.routed_scaling_factor != 1.0:
         weights = weights * r.routed_scaling_factor
     return weights, experts
+
+
+def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, ties to the lower index (ONNX TopK's rule).
+
+    torch.topk leaves the order of equal values unspecified (it changes with the tensor's size
+    on CPU); a fixed rule keeps the eager reference, the function body and the kernels in step.
+    """
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def _sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +341,8 @@ def MoE(
             keep = op.ScatterElements(zeros, kept, ones, axis=-1)  # (N, G) 1 for kept groups
             keep_e = op.Reshape(op.Expand(op.Unsqueeze(keep, last), op.Shape(grouped)),
                                 op.Concat(op.Constant(value_ints=[0]), n_experts, axis=0))
-            choice = op.Where(op.Cast(keep_e, to=9), choice, op.Mul(choice, op.Constant(value_float=0.0)))
+            minus_inf = op.CastLike(op.Constant(value_float=float("-inf")), choice)
+            choice = op.Where(op.Cast(keep_e, to=9), choice, minus_inf)
         k = op.Reshape(op.Constant(value_int=top_k), op.Constant(value_ints=[1]))
         _, top_i = op.TopK(choice, k, axis=-1)  # (N, k)
         top_w = op.GatherElements(scores, top_i, axis=-1)
