@@ -12,6 +12,7 @@ from onnx import numpy_helper
 from moedeploy.compare.api import compare
 from moedeploy.compare.layerwise import (
     ModuleResult,
+    flipped_tokens,
     layer_of,
     routing_explanation,
     routing_flips,
@@ -19,6 +20,7 @@ from moedeploy.compare.layerwise import (
 )
 from moedeploy.compare.report import routing_note
 from moedeploy.export.artifact import MANIFEST, Artifact, sha256
+from moedeploy.plugins.moe import Routing
 from tests.compare.helpers import fresh_copy
 
 
@@ -32,6 +34,20 @@ def test_routing_flips_by_hand() -> None:
     assert routing_flips(ref, act, top_k=2) == 1
     assert routing_flips(ref, act, top_k=1) == 1  # argmax changes in row 0 only (row 1 keeps expert 3)
     assert routing_flips(ref, ref, top_k=3) == 0
+
+
+def test_routing_flips_follow_the_moe_s_own_selection() -> None:
+    """With a selection bias the chosen experts are not the largest logits: a flip is judged on
+    the MoE's own choice (sigmoid(logit) + bias), by hand."""
+    bias = np.array([2.0, 0.0, 0.0, 0.0], np.float32)  # expert 0 is always chosen
+    ref = np.array([[0.0, 3.0, 2.0, 1.0]], np.float32)  # sigmoid + bias: 0 first, then 1
+    act = np.array([[0.0, 2.0, 3.0, 1.0]], np.float32)  # then 2: a flip
+    same = np.array([[-5.0, 3.0, 2.0, 1.0]], np.float32)  # logit top-2 unchanged, choice unchanged
+    sigmoid = Routing(2, True, "sigmoid")
+    assert flipped_tokens(ref, act, sigmoid, bias) == [0]
+    assert flipped_tokens(ref, same, sigmoid, bias) == []
+    assert flipped_tokens(ref, same, 2) == []  # plain top-2 of the logits: {1, 2} both times
+    assert flipped_tokens(ref, act, 2) == []  # plain top-2 misses what the biased choice sees
 
 
 def test_note_only_when_router_logits_agree() -> None:

@@ -21,6 +21,7 @@ from moedeploy.export.decoder import WRAPPER_PREFIX
 from moedeploy.export.onnx_export import name_scopes
 from moedeploy.export.reference import load_reference
 from moedeploy.models.moe import SparseMoE
+from moedeploy.plugins.moe import Routing, route
 
 
 @dataclass
@@ -162,7 +163,9 @@ def localize(
         stats = error_stats(expected, actual, atol, rtol)
         router = f"{module}.router"
         if module in moes and router in eager and (logits := graph_value(router, eager[router])) is not None:
-            flipped = flipped_tokens(eager[router], logits, moes[module].top_k)
+            moe = moes[module]
+            bias = None if moe.score_bias is None else moe.score_bias.detach().float().numpy()
+            flipped = flipped_tokens(eager[router], logits, moe.routing, bias)
             stats["routing_flips"] = len(flipped)
             stats["routed_tokens"] = int(eager[router].shape[0])
             stats["router_logits_passed"] = bool(error_stats(eager[router], logits, atol, rtol)["passed"])
@@ -182,10 +185,21 @@ def localize(
     }
 
 
-def flipped_tokens(reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int) -> list[int]:
-    """Tokens (rows) whose set of top-k experts differs between the two backends' router logits."""
-    ref = np.sort(np.argsort(-reference_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
-    act = np.sort(np.argsort(-actual_logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k], axis=-1)
+def flipped_tokens(
+    reference_logits: np.ndarray, actual_logits: np.ndarray, top_k: int | Routing, score_bias: np.ndarray | None = None,
+) -> list[int]:
+    """Tokens (rows) whose set of chosen experts differs between the two backends' router logits.
+
+    The choice is the MoE's own (`top_k` a Routing: sigmoid scores, a selection bias, groups,
+    sparsemixer), or plain top-k of the logits for an int.
+    """
+    def chosen(logits: np.ndarray) -> np.ndarray:
+        if isinstance(top_k, int):
+            return np.argsort(-logits.astype(np.float64), axis=-1, kind="stable")[:, :top_k]
+        bias = None if score_bias is None else torch.as_tensor(score_bias, dtype=torch.float32)
+        return route(torch.as_tensor(logits, dtype=torch.float32), top_k, score_bias=bias)[1].numpy()
+
+    ref, act = np.sort(chosen(reference_logits), axis=-1), np.sort(chosen(actual_logits), axis=-1)
     return [int(t) for t in np.flatnonzero((ref != act).any(axis=-1))]
 
 
