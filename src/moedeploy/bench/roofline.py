@@ -5,23 +5,39 @@ from __future__ import annotations
 from moedeploy.models.config import DecoderConfig
 
 
+def _attention_params(c: DecoderConfig) -> int:
+    return c.hidden_size * (c.n_heads * c.head_dim) * 2 + c.hidden_size * (c.n_kv_heads * c.head_dim) * 2
+
+
+def _ffn_params(c: DecoderConfig, layer: int, experts: int) -> int:
+    """FFN weights of `layer` that a step touches when `experts` routed experts run there: a dense
+    SwiGLU's, or the router, those experts and any shared expert (with its gate)."""
+    if not c.is_moe_layer(layer):
+        return 3 * c.hidden_size * (c.dense_hidden or c.expert_hidden)
+    shared = 3 * c.hidden_size * c.shared_expert_hidden + (c.hidden_size if c.shared_expert_gate else 0)
+    return c.hidden_size * c.n_experts + experts * 3 * c.hidden_size * c.expert_hidden + shared
+
+
+def _context(c: DecoderConfig, layer: int, context: int) -> int:
+    """Cached positions a query of `layer` reads (a sliding window reads at most its width)."""
+    window = c.window(layer)
+    return min(context, window) if window else context
+
+
 def decode_step_bytes(c: DecoderConfig, batch: int = 1, context: int = 0, bytes_per_param: int = 4) -> int:
-    """Weights one new token touches (attention, router, its k experts, final norm, LM head) plus
-    the KV cache it reads. With batch > 1 the experts touched are at most min(E, k * batch)."""
-    hd = c.head_dim
-    attention = c.hidden_size * (c.n_heads * hd) * 2 + c.hidden_size * (c.n_kv_heads * hd) * 2
+    """Weights one new token touches (attention, router, its k experts, shared experts or a dense
+    FFN, norms, LM head) plus the KV cache it reads. With batch > 1 the experts touched are at
+    most min(E, k * batch)."""
     experts_touched = min(c.n_experts, c.top_k * batch)
-    expert = 3 * c.hidden_size * c.expert_hidden
-    per_layer = attention + c.hidden_size * c.n_experts + experts_touched * expert + 2 * c.hidden_size
-    weights = c.n_layers * per_layer + c.hidden_size * c.vocab_size + c.hidden_size * (batch + 1)
-    kv_cache = c.n_layers * 2 * batch * c.n_kv_heads * context * hd
+    weights = sum(_attention_params(c) + _ffn_params(c, i, experts_touched) + 2 * c.hidden_size
+                  for i in range(c.n_layers))
+    weights += c.hidden_size * c.vocab_size + c.hidden_size * (batch + 1)
+    kv_cache = sum(2 * batch * c.n_kv_heads * _context(c, i, context) * c.head_dim for i in range(c.n_layers))
     return (weights + kv_cache) * bytes_per_param
 
 
 def decode_step_flops(c: DecoderConfig, batch: int = 1, context: int = 0) -> int:
-    hd = c.head_dim
-    attention = c.hidden_size * (c.n_heads * hd) * 2 + c.hidden_size * (c.n_kv_heads * hd) * 2
-    per_token_layer = attention + c.hidden_size * c.n_experts + c.top_k * 3 * c.hidden_size * c.expert_hidden
-    matmuls = batch * (c.n_layers * per_token_layer + c.hidden_size * c.vocab_size)
-    attn_scores = batch * c.n_layers * 2 * c.n_heads * hd * context
+    matmuls = batch * (sum(_attention_params(c) + _ffn_params(c, i, c.top_k) for i in range(c.n_layers))
+                       + c.hidden_size * c.vocab_size)
+    attn_scores = batch * sum(2 * c.n_heads * c.head_dim * _context(c, i, context) for i in range(c.n_layers))
     return 2 * (matmuls + attn_scores)
