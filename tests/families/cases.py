@@ -7,10 +7,11 @@ sliding windows shorter than the prompt, norm_topk_prob off and on, group-limite
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
+
+from ..models.helpers import randomize_
 
 PROMPT = 13  # longer than every sliding window below
 
@@ -90,19 +91,11 @@ def make_model(config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+    model = randomize_(AutoModelForCausalLM.from_config(config).eval(), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():  # a buffer in MiniMax-M2: randomize_ skips it
         if "e_score_correction_bias" in name:
-            p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        elif not p.is_floating_point() or "inv_freq" in name:
-            continue
-        elif p.dim() == 1 and ("norm" in name and name.endswith("weight")):
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-        elif p.dim() == 1:
-            p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     return model
 
 
