@@ -14,6 +14,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
 
 from moedeploy.plugins.kernels.aot import compile_moe_fused, compile_rms_norm
+from moedeploy.plugins.moe import Routing
 
 # Triton >= 3.3 appends two pointer parameters (global and profile scratch) to every kernel.
 # TensorRT does not pass them, which is harmless only if the kernel never uses them.
@@ -35,10 +36,27 @@ def test_rms_norm_aot_kernel_matches_tensorrt_launch(dtype: str) -> None:
     assert kernel.name == "rms_norm_kernel" and kernel.num_warps >= 1
 
 
-def test_moe_fused_aot_kernel_matches_tensorrt_launch() -> None:
-    kernel = compile_moe_fused("fp16", top_k=2, normalize_topk=True, activation="swiglu", n_experts=8, arch=90)
+# Every routing variant compiles into the one fused kernel (routing constants are constexprs).
+AOT_ROUTINGS = [
+    Routing(2, True),
+    Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    Routing(2, scoring="sparsemixer", jitter_eps=0.3),
+]
+
+
+@pytest.mark.parametrize("routing", AOT_ROUTINGS, ids=["softmax", "sigmoid-grouped", "sparsemixer"])
+def test_moe_fused_aot_kernel_matches_tensorrt_launch(routing: Routing) -> None:
+    kernel = compile_moe_fused("fp16", routing, activation="swiglu", n_experts=8, arch=90)
     params = _entry_params(kernel.ptx)
-    # X, LOGITS, WG, WU, WD, BG, BU, BD (pointers) | H, I, E (int32) | Y (pointer)
-    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 8 + ["u32"] * 3 + ["u64"]
+    # X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS (pointers) | H, I, E (int32) | Y (pointer)
+    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 9 + ["u32"] * 3 + ["u64"]
     assert kernel.global_scratch == 0
     assert ".target sm_90" in kernel.ptx
+
+
+def test_moe_fused_aot_refuses_what_the_op_refuses() -> None:
+    # checked before any compilation (no subprocess)
+    with pytest.raises(ValueError, match="n_group"):
+        compile_moe_fused("fp16", Routing(2, n_group=4, topk_group=2), n_experts=4, arch=90)
+    with pytest.raises(ValueError, match="activation"):
+        compile_moe_fused("fp16", 2, activation="tanh", n_experts=4, arch=90)

@@ -15,7 +15,8 @@ if importlib.util.find_spec("triton") is None:  # not importorskip: see tests/co
     pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
 
 from moedeploy.plugins.kernels import TileConfig, default_config, moe, rms_norm
-from moedeploy.plugins.moe import moe_reference
+from moedeploy.plugins.kernels.moe import route as kernel_route
+from moedeploy.plugins.moe import Routing, moe_reference, route
 from moedeploy.plugins.rmsnorm import rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,3 +196,79 @@ def test_fused_moe_writes_into_out_and_handles_no_tokens() -> None:
     assert result.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out.cpu(), moe_reference(x, logits, wg, wu, wd, 2, True), atol=2e-6, rtol=2e-6)
     assert moe_fused(x[:0].to(DEVICE), logits[:0].to(DEVICE), *(t.to(DEVICE) for t in (wg, wu, wd)), 2).shape == (0, 16)
+
+
+# Routing variants of the op contract (opset "moe" version 2), against the eager `route` and
+# `moe_reference`. Group-limited cases take a non-negative score_bias: were a kept expert's
+# choice negative, masked experts (choice 0) could tie for a pick, and torch.topk orders ties
+# unspecified (the kernels take the lower index, as ONNX TopK: see the ties test below).
+ROUTINGS = {
+    "softmax-bias-raw": (Routing(3, False), "signed"),
+    "softmax-scaled": (Routing(2, True, routed_scaling_factor=1.5), None),
+    "sigmoid-bias-norm": (Routing(2, True, "sigmoid"), "signed"),
+    "sigmoid-bias-raw-scaled": (Routing(2, False, "sigmoid", routed_scaling_factor=2.5), "signed"),
+    "sigmoid-grouped": (Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), "positive"),
+    "softmax-grouped": (Routing(2, False, "softmax", n_group=2, topk_group=1), None),
+    "sparsemixer": (Routing(2, scoring="sparsemixer", jitter_eps=0.3), None),
+    "sparsemixer-tight": (Routing(2, scoring="sparsemixer", jitter_eps=0.01), None),
+}
+
+
+def _routing_case(name: str, n: int, e: int = 8, seed: int = 17):
+    routing, bias_kind = ROUTINGS[name]
+    g = _gen(seed)
+    logits = 2 * torch.randn(n, e, generator=g)
+    logits[::3] -= 6  # rows of negative logits (sparsemixer's relative band around a negative max)
+    bias = 0.1 * torch.randn(e, generator=g)
+    score_bias = {None: None, "signed": bias, "positive": bias.abs()}[bias_kind]
+    return routing, logits, score_bias
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_route_kernel_matches_eager_route(name: str) -> None:
+    routing, logits, score_bias = _routing_case(name, n=24)
+    expected_w, expected_i = route(logits, routing, score_bias=score_bias)
+    sb = None if score_bias is None else score_bias.to(DEVICE)
+    weights, ids = kernel_route(logits.to(DEVICE), routing, score_bias=sb)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu().long(), expected_i)
+    torch.testing.assert_close(weights.cpu(), expected_w, atol=1e-6, rtol=1e-5)
+    if name == "sparsemixer":  # the band is wide enough that weights are not all 1
+        assert (expected_w < 0.99).any()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_moe_routing_variants_match_reference(name: str, fused: bool) -> None:
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
+
+    routing, logits, score_bias = _routing_case(name, n=6)
+    x, _, wg, wu, wd, bg, bu, bd = _moe_case(6, 24, 20, 8, torch.float32, seed=19, bias=True)
+    expected = moe_reference(x, logits, wg, wu, wd, routing, activation="swiglu", b_gate=bg, b_up=bu, b_down=bd,
+                             score_bias=score_bias)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, logits, wg, wu, wd, bg, bu, bd, score_bias)]
+    run = moe_fused if fused else moe
+    actual = run(*dev[:5], routing, activation="swiglu", b_gate=dev[5], b_up=dev[6], b_down=dev[7],
+                 score_bias=dev[8]).cpu()
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_group_limited_ties_pick_lower_index() -> None:
+    """With every choice negative, the experts of the dropped groups (choice 0, as HF masks
+    them) win; among those ties the kernels pick by ascending index, as ONNX TopK does."""
+    routing = Routing(3, False, "sigmoid", n_group=4, topk_group=2)
+    logits = torch.tensor([[3.0, 2.0, -1.0, -2.0, 0.5, 0.2, -0.3, 1.0]])
+    # choices in (-1, 0); group scores -0.17, -1.61, -0.83, -0.84: groups {0, 1} and {4, 5} kept
+    score_bias = torch.full((8,), -1.0)
+    weights, ids = kernel_route(logits.to(DEVICE), routing, score_bias=score_bias.to(DEVICE))
+    assert ids.cpu().tolist() == [[2, 3, 6]]  # the first three of the dropped groups' 2, 3, 6, 7
+    torch.testing.assert_close(weights.cpu(), torch.sigmoid(logits)[:, [2, 3, 6]])
+
+
+def test_moe_refuses_bad_score_bias_and_routing() -> None:
+    _, logits, wg, wu, wd, *_ = _moe_case(2, 16, 16, 4, torch.float32, seed=1, bias=False)
+    x = torch.ones(2, 16)
+    with pytest.raises(ValueError, match="score_bias"):
+        moe(x, logits, wg, wu, wd, 2, score_bias=torch.zeros(5))
+    with pytest.raises(ValueError, match="n_group"):
+        moe(x, logits, wg, wu, wd, Routing(2, n_group=4, topk_group=2))  # groups of 1 expert

@@ -21,6 +21,7 @@ import torch
 import moedeploy.plugins.tensorrt_plugins as glue
 from moedeploy.export.onnx_export import to_onnx
 from moedeploy.models import RMSNorm, SparseMoE
+from moedeploy.plugins.moe import Routing
 from moedeploy.runtime.tensorrt import tensorrt_available
 
 TAILS = {"register": [], "autotune": ["outputs"], "impl": ["outputs", "stream"], "aot_impl": ["outputs", "tactic"]}
@@ -48,6 +49,24 @@ def nodes() -> dict[str, onnx.NodeProto]:
         "moe::RMSNorm": _custom_node(RMSNorm(16), torch.randn(3, 16)),
         "moe::MoE": _custom_node(SparseMoE(16, 24, 4, 2), torch.randn(3, 16)),
     }
+
+
+def test_moe_node_order_does_not_depend_on_routing(nodes) -> None:
+    """The plugin's fixed signature must fit every exported node: a node with non-default
+    routing (sigmoid, group-limited, scaled, score_bias) has the same inputs and attribute order."""
+    routing = Routing(2, True, "sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    other = _custom_node(SparseMoE(16, 24, 4, routing, score_bias=True), torch.randn(3, 16))
+    default = nodes["moe::MoE"]
+    assert len(other.input) == len(default.input) == 9
+    assert [a.name for a in other.attribute] == [a.name for a in default.attribute]
+
+
+def test_moe_autotune_types_cover_every_io(nodes) -> None:
+    """One type per I/O (9 inputs + Y); score_bias, the node's fp32 input 9, is FP32 only."""
+    types = [t.strip() for t in glue._moe_io_types().split(",")]
+    assert len(types) == len(nodes["moe::MoE"].input) + 1
+    assert types[8] == "FP32"
+    assert set(types) - {"FP32"} == {"FP32|FP16|BF16"}
 
 
 @pytest.mark.parametrize("plugin", ["moe::RMSNorm", "moe::MoE"])

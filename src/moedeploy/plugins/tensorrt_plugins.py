@@ -98,12 +98,33 @@ def _register_rms_norm(trt, trtp) -> None:
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
 
 
+def _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps):
+    """The node's routing attributes (as TensorRT passes them) as a Routing."""
+    from moedeploy.plugins.moe import Routing
+
+    return Routing(
+        int(top_k), bool(normalize_topk), _attr_str(scoring), int(n_group), int(topk_group),
+        float(routed_scaling_factor), float(jitter_eps),
+    )
+
+
+def _moe_io_types() -> str:
+    """moe::MoE's type combinations: X, router_logits, the weights and biases and the output
+    share one float type; score_bias (input 9) is always FP32."""
+    same = "FP32|FP16|BF16"
+    return ", ".join([same] * 8 + ["FP32", same])  # 9 inputs + 1 output
+
+
 def _register_moe(trt, trtp) -> None:
+    # Inputs and attributes in the moe::MoE node's order (opset "moe" version 2): TensorRT's
+    # ONNX parser passes the node's attributes in that order (plugin_namespace is its own).
     @trtp.register("moe::MoE")
     def moe_desc(
         X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
-        top_k: int, normalize_topk: int, activation: str,
+        score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, activation: str,
     ) -> Tuple[trtp.TensorDesc]:
         return (X.like(),)
 
@@ -111,46 +132,56 @@ def _register_moe(trt, trtp) -> None:
     def moe_autotune(
         X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
-        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.TensorDesc],
+        score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, activation: str, outputs: Tuple[trtp.TensorDesc],
     ) -> List[trtp.AutoTuneCombination]:
-        same = "FP32|FP16|BF16"
-        return [trtp.AutoTuneCombination(", ".join([same] * 9), "LINEAR")]  # 8 inputs + 1 output
+        return [trtp.AutoTuneCombination(_moe_io_types(), "LINEAR")]
 
     @trtp.impl("moe::MoE")
     def moe_impl(
         X: trtp.Tensor, router_logits: trtp.Tensor, w_gate: trtp.Tensor, w_up: trtp.Tensor,
         w_down: trtp.Tensor, b_gate: trtp.Tensor, b_up: trtp.Tensor, b_down: trtp.Tensor,
-        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.Tensor], stream: int,
+        score_bias: trtp.Tensor,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, activation: str,
+        outputs: Tuple[trtp.Tensor], stream: int,
     ) -> None:
         import torch
 
         from moedeploy.plugins.kernels import moe
 
         act = _attr_str(activation)
+        routing = _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            tensors = [_torch(t) for t in (X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)]
-            x, logits, wg, wu, wd, bg, bu, bd = tensors
-            moe(x, logits, wg if act == "swiglu" else None, wu, wd, int(top_k), bool(normalize_topk), act,
-                bg if act == "swiglu" else None, bu, bd, out=_torch(outputs[0]))
+            tensors = [_torch(t) for t in (X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down, score_bias)]
+            x, logits, wg, wu, wd, bg, bu, bd, sb = tensors
+            moe(x, logits, wg if act == "swiglu" else None, wu, wd, routing, activation=act,
+                b_gate=bg if act == "swiglu" else None, b_up=bu, b_down=bd, score_bias=sb, out=_torch(outputs[0]))
 
     @trtp.aot_impl("moe::MoE")
     def moe_aot_impl(
         X: trtp.TensorDesc, router_logits: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_up: trtp.TensorDesc,
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
-        top_k: int, normalize_topk: int, activation: str, outputs: Tuple[trtp.TensorDesc], tactic: int,
+        score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, activation: str,
+        outputs: Tuple[trtp.TensorDesc], tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         from moedeploy.plugins.kernels.aot import compile_moe_fused
         from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
 
         n_experts = _static(w_up.shape_expr[0], "number of experts")
-        kernel = compile_moe_fused(_DTYPES[X.dtype], int(top_k), bool(normalize_topk), _attr_str(activation), n_experts)
+        routing = _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps)
+        kernel = compile_moe_fused(_DTYPES[X.dtype], routing, activation=_attr_str(activation), n_experts=n_experts)
         hidden, inter = X.shape_expr[1], w_up.shape_expr[1]
         params = trtp.KernelLaunchParams()
         params.grid_x = X.shape_expr[0]  # one program per token ...
         params.grid_y = trtp.cdiv(hidden, FUSED_BLOCKS["BLOCK_H"])  # ... and output tile
         params.block_x = kernel.num_warps * 32
         params.shared_mem = kernel.shared
-        # moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, H, I, E, Y)
+        # moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): TensorRT
+        # passes the 9 input pointers, then these int32 scalars, then the output pointer.
         extra = trtp.SymIntExprs.from_tuple(
             [trtp.SymInt32(hidden), trtp.SymInt32(inter), trtp.SymInt32(w_up.shape_expr[0])]
         )

@@ -2,8 +2,17 @@
 
 Pipeline (every step a kernel, no host synchronisation, so it can be captured in a CUDA
 graph or a TensorRT engine):
-  route    one program per token: softmax over E in fp32, top-k by repeated argmax,
-           optional renormalisation -> ids (N, k), weights (N, k)
+  route    one program per token, all in fp32 (`route_token`, shared with the fused kernel):
+           every routing variant of the op contract (`moedeploy.plugins.moe.route`) in the
+           kernel, none in torch:
+             softmax / sigmoid scores; selection on scores + score_bias; with n_group > 1
+             the group-limited selection (each group scored by the sum of its two best
+             choices, the topk_group best groups kept, the other experts' choice set to 0);
+             top-k by repeated argmax; weights = scores of the picks, optionally
+             renormalised (sigmoid: sum + 1e-20), times routed_scaling_factor
+           or sparsemixer (PhiMoE, top-2): two argmax picks, each weighted by a softmax over
+           the logits within 2 * jitter_eps (relative) of its maximum
+           -> ids (N, k), weights (N, k). Ties pick the lower expert index (as ONNX TopK).
   count    one program per expert: how many of the N*k slots chose it
   align    one program: each expert's segment, padded to a multiple of BLOCK_M
   scatter  one program per expert: the slots of that expert in ascending order (a stable
@@ -27,31 +36,97 @@ import triton
 import triton.language as tl
 
 from moedeploy.plugins.kernels._launch import check_device
+from moedeploy.plugins.moe import Routing
 
 ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
+SCORING_IDS = {"softmax": 0, "sigmoid": 1, "sparsemixer": 2}
 
 
 @triton.jit
-def route_kernel(LOGITS, IDS, WEIGHTS, E, stride_l, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def route_token(
+    LOGITS_ROW, SCORE_BIAS, E, scale, two_eps,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+):
+    """One token's routing (see the module docstring) -> (ids int32, weights fp32), each
+    (BLOCK_TOPK,): slot j < TOP_K holds pick j. `scale` is routed_scaling_factor, `two_eps`
+    sparsemixer's 2 * jitter_eps; both may be runtime scalars or constexprs."""
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
-    logits = tl.load(LOGITS + row * stride_l + cols, mask=valid, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = tl.where(valid, p, 0.0)
-    probs = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(probs, axis=0)
-        w = tl.max(probs, axis=0)
-        tl.store(IDS + row * TOP_K + j, best.to(tl.int32))
-        tl.store(WEIGHTS + row * TOP_K + j, w)
-        total += w
-        probs = tl.where(cols == best, -1.0, probs)
-    if NORMALIZE:
+    logits = tl.load(LOGITS_ROW + cols, mask=valid, other=-float("inf")).to(tl.float32)
+    slots = tl.arange(0, BLOCK_TOPK)
+    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    weights = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    if SCORING == 2:
+        # sparsemixer: pick j is the argmax of the logits left; its weight is a softmax over
+        # the logits left that lie within two_eps (relative) of it, taken at the pick: 1 / sum.
+        remaining = logits
+        for j in tl.static_range(2):
+            best = tl.max(remaining, axis=0)
+            pick = tl.argmax(remaining, axis=0)
+            near = tl.where(valid, logits, best)  # padding: no 0/0 (it is -inf in `remaining`)
+            far = tl.math.div_rn(best - near, tl.maximum(tl.abs(near), best)) > two_eps
+            kept = tl.where(far, -float("inf"), remaining)
+            weight = 1.0 / tl.sum(tl.exp(kept - best), axis=0)
+            ids = tl.where(slots == j, pick.to(tl.int32), ids)
+            weights = tl.where(slots == j, weight, weights)
+            remaining = tl.where(cols == pick, -float("inf"), remaining)
+    else:
+        if SCORING == 1:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            p = tl.exp(logits - tl.max(logits, axis=0))
+            scores = p / tl.sum(p, axis=0)
+        scores = tl.where(valid, scores, 0.0)
+        choice = scores + tl.load(SCORE_BIAS + cols, mask=valid, other=0.0).to(tl.float32)
+        if N_GROUP > 1:
+            # Each expert carries its group's score: the sum of the group's two best choices.
+            group_size = E // N_GROUP
+            group = cols // group_size
+            group_score = tl.zeros((BLOCK_E,), dtype=tl.float32)
+            for g in tl.static_range(N_GROUP):
+                members = tl.where(valid & (group == g), choice, -float("inf"))
+                first = tl.argmax(members, axis=0)
+                second = tl.max(tl.where(cols == first, -float("inf"), members), axis=0)
+                group_score = tl.where(group == g, tl.max(members, axis=0) + second, group_score)
+            group_score = tl.where(valid, group_score, -float("inf"))
+            keep = cols < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                winner = tl.argmax(group_score, axis=0) // group_size
+                keep = keep | (group == winner)
+                group_score = tl.where(group == winner, -float("inf"), group_score)
+            choice = tl.where(keep, choice, 0.0)  # as HF: the others compete with choice 0
+        choice = tl.where(valid, choice, -float("inf"))
+        total = 0.0
         for j in tl.static_range(TOP_K):
-            w = tl.load(WEIGHTS + row * TOP_K + j)
-            tl.store(WEIGHTS + row * TOP_K + j, w / total)
+            pick = tl.argmax(choice, axis=0)
+            weight = tl.sum(tl.where(cols == pick, scores, 0.0), axis=0)
+            ids = tl.where(slots == j, pick.to(tl.int32), ids)
+            weights = tl.where(slots == j, weight, weights)
+            total += weight
+            choice = tl.where(cols == pick, -float("inf"), choice)
+        if NORMALIZE:
+            if SCORING == 1:
+                total += 1e-20  # HF's guard against a zero sum of sigmoids
+            weights = weights / total
+        weights = weights * scale
+    return ids, weights
+
+
+@triton.jit
+def route_kernel(
+    LOGITS, SCORE_BIAS, IDS, WEIGHTS, E, stride_l, scale, two_eps,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ids, weights = route_token(
+        LOGITS + row * stride_l, SCORE_BIAS, E, scale, two_eps,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, BLOCK_E, BLOCK_TOPK,
+    )
+    slots = tl.arange(0, BLOCK_TOPK)
+    tl.store(IDS + row * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(WEIGHTS + row * TOP_K + slots, weights, mask=slots < TOP_K)
 
 
 @triton.jit
@@ -218,7 +293,37 @@ def dense_biases(w_up: torch.Tensor, b_gate, b_up, b_down) -> tuple[torch.Tensor
     )
 
 
-def _check(x, router_logits, w_gate, w_up, w_down, top_k, activation) -> None:
+def as_routing(top_k: int | Routing, normalize_topk: bool = True) -> Routing:
+    """`top_k` as the eager reference takes it: a Routing, or the top-k of plain softmax routing."""
+    return top_k if isinstance(top_k, Routing) else Routing(int(top_k), bool(normalize_topk))
+
+
+def routing_params(routing: Routing) -> dict[str, int | float | bool]:
+    """`route_token`'s routing arguments (constexprs and the two float scalars `scale`,
+    `two_eps`), with the ones a variant ignores at fixed values (fewer specialisations)."""
+    mixer = routing.scoring == "sparsemixer"
+    return {
+        "TOP_K": routing.top_k,
+        "NORMALIZE": routing.normalize_topk and not mixer,
+        "SCORING": SCORING_IDS[routing.scoring],
+        "N_GROUP": 1 if mixer else routing.n_group,
+        "TOPK_GROUP": 1 if mixer else routing.topk_group,
+        "BLOCK_TOPK": triton.next_power_of_2(routing.top_k),
+        "scale": 1.0 if mixer else float(routing.routed_scaling_factor),
+        "two_eps": 2 * float(routing.jitter_eps) if mixer else 0.0,
+    }
+
+
+def dense_score_bias(score_bias: torch.Tensor | None, n_experts: int, device) -> torch.Tensor:
+    """The (E,) fp32 contiguous selection bias, zeros when there is none: kernels take a pointer."""
+    if score_bias is None:
+        return torch.zeros(n_experts, dtype=torch.float32, device=device)
+    if score_bias.shape != (n_experts,):
+        raise ValueError(f"score_bias must be (E={n_experts},); got {tuple(score_bias.shape)}")
+    return score_bias.to(torch.float32).contiguous()
+
+
+def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation) -> None:
     if x.dim() != 2 or router_logits.dim() != 2:
         raise ValueError(f"x must be (N, H) and router_logits (N, E); got {tuple(x.shape)}, {tuple(router_logits.shape)}")
     n, h = x.shape
@@ -232,18 +337,46 @@ def _check(x, router_logits, w_gate, w_up, w_down, top_k, activation) -> None:
         raise ValueError("swiglu experts need w_gate with w_up's shape (E, I, H)")
     if activation not in ACTIVATION_IDS:
         raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATION_IDS)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k {top_k} must lie in [1, E={e}]")
+    routing.check(e)
 
 
-def prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out) -> tuple[int, int, int, int, torch.Tensor]:
+def prepare(
+    x, router_logits, w_gate, w_up, w_down, routing: Routing, activation, out
+) -> tuple[int, int, int, int, torch.Tensor]:
     """Validate a MoE call and give its sizes (N, H, E, I) and the output tensor."""
-    _check(x, router_logits, w_gate, w_up, w_down, top_k, activation)
+    _check(x, router_logits, w_gate, w_up, w_down, routing, activation)
     check_device(x)
     n, h = x.shape
     e, i, _ = w_up.shape
     y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
     return n, h, e, i, y
+
+
+def _route(router_logits: torch.Tensor, routing: Routing, score_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, e = router_logits.shape
+    ids = torch.empty(n, routing.top_k, dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty(n, routing.top_k, dtype=torch.float32, device=router_logits.device)
+    if n:
+        route_kernel[(n,)](router_logits, score_bias, ids, weights, e, router_logits.stride(0),
+                           BLOCK_E=triton.next_power_of_2(e), **routing_params(routing))
+    return weights, ids
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int | Routing,
+    normalize_topk: bool = True,
+    score_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's routing step alone: fp32 weights (N, k) and int32 expert ids (N, k), as
+    `moedeploy.plugins.moe.route` gives them (which returns int64 ids)."""
+    routing = as_routing(top_k, normalize_topk)
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be (N, E); got {tuple(router_logits.shape)}")
+    routing.check(router_logits.shape[1])
+    check_device(router_logits)
+    bias = dense_score_bias(score_bias, router_logits.shape[1], router_logits.device)
+    return _route(router_logits.contiguous(), routing, bias)
 
 
 def moe(
@@ -252,20 +385,27 @@ def moe(
     w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-    top_k: int,
+    top_k: int | Routing,
     normalize_topk: bool = True,
     activation: str = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None,
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (N, H) = sum over each token's top-k experts of weight * expert(x); see the module doc."""
-    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out)
+    """y (N, H) = sum over each token's routed experts of weight * expert(x); see the module doc.
+
+    Arguments as `moedeploy.plugins.moe.moe_reference`: `top_k` is a Routing, or the top-k of
+    plain softmax routing (with `normalize_topk`); `score_bias` (E,) only selects.
+    """
+    routing = as_routing(top_k, normalize_topk)
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
     device, dtype = x.device, x.dtype
     if n == 0:
         return y
+    top_k = routing.top_k
     cfg = config or default_config(n, top_k, e)
     x, router_logits, w_up, w_down = (t.contiguous() for t in (x, router_logits, w_up, w_down))
     w_gate = w_up if w_gate is None else w_gate.contiguous()
@@ -276,10 +416,7 @@ def moe(
     n_slots = n * top_k
     scan_block = min(triton.next_power_of_2(n_slots), 1024)
 
-    ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=device)
-    route_kernel[(n,)](router_logits, ids, weights, e, router_logits.stride(0),
-                       TOP_K=top_k, NORMALIZE=bool(normalize_topk), BLOCK_E=block_e)
+    weights, ids = _route(router_logits, routing, dense_score_bias(score_bias, e, device))
 
     counts = torch.empty(e, dtype=torch.int32, device=device)
     count_kernel[(e,)](ids, counts, n_slots, BLOCK=scan_block)

@@ -1,7 +1,8 @@
 """Sparse MoE in ONE Triton kernel, for TensorRT's ahead-of-time plugins (one kernel each).
 
 Grid (N, cdiv(H, BLOCK_H)): a program owns one token and one tile of output features. It
-routes its token (softmax, top-k by repeated argmax, renormalisation), then for each of
+routes its token with the grouped pipeline's `route_token` (every routing variant: softmax,
+sigmoid, score_bias, group-limited, sparsemixer, renormalisation, scaling), then for each of
 its k experts streams W_gate/W_up in (BLOCK_I x BLOCK_K) tiles to build the hidden vector
 tile by tile and immediately folds it into the W_down tile of its outputs. Every expert
 weight it touches is read once per (token, output tile): the bandwidth-bound shape of a
@@ -9,7 +10,8 @@ decode step, where N is small. Prefill-sized N is better served by the grouped p
 `moe.py`, which reuses each weight tile across the tokens routed to it.
 
 Argument order is TensorRT's AOT launch order: input pointers, then integer scalars, then
-output pointers; everything else is constexpr, fixed when the plugin is compiled.
+output pointers; everything else is constexpr, fixed when the plugin is compiled (the
+routing attributes included: routed_scaling_factor and jitter_eps are constexpr floats).
 """
 
 from __future__ import annotations
@@ -18,41 +20,43 @@ import torch
 import triton
 import triton.language as tl
 
-from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, dense_biases, prepare
+from moedeploy.plugins.kernels.moe import (
+    ACTIVATION_IDS,
+    as_routing,
+    dense_biases,
+    dense_score_bias,
+    prepare,
+    route_token,
+    routing_params,
+)
+from moedeploy.plugins.moe import Routing
 
 
 @triton.jit
 def moe_fused_kernel(
-    X, LOGITS, WG, WU, WD, BG, BU, BD,
+    X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS,
     H, I, E,
     Y,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr, two_eps: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     h_cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h_cols < H
     dtype = Y.dtype.element_ty
 
-    # Routing: softmax over all experts in fp32.
-    e_cols = tl.arange(0, BLOCK_E)
-    e_valid = e_cols < E
-    logits = tl.load(LOGITS + token * E + e_cols, mask=e_valid, other=-float("inf")).to(tl.float32)
-    p = tl.where(e_valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    probs = tl.where(e_valid, p / tl.sum(p, axis=0), -1.0)
-    total = 1.0
-    if NORMALIZE:
-        remaining = probs
-        total = 0.0
-        for _ in tl.static_range(TOP_K):
-            total += tl.max(remaining, axis=0)
-            remaining = tl.where(e_cols == tl.argmax(remaining, axis=0), -1.0, remaining)
+    # Routing in fp32, exactly as the grouped pipeline's route_kernel.
+    ids, weights = route_token(
+        LOGITS + token * E, SCORE_BIAS, E, scale, two_eps,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, BLOCK_E, BLOCK_TOPK,
+    )
+    slots = tl.arange(0, BLOCK_TOPK)
 
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for _ in tl.static_range(TOP_K):
-        expert = tl.argmax(probs, axis=0).to(tl.int64)
-        weight = tl.max(probs, axis=0) / total
-        probs = tl.where(e_cols == expert, -1.0, probs)
+    for j in tl.static_range(TOP_K):
+        expert = tl.sum(tl.where(slots == j, ids, 0), axis=0).to(tl.int64)
+        weight = tl.sum(tl.where(slots == j, weights, 0.0), axis=0)
         y = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i_cols = i0 + tl.arange(0, BLOCK_I)
@@ -90,19 +94,21 @@ FUSED_BLOCKS = {"BLOCK_H": 256, "BLOCK_I": 32, "BLOCK_K": 64}
 
 def moe_fused(
     x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
-    w_down: torch.Tensor, top_k: int, normalize_topk: bool = True, activation: str = "swiglu",
+    w_down: torch.Tensor, top_k: int | Routing, normalize_topk: bool = True, activation: str = "swiglu",
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches)."""
-    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, top_k, activation, out)
+    """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches);
+    arguments as `moedeploy.plugins.kernels.moe`."""
+    routing = as_routing(top_k, normalize_topk)
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
     if n == 0:
         return y
     weights = [t.contiguous() for t in (x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down)]
-    args = [*weights, *dense_biases(w_up, b_gate, b_up, b_down)]
+    args = [*weights, *dense_biases(w_up, b_gate, b_up, b_down), dense_score_bias(score_bias, e, x.device)]
     grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
     moe_fused_kernel[grid](
-        *args, h, i, e, y, TOP_K=top_k, NORMALIZE=bool(normalize_topk), ACT=ACTIVATION_IDS[activation],
-        BLOCK_E=triton.next_power_of_2(e), **FUSED_BLOCKS,
+        *args, h, i, e, y, ACT=ACTIVATION_IDS[activation], BLOCK_E=triton.next_power_of_2(e),
+        **routing_params(routing), **FUSED_BLOCKS,
     )
     return y
