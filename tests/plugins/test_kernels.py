@@ -199,15 +199,14 @@ def test_fused_moe_writes_into_out_and_handles_no_tokens() -> None:
 
 
 # Routing variants of the op contract (opset "moe" version 2), against the eager `route` and
-# `moe_reference`. Group-limited cases take a non-negative score_bias: were a kept expert's
-# choice negative, masked experts (choice 0) could tie for a pick, and torch.topk orders ties
-# unspecified (the kernels take the lower index, as ONNX TopK: see the ties test below).
+# `moe_reference`. Dropped groups are masked with -inf, so a signed score_bias is fine; exact
+# ties go to the lower index in eager, the kernels and ONNX TopK alike (the ties test below).
 ROUTINGS = {
     "softmax-bias-raw": (Routing(3, False), "signed"),
     "softmax-scaled": (Routing(2, True, routed_scaling_factor=1.5), None),
     "sigmoid-bias-norm": (Routing(2, True, "sigmoid"), "signed"),
     "sigmoid-bias-raw-scaled": (Routing(2, False, "sigmoid", routed_scaling_factor=2.5), "signed"),
-    "sigmoid-grouped": (Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), "positive"),
+    "sigmoid-grouped": (Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), "signed"),
     "softmax-grouped": (Routing(2, False, "softmax", n_group=2, topk_group=1), None),
     "sparsemixer": (Routing(2, scoring="sparsemixer", jitter_eps=0.3), None),
     "sparsemixer-tight": (Routing(2, scoring="sparsemixer", jitter_eps=0.01), None),
@@ -220,7 +219,7 @@ def _routing_case(name: str, n: int, e: int = 8, seed: int = 17):
     logits = 2 * torch.randn(n, e, generator=g)
     logits[::3] -= 6  # rows of negative logits (sparsemixer's relative band around a negative max)
     bias = 0.1 * torch.randn(e, generator=g)
-    score_bias = {None: None, "signed": bias, "positive": bias.abs()}[bias_kind]
+    score_bias = {None: None, "signed": bias}[bias_kind]
     return routing, logits, score_bias
 
 
@@ -254,15 +253,18 @@ def test_moe_routing_variants_match_reference(name: str, fused: bool) -> None:
 
 
 def test_group_limited_ties_pick_lower_index() -> None:
-    """With every choice negative, the experts of the dropped groups (choice 0, as HF masks
-    them) win; among those ties the kernels pick by ascending index, as ONNX TopK does."""
-    routing = Routing(3, False, "sigmoid", n_group=4, topk_group=2)
-    logits = torch.tensor([[3.0, 2.0, -1.0, -2.0, 0.5, 0.2, -0.3, 1.0]])
-    # choices in (-1, 0); group scores -0.17, -1.61, -0.83, -0.84: groups {0, 1} and {4, 5} kept
+    """Every choice negative: only the kept groups' experts are picked (the dropped ones are
+    masked with -inf, as transformers 5 does); with every logit equal, groups and experts tie
+    and the lower index wins, in the kernel and in eager `route` alike."""
+    routing = Routing(3, True, "sigmoid", n_group=4, topk_group=2)
     score_bias = torch.full((8,), -1.0)
+    logits = torch.tensor([[3.0, 2.0, -1.0, -2.0, 0.5, 0.2, -0.3, 1.0],  # groups {0, 1} and {4, 5} kept
+                           [0.0] * 8])  # all tied: groups 0 and 1, then experts 0, 1, 2
     weights, ids = kernel_route(logits.to(DEVICE), routing, score_bias=score_bias.to(DEVICE))
-    assert ids.cpu().tolist() == [[2, 3, 6]]  # the first three of the dropped groups' 2, 3, 6, 7
-    torch.testing.assert_close(weights.cpu(), torch.sigmoid(logits)[:, [2, 3, 6]])
+    assert ids.cpu().tolist() == [[0, 1, 4], [0, 1, 2]]
+    chosen = torch.sigmoid(logits).gather(1, ids.cpu().long())
+    torch.testing.assert_close(weights.cpu(), chosen / chosen.sum(-1, keepdim=True))
+    assert route(logits, routing, score_bias=score_bias)[1].tolist() == [[0, 1, 4], [0, 1, 2]]
 
 
 def test_moe_refuses_bad_score_bias_and_routing() -> None:

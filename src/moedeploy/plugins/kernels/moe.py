@@ -7,7 +7,7 @@ graph or a TensorRT engine):
            kernel, none in torch:
              softmax / sigmoid scores; selection on scores + score_bias; with n_group > 1
              the group-limited selection (each group scored by the sum of its two best
-             choices, the topk_group best groups kept, the other experts' choice set to 0);
+             choices, the topk_group best groups kept, the other experts masked with -inf);
              top-k by repeated argmax; weights = scores of the picks, optionally
              renormalised (sigmoid: sum + 1e-20), times routed_scaling_factor
            or sparsemixer (PhiMoE, top-2): two argmax picks, each weighted by a softmax over
@@ -95,7 +95,7 @@ def route_token(
                 winner = tl.argmax(group_score, axis=0) // group_size
                 keep = keep | (group == winner)
                 group_score = tl.where(group == winner, -float("inf"), group_score)
-            choice = tl.where(keep, choice, 0.0)  # as HF: the others compete with choice 0
+            choice = tl.where(keep, choice, -float("inf"))  # as transformers 5: the others never compete
         choice = tl.where(valid, choice, -float("inf"))
         total = 0.0
         for j in tl.static_range(TOP_K):
