@@ -210,8 +210,10 @@ def moe_node_model(
     n_experts, _, dim = weights["w_up"].shape
     order = ["w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"]
     inits = [onnx.numpy_helper.from_array(weights[k].numpy().astype(dtype), k) for k in order]
+    # opset moe 2's selection-only score bias: zeros (plain softmax routing), always fp32
+    inits.append(onnx.numpy_helper.from_array(np.zeros(n_experts, np.float32), "score_bias"))
     node = onnx.helper.make_node(
-        "MoE", ["X", "router_logits", *order], ["Y"], domain="moe", name="moe_0",
+        "MoE", ["X", "router_logits", *order, "score_bias"], ["Y"], domain="moe", name="moe_0",
         top_k=top_k, normalize_topk=normalize_topk, activation=activation, plugin_namespace="moe",
     )
     graph = onnx.helper.make_graph(
@@ -222,7 +224,7 @@ def moe_node_model(
         initializer=inits,
     )
     model = onnx.helper.make_model(
-        graph, opset_imports=[onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid("moe", 1)],
+        graph, opset_imports=[onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid("moe", moe_op.VERSION)],
         functions=[moe_op.function_proto()], ir_version=10,
     )
     onnx.checker.check_model(model, full_check=True)
@@ -245,7 +247,7 @@ def rmsnorm_node_model(scale: np.ndarray, epsilon: float, dtype: np.dtype = np.f
         initializer=[onnx.numpy_helper.from_array(scale.astype(dtype), "scale")],
     )
     model = onnx.helper.make_model(
-        graph, opset_imports=[onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid("moe", 1)],
+        graph, opset_imports=[onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid("moe", rmsnorm_op.VERSION)],
         functions=[rmsnorm_op.function_proto()], ir_version=10,
     )
     onnx.checker.check_model(model, full_check=True)

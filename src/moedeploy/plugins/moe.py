@@ -332,7 +332,10 @@ def MoE(
             n_experts = op.Shape(choice, start=1, end=2)
             groups = op.Reshape(op.Constant(value_int=n_group), op.Constant(value_ints=[1]))
             grouped = op.Reshape(choice, op.Concat(op.Constant(value_ints=[0]), groups, last, axis=0), allowzero=0)
-            best2, _ = op.TopK(grouped, op.Constant(value_ints=[2]), axis=-1)
+            # min(2, group size): the same 2 whenever this branch runs (groups hold >= 2 experts),
+            # but not a constant, so shape inference of the untaken branch accepts E = 1
+            two = op.Min(op.Constant(value_ints=[2]), op.Shape(grouped, start=-1))
+            best2, _ = op.TopK(grouped, two, axis=-1)
             group_scores = op.ReduceSum(best2, last, keepdims=0)  # (N, G)
             kept_k = op.Reshape(op.Constant(value_int=topk_group), op.Constant(value_ints=[1]))
             _, kept = op.TopK(group_scores, kept_k, axis=-1)
