@@ -1,4 +1,4 @@
-"""MoEDecoder: a Mixtral-compatible decoder-only language model with a static KV cache."""
+"""MoEDecoder: one decoder-only MoE language model for every supported family, with a static KV cache.
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class MoEDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> MoEDecoder:
-        """Load a moedeploy or Hugging Face Mixtral checkpoint folder; returns an eval-mode model."""
+        """Load a moedeploy checkpoint folder or a Hugging Face one of a supported family (eval mode)."""
         from moedeploy.models.checkpoint import load_decoder
 
         return load_decoder(path)
