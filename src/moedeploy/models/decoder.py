@@ -1,4 +1,4 @@
-"""MoEDecoder: one decoder-only MoE language model for every supported family, with a static KV cache.
+"""MoEDecoder: one decoder-only MoE language model for every supported family, with a static KV cache."""
 
 from __future__ import annotations
 
