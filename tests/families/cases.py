@@ -48,6 +48,8 @@ def cases(n_layers: int = 3) -> dict[str, object]:
         return _family_config(name, n_layers, **kw)
 
     return {
+        "mixtral-tied-mqa": _cfg("mixtral", num_key_value_heads=1, intermediate_size=30, num_local_experts=4,
+                                 num_experts_per_tok=3, tie_word_embeddings=True),
         "mixtral-window": _cfg("mixtral", intermediate_size=33, num_local_experts=5, num_experts_per_tok=2,
                                sliding_window=5),
         "qwen2_moe-shared-dense": _cfg("qwen2_moe", moe_intermediate_size=18, intermediate_size=44,
@@ -68,6 +70,11 @@ def cases(n_layers: int = 3) -> dict[str, object]:
         "granitemoe": _cfg("granitemoe", intermediate_size=26, num_local_experts=5, num_experts_per_tok=2,
                            embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.6,
                            logits_scaling=2.5),
+        "granitemoe-mqa": _cfg("granitemoe", num_key_value_heads=1, intermediate_size=18, num_local_experts=6,
+                               num_experts_per_tok=3, embedding_multiplier=12.0, attention_multiplier=0.05,
+                               residual_multiplier=0.22, logits_scaling=1.5),
+        "phimoe-plain": _cfg("phimoe", num_key_value_heads=1, intermediate_size=22, num_local_experts=5,
+                             num_experts_per_tok=2, router_jitter_noise=0.01),
         "phimoe": _cfg("phimoe", intermediate_size=26, num_local_experts=6, num_experts_per_tok=2,
                        attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, sliding_window=6),
         "glm4_moe-groups": _cfg("glm4_moe", head_dim=16, moe_intermediate_size=18, intermediate_size=44,
@@ -79,6 +86,8 @@ def cases(n_layers: int = 3) -> dict[str, object]:
                                n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=2,
                                first_k_dense_replace=0, norm_topk_prob=False, use_qk_norm=False,
                                rope_parameters={"partial_rotary_factor": 0.6}),
+        "minimax_m2-mqa": _cfg("minimax_m2", num_key_value_heads=1, head_dim=10, intermediate_size=18,
+                               num_local_experts=5, num_experts_per_tok=3),
         "minimax_m2": _cfg("minimax_m2", head_dim=12, intermediate_size=22, num_local_experts=6,
                            num_experts_per_tok=2, rope_parameters={"partial_rotary_factor": 0.5}),
     }
