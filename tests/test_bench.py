@@ -286,3 +286,152 @@ def test_a_failed_backend_exits_1_and_the_spread_is_shown(tmp_path: Path, monkey
                                      "--prompt-len", "4"])
     assert again.exit_code == 0, again.output
     assert f"was read from the cache {folder}" in again.stderr
+
+
+# --- a checkpoint folder as the target: exported once into the cache, reused only while it still matches
+
+def _tiny_qwen3(folder: Path, seed: int, dtype: str = "float32") -> Path:
+    """transformers' own Qwen3-MoE (random weights, one layer), saved with save_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
+                            initializer_range=0.5,  # logits far apart: greedy tokens do not hinge on rounding
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(folder)
+    return folder
+
+
+def _fp32_fingerprint(checkpoint: Path) -> str:
+    """What the exporter records as the manifest's config.source.weights_sha256 for an fp32 export."""
+    import torch
+
+    from moedeploy.models.checkpoint import CheckpointWeights
+    from moedeploy.models.weights import fingerprint
+
+    return fingerprint(CheckpointWeights(checkpoint), torch.float32)
+
+
+def _bench_checkpoint(checkpoint: Path, *extra: str):
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    return CliRunner().invoke(app, ["bench", str(checkpoint), "--backend", "torch,ort", "--prompt-len", "4",
+                                    "--new-tokens", "3", "--repeat", "1", "--threads", "1", *extra])
+
+
+def test_a_checkpoint_is_exported_once_reused_while_it_matches_and_exported_again_when_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real command in-process; the workers run `moedeploy.bench.decode.run` in this process
+    (the first time) or are replaced by a result (after), and the machine is not measured."""
+    import dataclasses
+
+    import torch
+
+    import moedeploy.bench.api as api
+    from moedeploy.bench.decode import run
+    from moedeploy.export import Artifact
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(cache))
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(api, "run_in_subprocess", run)
+    checkpoint = _tiny_qwen3(tmp_path / "qwen3", seed=0)
+    fp = _fp32_fingerprint(checkpoint)
+    first = cache / "bench" / f"checkpoint-{fp[:16]}-fp32"
+
+    # 1. an empty cache: exported, then timed on eager torch (from the checkpoint) and ORT (the export)
+    out = tmp_path / "bench.json"
+    try:
+        done = _bench_checkpoint(checkpoint, "--json", str(out))
+    finally:
+        torch.set_num_threads(threads)  # the in-process worker set it
+    assert done.exit_code == 0, done.output
+    report = json.loads(out.read_text())
+    assert report["cache"]["path"] == str(first) and report["cache"]["written"] is True
+    assert f"was exported into the cache {first}" in done.stderr
+    assert Artifact.load(first).manifest["config"]["source"]["weights_sha256"] == fp
+    assert report["greedy_tokens_agree"] is True  # eager torch read the checkpoint the ORT graph was exported from
+    assert {r["backend"] for r in report["raw"]} == {"torch", "ort"}
+
+    # 2. the same checkpoint again: fingerprinted, found in the cache, not exported
+    monkeypatch.setattr(api, "run_in_subprocess", lambda settings: {**_torch_result(), "backend": settings.backend})
+
+    def no_export(*_: object, **__: object) -> None:
+        raise AssertionError("exported again")
+
+    real_export = api.export
+    monkeypatch.setattr(api, "export", no_export)
+    again = _bench_checkpoint(checkpoint, "--json", str(out))
+    assert again.exit_code == 0, again.output
+    assert json.loads(out.read_text())["cache"] == {"path": str(first), "bytes": api.folder_bytes(first), "written": False}
+    assert f"was read from the cache {first}" in again.stderr
+
+    # 3. other random weights (bf16 now) under the same folder, and a cache that claims their name but
+    #    holds the old export: not trusted, exported again over it
+    shutil.rmtree(checkpoint)
+    _tiny_qwen3(checkpoint, seed=1, dtype="bfloat16")
+    fp_new = _fp32_fingerprint(checkpoint)
+    second = cache / "bench" / f"checkpoint-{fp_new[:16]}-fp32"
+    assert fp_new != fp
+    shutil.copytree(first, second)
+    monkeypatch.setattr(api, "export", real_export)
+    changed = _bench_checkpoint(checkpoint, "--json", str(out))
+    assert changed.exit_code == 0, changed.output
+    assert "cannot be used (its weights fingerprint differs from the checkpoint's): exporting again" in changed.stderr
+    assert json.loads(out.read_text())["cache"]["written"] is True
+    assert Artifact.load(second).manifest["config"]["source"]["weights_sha256"] == fp_new
+    assert Artifact.load(first).manifest["config"]["source"]["weights_sha256"] == fp  # the old one is left alone
+
+    # 4. and reused from then on: the bf16 checkpoint is compared by its fp32 fingerprint, as exported
+    monkeypatch.setattr(api, "export", no_export)
+    reused = _bench_checkpoint(checkpoint)
+    assert reused.exit_code == 0, reused.output
+    assert f"was read from the cache {second}" in reused.stderr
+
+    # a cache with the right weights but another config, or a damaged file, is not trusted either
+    config = api.CheckpointWeights(checkpoint).config
+    assert api.trusted_cache(second, fp_new, config)[0] is not None
+    artifact, why = api.trusted_cache(second, fp_new, dataclasses.replace(config, norm_eps=1e-3))
+    assert artifact is None and why == "its config differs from the checkpoint's config.json"
+    with open(second / "model.onnx.data", "r+b") as f:
+        f.write(b"\xff\xff\xff\xff")
+    artifact, why = api.trusted_cache(second, fp_new, config)
+    assert artifact is None and why.startswith("it does not load:")
+
+
+def test_bad_checkpoint_targets_fail_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "400")
+    _forbid_timing(monkeypatch)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    for target, message in (
+        (empty, f"{empty} is neither a decoder artifact (no manifest.json) nor a checkpoint folder (no config.json)"),
+        (tmp_path / "missing", "is neither an artifact folder, a checkpoint folder nor a preset"),
+        (llama, "model_type 'llama' is not supported; supported: mixtral, qwen2_moe, qwen3_moe"),
+        (no_weights, "invalid config: missing field"),
+    ):
+        done = CliRunner().invoke(app, ["bench", str(target), "--backend", "torch,ort"])
+        assert done.exit_code == 1, done.output
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], done.stderr
+    assert not (tmp_path / "cache").exists()

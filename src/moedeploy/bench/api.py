@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moedeploy.bench.checks import BACKENDS, require_backends, require_engine, require_ort_dtype
 from moedeploy.bench.decode import Settings, run_in_subprocess
 from moedeploy.bench.machine import describe
@@ -14,6 +16,8 @@ from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
 from moedeploy.models import PRESETS, DecoderConfig, preset
+from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.weights import fingerprint
 from moedeploy.utils.io import atomic_write_json
 
 __all__ = ["BACKENDS", "bench", "cache_dir"]
@@ -21,7 +25,7 @@ Progress = Callable[[str], None]
 
 
 def cache_dir() -> Path:
-    """Where bench keeps its preset exports: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy.
+    """Where bench keeps its preset and checkpoint exports: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy.
 
     The XDG base-directory rule: a relative XDG_CACHE_HOME is ignored.
     """
@@ -35,19 +39,38 @@ def preset_folder(name: str) -> Path:
     return cache_dir() / "bench" / f"decoder-{name}-fp32-seed0"
 
 
+def checkpoint_folder(weights_sha256: str) -> Path:
+    """A checkpoint's cached fp32 export, named by its weights fingerprint (not its path: a moved
+    or copied checkpoint finds its export, and a checkpoint whose weights changed gets a new one)."""
+    return cache_dir() / "bench" / f"checkpoint-{weights_sha256[:16]}-fp32"
+
+
+def is_checkpoint(target: str) -> bool:
+    """A checkpoint folder (Hugging Face or moedeploy): config.json, and no manifest.json (an artifact)."""
+    folder = Path(target)
+    return folder.is_dir() and (folder / "config.json").is_file() and not (folder / "manifest.json").is_file()
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def existing_artifact(target: str) -> Artifact | None:
-    """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None)."""
+    """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None).
+
+    A checkpoint folder is not an artifact: `prepare_checkpoint` handles it.
+    """
     if Path(target).is_dir():
+        if not (Path(target) / "manifest.json").is_file():
+            raise ValueError(f"{target} is neither a decoder artifact (no manifest.json) nor a checkpoint folder "
+                             "(no config.json); pass an artifact folder, a checkpoint folder or a preset")
         artifact = Artifact.load(target)
         if artifact.kind != "decoder":
             raise ValueError(f"{target} holds a {artifact.kind!r}; bench measures decoder artifacts")
         return artifact
     if target not in PRESETS:
-        raise ValueError(f"{target!r} is neither an artifact folder nor a preset ({', '.join(PRESETS)})")
+        raise ValueError(f"{target!r} is neither an artifact folder, a checkpoint folder nor a preset "
+                         f"({', '.join(PRESETS)})")
     folder = preset_folder(target)
     if (folder / "manifest.json").is_file():
         try:
@@ -77,12 +100,74 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
         raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
 
 
+def trusted_cache(folder: Path, weights_sha256: str, config: DecoderConfig) -> tuple[Artifact | None, str]:
+    """The cached export in `folder` if it was made from these weights and this config, else None
+    and why not. The manifest's `config.source.weights_sha256` is the exporter's
+    `fingerprint(weights, float32)`, the quantity `weights_sha256` here is."""
+    if not (folder / "manifest.json").is_file():
+        return None, ""
+    try:
+        artifact = Artifact.load(folder)  # every file against its recorded sha256
+    except (ValueError, OSError) as e:
+        return None, f"it does not load: {e}"
+    if artifact.kind != "decoder" or artifact.dtype != "fp32":
+        return None, f"it holds a {artifact.dtype} {artifact.kind!r}, not an fp32 decoder"
+    recorded = artifact.manifest["config"].get("source", {}).get("weights_sha256")
+    if recorded != weights_sha256:
+        return None, "its weights fingerprint differs from the checkpoint's"
+    try:
+        same_config = config_of(artifact) == config
+    except (TypeError, ValueError):
+        same_config = False
+    if not same_config:
+        return None, "its config differs from the checkpoint's config.json"
+    return artifact, ""
+
+
+def prepare_checkpoint(target: str, backends: list[str], prompt_len: int, new_tokens: int,
+                       progress: Progress) -> tuple[Artifact, bool]:
+    """A checkpoint folder's fp32 export in the cache, and whether it was written now.
+
+    The cache is used only when its manifest records this checkpoint's weights fingerprint
+    (streamed over every tensor, in fp32 as the exporter hashes it) and config; anything else
+    is exported again, over it.
+    """
+    weights = CheckpointWeights(target)  # an unsupported family or a damaged folder fails here, in one line
+    check_positions(weights.config, prompt_len, new_tokens)
+    progress(f"fingerprinting the weights of {target}")
+    weights_sha256 = fingerprint(weights, torch.float32, progress)
+    folder = checkpoint_folder(weights_sha256)
+    cached, why = trusted_cache(folder, weights_sha256, weights.config)
+    if "trt" in backends:
+        if cached is None:
+            from moedeploy.runtime.tensorrt import TensorRTUnavailable
+
+            raise TensorRTUnavailable(
+                f"backend 'trt' needs a TensorRT engine: `moedeploy export decoder --checkpoint {target} --out "
+                "artifacts/dec`, `moedeploy build artifacts/dec`, then `moedeploy bench artifacts/dec --backend trt`"
+            )
+        require_engine(cached, target)
+    if cached is not None:
+        progress(f"reading the cached export {folder} (its weights fingerprint and config match {target})")
+        return cached, False
+    if why:
+        progress(f"the cached export {folder} cannot be used ({why}): exporting again")
+    progress(f"exporting checkpoint {target} once into the cache {folder} (MOEDEPLOY_CACHE moves it)")
+    artifact = export("decoder", folder, checkpoint=target, dtype="fp32", force=True, progress=progress)
+    if artifact.manifest["config"]["source"].get("weights_sha256") != weights_sha256:
+        raise ValueError(f"the weights of {target} changed while they were being exported; run bench again")
+    return artifact, True
+
+
 def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
             progress: Progress) -> tuple[Artifact, bool | None]:
-    """The artifact to time, and for a preset whether its cached export was written now (None: the user's folder).
+    """The artifact to time, and for a preset or a checkpoint whether its cached export was written
+    now (None: the user's artifact folder).
 
-    A preset is exported only after every check that needs no export has passed.
+    A preset or a checkpoint is exported only after every check that needs no export has passed.
     """
+    if is_checkpoint(target):
+        return prepare_checkpoint(target, backends, prompt_len, new_tokens, progress)
     artifact = existing_artifact(target)
     check_positions(config_of(artifact) if artifact else preset(target), prompt_len, new_tokens)
     if "trt" in backends:
@@ -97,7 +182,7 @@ def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
 
 
 def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
-    """Where a preset's cached export lives and its size, measured after the run (the ort backend
+    """Where a preset's or a checkpoint's cached export lives and its size, measured after the run (the ort backend
     writes nothing there: a decoder's lowered graph reads the artifact's own weight file)."""
     if written is None:
         return None
@@ -124,10 +209,14 @@ def bench(
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
 
+    # eager torch of a checkpoint reads the folder that was just fingerprinted, not the one the
+    # cached export was first made from (the same weights, perhaps at another path)
+    checkpoint = str(Path(target).resolve()) if is_checkpoint(target) else None
     raw = []
     for backend in backends:
         progress(f"{backend}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}")
-        raw.append(run_in_subprocess(Settings(str(artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat)))
+        raw.append(run_in_subprocess(Settings(str(artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat,
+                                              checkpoint=checkpoint)))
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
     step_bytes = decode_step_bytes(config, batch, context)

@@ -33,6 +33,7 @@ class Settings:
     threads: int = 2
     repeat: int = 3
     seed: int = 0
+    checkpoint: str | None = None  # eager torch reads this folder (else the one the manifest names)
 
 
 def _reset_peak_rss() -> None:
@@ -55,11 +56,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _torch_stepper(artifact, compile_model: bool) -> tuple[Callable[[int, int], None], Step]:
+def _torch_stepper(artifact, compile_model: bool, checkpoint: str | None = None) -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.export.reference import build_decoder
 
     source = artifact.manifest["config"].get("source", {})
-    model = build_decoder(source.get("preset"), source.get("checkpoint"), artifact.manifest["seed"], torch.float32)
+    checkpoint = checkpoint or source.get("checkpoint")
+    model = build_decoder(None if checkpoint else source.get("preset"), checkpoint, artifact.manifest["seed"],
+                          torch.float32)
     forward = torch.compile(model, dynamic=True) if compile_model else model
     state = {}
 
@@ -107,9 +110,9 @@ def _ort_stepper(artifact, threads: int) -> tuple[Callable[[int, int], None], St
 
 def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], Step]:
     if settings.backend == "torch":
-        return _torch_stepper(artifact, compile_model=False)
+        return _torch_stepper(artifact, compile_model=False, checkpoint=settings.checkpoint)
     if settings.backend == "torch-compile":
-        return _torch_stepper(artifact, compile_model=True)
+        return _torch_stepper(artifact, compile_model=True, checkpoint=settings.checkpoint)
     if settings.backend == "hf":
         return _hf_stepper(artifact)
     if settings.backend == "ort":
