@@ -95,8 +95,9 @@ def rope(hf: dict[str, Any]) -> tuple[float, float]:
     return theta, factor
 
 
-def common(hf: dict[str, Any], rotary: bool = True) -> dict[str, Any]:
-    """The fields every Llama-style config.json names the same way."""
+def common(hf: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
+    """The fields every Llama-style config.json names the same way. `eps`: the family's default
+    rms_norm_eps in transformers, for a config.json that leaves it out."""
     quantized = hf.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
@@ -118,11 +119,11 @@ def common(hf: dict[str, Any], rotary: bool = True) -> dict[str, Any]:
         "top_k": hf["num_experts_per_tok"],
         "max_positions": hf.get("max_position_embeddings", 4096),
         "rope_theta": theta,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "norm_eps": float(hf.get("rms_norm_eps", eps)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "head_dim": head_dim,
     }
-    if rotary and factor != 1.0:
+    if factor != 1.0:
         fields["rotary_dim"] = int(head_dim * factor)
     return fields
 

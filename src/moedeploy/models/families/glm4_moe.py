@@ -13,7 +13,7 @@ from moedeploy.models.families.base import LLAMA_NAMES, Family, common
 
 
 def config(hf: dict[str, Any]) -> DecoderConfig:
-    base = common(hf)
+    base = common(hf, eps=1e-5)
     if "rotary_dim" not in base and "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
         base["rotary_dim"] = base["head_dim"] // 2  # GLM-4-MoE's default partial_rotary_factor is 0.5
     moe_hidden = hf["moe_intermediate_size"]

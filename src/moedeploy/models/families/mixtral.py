@@ -10,9 +10,8 @@ from moedeploy.models.families.base import Family, common
 
 
 def config(hf: dict[str, Any]) -> DecoderConfig:
-    base = common(hf)
+    base = common(hf, eps=1e-5)
     base["rope_theta"] = float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e6)))
-    base["norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
     return DecoderConfig(
         **base,
         n_experts=hf["num_local_experts"],

@@ -12,7 +12,7 @@ from moedeploy.models.families.base import Family, common
 def config(hf: dict[str, Any]) -> DecoderConfig:
     bias = bool(hf.get("attention_bias", False))
     return DecoderConfig(
-        **common(hf),
+        **common(hf, eps=1e-5),
         n_experts=hf["num_experts"],
         expert_hidden=hf["intermediate_size"],
         normalize_topk=bool(hf.get("norm_topk_prob", False)),

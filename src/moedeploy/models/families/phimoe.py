@@ -15,7 +15,7 @@ def config(hf: dict[str, Any]) -> DecoderConfig:
         raise refuse("num_experts_per_tok", hf["num_experts_per_tok"], "PhiMoE's sparsemixer picks exactly 2")
     bias = bool(hf.get("attention_bias", False))
     return DecoderConfig(
-        **common(hf),
+        **common(hf, eps=1e-5),
         n_experts=hf["num_local_experts"],
         expert_hidden=hf["intermediate_size"],
         norm="layer",
