@@ -6,12 +6,14 @@ expresses the family's routing and on the function body where it does not."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
-from moedeploy.export import export
+from moedeploy.export.artifact import Artifact
 from moedeploy.runtime.generation import OrtDecoder
 
 from .cases import EXPORT_CASES, cases, make_model, prompt, save_checkpoint
@@ -23,16 +25,27 @@ CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"}
 
 @pytest.fixture(scope="module", params=EXPORT_CASES)
 def exported(request, tmp_path_factory):
-    """(transformers model, fp32 artifact exported from its saved folder, case id)."""
+    """(transformers model, fp32 artifact exported from its saved folder by the CLI, case id)."""
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
     hf = make_model(CASES[request.param], seed=1)
     root = tmp_path_factory.mktemp(request.param)
-    artifact = export("decoder", root / "artifact", checkpoint=save_checkpoint(hf, root / "checkpoint"), dtype="fp32")
-    return hf, artifact, request.param
+    save_checkpoint(hf, root / "checkpoint")
+    result = CliRunner().invoke(app, ["export", "decoder", "--checkpoint", str(root / "checkpoint"),
+                                      "--out", str(root / "artifact")])
+    assert result.exit_code == 0, result.output
+    assert "exported decoder (fp32)" in result.stdout
+    return hf, Artifact.load(root / "artifact"), request.param
 
 
-def test_manifest_names_the_family(exported) -> None:
+def test_manifest_names_the_family_and_the_checkpoint(exported) -> None:
     hf, artifact, _ = exported
-    assert artifact.manifest["config"]["family"] == hf.config.model_type
+    config = artifact.manifest["config"]
+    assert config["family"] == hf.config.model_type
+    assert Path(config["source"]["checkpoint"]).name == "checkpoint"
+    assert config["n_layers"] == 2 and config["vocab_size"] == hf.config.vocab_size
 
 
 @torch.no_grad()
@@ -63,3 +76,5 @@ def test_onnxruntime_greedy_tokens_match_transformers(exported) -> None:
     fast = hf.config.model_type in CONTRIB_FAMILIES
     assert decoder.lowering["moe_contrib"] == (n_moe if fast else 0)
     assert decoder.lowering["moe_function"] == (0 if fast else n_moe)
+    if hf.config.model_type == "mixtral":  # and the function body on a family that has the fast path
+        assert torch.equal(OrtDecoder(artifact, moe_lowering="function").generate(ids, max_new_tokens=16), expected)
