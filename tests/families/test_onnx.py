@@ -16,14 +16,14 @@ import torch
 from moedeploy.export.artifact import Artifact
 from moedeploy.runtime.generation import OrtDecoder
 
-from .cases import EXPORT_CASES, cases, make_model, prompt, save_checkpoint
+from .cases import cases, make_model, prompt, save_checkpoint
 
-CASES = cases(n_layers=2)  # two layers keep the export quick and still mix dense/MoE and window/full
+CASES = cases()  # every configuration of every family, the same ones the eager tests check
 #: Families whose routing com.microsoft::MoE computes (softmax top-k, renormalised or not).
 CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"}
 
 
-@pytest.fixture(scope="module", params=EXPORT_CASES)
+@pytest.fixture(scope="module", params=list(CASES))
 def exported(request, tmp_path_factory):
     """(transformers model, fp32 artifact exported from its saved folder by the CLI, case id)."""
     from typer.testing import CliRunner
@@ -45,7 +45,7 @@ def test_manifest_names_the_family_and_the_checkpoint(exported) -> None:
     config = artifact.manifest["config"]
     assert config["family"] == hf.config.model_type
     assert Path(config["source"]["checkpoint"]).name == "checkpoint"
-    assert config["n_layers"] == 2 and config["vocab_size"] == hf.config.vocab_size
+    assert config["n_layers"] == hf.config.num_hidden_layers and config["vocab_size"] == hf.config.vocab_size
 
 
 @torch.no_grad()
