@@ -10,6 +10,7 @@ the hooked eager output, in execution order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnx
@@ -136,9 +137,22 @@ def localize(
     routers = [f"{name}.router" for name in moes]
     runner = TorchRunner(artifact, module_loader=lambda: reference)
 
+    # A reference streamed from a checkpoint (layered_decoder) holds a layer's weights only
+    # while that layer runs, so each MoE's selection bias is read during the run, not after.
+    score_biases: dict[str, np.ndarray] = {}
+
+    def keep_score_bias(module: SparseMoE, _args, _out, name: str) -> None:
+        if module.score_bias is not None:
+            score_biases[name] = module.score_bias.detach().float().cpu().numpy().copy()
+
     def run_torch() -> None:
-        with runner:
-            runner.infer(feed, check_inputs=False)
+        handles = [m.register_forward_hook(partial(keep_score_bias, name=n)) for n, m in moes.items()]
+        try:
+            with runner:
+                runner.infer(feed, check_inputs=False)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     eager = _hook_outputs(reference, modules + routers, run_torch)
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
@@ -163,9 +177,7 @@ def localize(
         stats = error_stats(expected, actual, atol, rtol)
         router = f"{module}.router"
         if module in moes and router in eager and (logits := graph_value(router, eager[router])) is not None:
-            moe = moes[module]
-            bias = None if moe.score_bias is None else moe.score_bias.detach().float().numpy()
-            flipped = flipped_tokens(eager[router], logits, moe.routing, bias)
+            flipped = flipped_tokens(eager[router], logits, moes[module].routing, score_biases.get(module))
             stats["routing_flips"] = len(flipped)
             stats["routed_tokens"] = int(eager[router].shape[0])
             stats["router_logits_passed"] = bool(error_stats(eager[router], logits, atol, rtol)["passed"])
