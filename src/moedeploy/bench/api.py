@@ -81,7 +81,7 @@ def existing_artifact(target: str) -> Artifact | None:
 
 
 def config_of(artifact: Artifact) -> DecoderConfig:
-    return DecoderConfig.from_dict({k: v for k, v in artifact.manifest["config"].items() if k != "source"})
+    return DecoderConfig.from_manifest(artifact.manifest["config"])
 
 
 def export_preset(name: str, progress: Progress) -> Artifact:

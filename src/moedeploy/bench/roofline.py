@@ -6,7 +6,22 @@ from moedeploy.models.config import DecoderConfig
 
 
 def _attention_params(c: DecoderConfig) -> int:
-    return c.hidden_size * (c.n_heads * c.head_dim) * 2 + c.hidden_size * (c.n_kv_heads * c.head_dim) * 2
+    """Every weight of one layer's attention (projections, biases, q/k norms, sinks; latent
+    attention's low-rank projections): counted on a meta-device module, so no variant is missed."""
+    import torch
+
+    from moedeploy.models.layers import DecoderLayer
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in DecoderLayer.from_config(c, 0).attn.parameters())
+
+
+def _attention_macs_per_position(c: DecoderConfig) -> int:
+    """Multiply-adds one query spends per cached position: scores and the weighted values.
+    Latent attention scores against [latent ; rotary key] and sums latents."""
+    if c.kv_lora_rank:
+        return c.n_heads * (2 * c.kv_lora_rank + c.rotary_dim)
+    return 2 * c.n_heads * c.head_dim
 
 
 def _ffn_params(c: DecoderConfig, layer: int, experts: int) -> int:
@@ -32,12 +47,13 @@ def decode_step_bytes(c: DecoderConfig, batch: int = 1, context: int = 0, bytes_
     weights = sum(_attention_params(c) + _ffn_params(c, i, experts_touched) + 2 * c.hidden_size
                   for i in range(c.n_layers))
     weights += c.hidden_size * c.vocab_size + c.hidden_size * (batch + 1)
-    kv_cache = sum(2 * batch * c.n_kv_heads * _context(c, i, context) * c.head_dim for i in range(c.n_layers))
+    (k_heads, k_dim), (v_heads, v_dim) = c.kv_cache_dims
+    kv_cache = sum(batch * (k_heads * k_dim + v_heads * v_dim) * _context(c, i, context) for i in range(c.n_layers))
     return (weights + kv_cache) * bytes_per_param
 
 
 def decode_step_flops(c: DecoderConfig, batch: int = 1, context: int = 0) -> int:
     matmuls = batch * (sum(_attention_params(c) + _ffn_params(c, i, c.top_k) for i in range(c.n_layers))
                        + c.hidden_size * c.vocab_size)
-    attn_scores = batch * sum(2 * c.n_heads * c.head_dim * _context(c, i, context) for i in range(c.n_layers))
+    attn_scores = batch * sum(_attention_macs_per_position(c) * _context(c, i, context) for i in range(c.n_layers))
     return 2 * (matmuls + attn_scores)

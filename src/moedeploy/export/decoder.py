@@ -6,11 +6,14 @@ changes between them is dynamic. Names follow Hugging Face Optimum's convention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from moedeploy.export.blocks import DynamicRange
 from moedeploy.models import MoEDecoder
+from moedeploy.models.config import DecoderConfig
 
 
 def past_names(n_layers: int) -> list[str]:
@@ -91,11 +94,26 @@ def decoder_dynamic_ranges(max_positions: int, max_seq_len: int | None = None) -
     }
 
 
+def past_shapes(config: DecoderConfig, batch: int, past_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (key, value) shapes of one layer's cache: (B, heads, past_len, features) each; see
+    DecoderConfig.kv_cache_dims for what latent attention keeps in them."""
+    (k_heads, k_dim), (v_heads, v_dim) = config.kv_cache_dims
+    return (batch, k_heads, past_len, k_dim), (batch, v_heads, past_len, v_dim)
+
+
+def kv_cache_summary(config: DecoderConfig, dtype_bytes: int) -> dict[str, Any]:
+    """The manifest's account of the KV cache: each layer's tensors and the bytes a token adds."""
+    (k_heads, k_dim), (v_heads, v_dim) = config.kv_cache_dims
+    holds = ("the compressed latent (key) and the shared rotary key (value) of latent attention"
+             if config.kv_lora_rank else "keys and values per KV head")
+    return {"key": [k_heads, k_dim], "value": [v_heads, v_dim], "holds": holds,
+            "bytes_per_token": config.kv_cache_bytes_per_token(dtype_bytes)}
+
+
 def empty_past(decoder: MoEDecoder, batch: int, past_len: int = 0, dtype: torch.dtype | None = None):
-    c = decoder.config
     dtype = dtype or decoder.lm_head.weight.dtype
-    shape = (batch, c.n_kv_heads, past_len, c.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(c.n_layers)]
+    k, v = past_shapes(decoder.config, batch, past_len)
+    return [(torch.zeros(k, dtype=dtype), torch.zeros(v, dtype=dtype)) for _ in range(decoder.config.n_layers)]
 
 
 @torch.no_grad()

@@ -47,7 +47,9 @@ from moedeploy.export.decoder import (
     DecoderWithPast,
     decoder_dynamic_ranges,
     decoder_feed,
+    kv_cache_summary,
     past_names,
+    past_shapes,
     present_names,
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
@@ -270,8 +272,8 @@ def export_decoder(
         del reference
     else:  # no pass over the weights at all: a random KV cache (attention is defined for any)
         ids = torch.randint(0, config.vocab_size, (2, 4), generator=generator)
-        kv = (2, config.n_kv_heads, 6, config.head_dim)
-        past = [(torch.randn(kv, generator=generator).to(torch_dtype), torch.randn(kv, generator=generator).to(torch_dtype))
+        k, v = past_shapes(config, batch=2, past_len=6)
+        past = [(torch.randn(k, generator=generator).to(torch_dtype), torch.randn(v, generator=generator).to(torch_dtype))
                 for _ in range(n)]
     feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
     golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
@@ -292,6 +294,7 @@ def export_decoder(
             tolerances={name: {"atol": atol, "rtol": rtol} for name in ["logits", *present_names(n)]},
         )
         manifest["max_seq_len"] = dynamic_ranges["seq"].max + dynamic_ranges["past_seq"].max
+        manifest["kv_cache"] = kv_cache_summary(config, torch_dtype.itemsize)
         manifest["golden_outputs"] = golden
         manifest["weights_layout"] = weight_summary(traced)
         return manifest

@@ -29,7 +29,13 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from moedeploy.export.decoder import WRAPPER_PREFIX, DecoderWithPast, past_names, present_names
+from moedeploy.export.decoder import (
+    WRAPPER_PREFIX,
+    DecoderWithPast,
+    past_names,
+    past_shapes,
+    present_names,
+)
 from moedeploy.export.onnx_export import (
     OPSET,
     ExportError,
@@ -74,8 +80,8 @@ def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
     decoder = empty_decoder(config, dtype)
     n = config.n_layers
     ids = torch.zeros(2, 5, dtype=torch.long)
-    kv = (2, config.n_kv_heads, 3, config.head_dim)
-    past = [(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype)) for _ in range(n)]
+    k, v = past_shapes(config, batch=2, past_len=3)
+    past = [(torch.zeros(k, dtype=dtype), torch.zeros(v, dtype=dtype)) for _ in range(n)]
     past_axes = {0: "batch", 2: "past_seq"}
     try:
         with _quiet(), torch.no_grad():

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families import Family, UnsupportedOption, family_for
+from moedeploy.models.families.base import Derived
 from moedeploy.utils.io import atomic_directory, atomic_write_json
 
 FORMAT = "moedeploy"
@@ -136,11 +137,18 @@ def _weight_files(path: Path) -> list[Path]:
 @dataclass(frozen=True)
 class _Part:
     """Where one of our tensors lies in the checkpoint: whole, or rows [start, stop) of dim 1 of
-    every expert (a fused gate_up_proj), or one file tensor per expert (stacked on read)."""
+    every expert (a fused gate_up_proj), or one file tensor per expert (stacked on read), or
+    computed from file tensors by its family (`derived`)."""
 
     files: tuple[tuple[Path, str], ...]  # (shard, tensor name): one, or one per expert
     rows: tuple[int, int] | None = None
     per_expert: bool = False  # one file tensor per expert (a single expert included), stacked on read
+    derived: Derived | None = None  # made from `files` (its sources, in order)
+
+    def make(self, index: tuple | None = None) -> torch.Tensor:
+        """A derived tensor (or, with `index`, the one made from that slice of every source)."""
+        assert self.derived is not None
+        return self.derived.make(*(_read(file, key, index) for file, key in self.files))
 
 
 class CheckpointWeights:
@@ -193,8 +201,10 @@ class CheckpointWeights:
     def tensor(self, name: str) -> torch.Tensor:
         """One of our tensors, read (and stacked, for per-expert files) in the checkpoint's dtype."""
         part = self._parts[self._alias(name)]
-        if part.per_expert:
+        if part.per_expert or (part.derived is not None and part.derived.per_expert):
             return torch.stack(list(self.experts(name)))
+        if part.derived is not None:
+            return part.make()
         (file, key), = part.files
         index = (slice(None), slice(*part.rows)) if part.rows else None
         return _read(file, key, index)
@@ -206,6 +216,13 @@ class CheckpointWeights:
             for file, key in part.files:
                 yield _read(file, key)
             return
+        if part.derived is not None:
+            if part.derived.per_expert:
+                for e in range(self.shape(name)[0]):
+                    yield part.make((e,))
+            else:
+                yield from part.make()  # a small 3-D tensor (DeepSeek's per-head split): made whole
+            return
         (file, key), = part.files
         for e in range(self.shape(name)[0]):
             yield _read(file, key, (e, slice(*part.rows)) if part.rows else (e,))
@@ -214,7 +231,7 @@ class CheckpointWeights:
         """Part of a tensor that is stored whole (rows or columns of a 2-D weight), read
         without the rest: the unit of streaming for a large embedding or LM head."""
         part = self._parts[self._alias(name)]
-        if part.per_expert or part.rows:
+        if part.per_expert or part.rows or part.derived is not None:
             return self.tensor(name)[index]
         (file, key), = part.files
         return _read(file, key, index)
@@ -261,7 +278,15 @@ def _hf_parts(
     per_expert_re, fused_re = re.compile(names.per_expert), re.compile(names.fused_gate_up)
     unknown = []
     extra_layer = re.compile(r"model\.layers\.(\d+)\.")
+    claimed: set[str] = set()
+    if family.derive is not None:
+        for ours, derived in family.derive({k: shape for k, (_, shape) in headers.items()}, config).items():
+            parts[ours] = _Part(tuple((headers[src][0], src) for src in derived.sources), derived=derived)
+            shapes[ours] = derived.shape
+            claimed.update(derived.sources)
     for name, (file, shape) in headers.items():
+        if name in claimed:
+            continue
         if names.skip_extra_layers and (m := extra_layer.match(name)) and int(m[1]) >= config.n_layers:
             continue
         if m := per_expert_re.fullmatch(name):

@@ -52,16 +52,39 @@ class DecoderConfig:
     attention_scale: float = 0.0  # softmax scale; 0 = 1 / sqrt(head_dim)
     sliding_window: int = 0  # a query sees the last `sliding_window` positions; 0 = all
     sliding_layers: list[int] | None = None  # layers with the window; None = all (when set)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins every softmax's denominator
+    rope_interleaved: bool = False  # DeepSeek: rotary pairs are neighbours (x0, x1), not i and i + d/2
+    # YaRN RoPE scaling (gpt-oss, DeepSeek); yarn_factor 0 = plain RoPE
+    yarn_factor: float = 0.0
+    yarn_original_positions: int = 0  # the context the model was pretrained on
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
+    yarn_attention_factor: float = 1.0  # cos and sin are scaled by this
+    # multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank 0 = ordinary attention. The
+    # rotary part of a query/key head is rotary_dim wide, the rest qk_nope_head_dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: the query is one projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # feed-forward
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense SwiGLU, not MoE
     dense_hidden: int = 0  # that SwiGLU's width; 0 = expert_hidden
     shared_expert_hidden: int = 0  # a shared SwiGLU expert every token runs; 0 = none
     shared_expert_gate: bool = False  # Qwen2-MoE scales it by sigmoid(w x)
+    expert_bias: bool = False  # gpt-oss: biases on every expert projection
+    router_bias: bool = False  # gpt-oss: a bias on the router
+    # the experts' SwiGLU, (clamp(up, -limit, limit) + beta) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit); the defaults (limit 0 = no clamp) give silu(gate) * up
+    swiglu_alpha: float = 1.0
+    swiglu_beta: float = 0.0
+    swiglu_limit: float = 0.0
     # routing (see moedeploy.plugins.moe.Routing)
     scoring: str = "softmax"
     score_bias: bool = False  # a per-expert bias that only selects (e_score_correction_bias)
     n_group: int = 1
     topk_group: int = 1
+    group_scoring: str = "top2_sum"  # how groups rank: their two best experts' sum, or "max" (DeepSeek-V2)
     routed_scaling_factor: float = 1.0
     jitter_eps: float = 0.01
     # scalings (GraniteMoE) and the LM head
@@ -75,9 +98,19 @@ class DecoderConfig:
                      "top_k", "expert_hidden", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("head_dim", "rotary_dim", "sliding_window", "dense_hidden", "shared_expert_hidden"):
+        for name in ("head_dim", "rotary_dim", "sliding_window", "dense_hidden", "shared_expert_hidden",
+                     "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "yarn_original_positions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off or derived), got {getattr(self, name)}")
+        if self.kv_lora_rank:
+            # MLA: the query/key head is its no-RoPE part plus its rotary part.
+            if not (self.qk_nope_head_dim and self.rotary_dim and self.v_head_dim):
+                raise ValueError("multi-head latent attention needs qk_nope_head_dim, rotary_dim and v_head_dim")
+            self.head_dim = self.head_dim or self.qk_nope_head_dim + self.rotary_dim
+            if self.head_dim != self.qk_nope_head_dim + self.rotary_dim:
+                raise ValueError(f"head_dim {self.head_dim} must be qk_nope_head_dim + rotary_dim with MLA")
+        if self.yarn_factor and not self.yarn_original_positions:
+            raise ValueError("YaRN needs yarn_original_positions (the pretraining context)")
         if self.head_dim == 0:
             if self.hidden_size % self.n_heads:
                 raise ValueError(
@@ -120,6 +153,23 @@ class DecoderConfig:
         return Routing(self.top_k, self.normalize_topk, self.scoring, self.n_group, self.topk_group,
                        self.routed_scaling_factor, self.jitter_eps)
 
+    @property
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, features) of each layer's cached "key" and "value" tensors.
+
+        Multi-head latent attention caches what its keys and values are made from, not them:
+        the compressed latent (kv_lora_rank, after its norm) as "key" and the rotary key that
+        all heads share (rotary_dim) as "value", as vLLM and SGLang do.
+        """
+        if self.kv_lora_rank:
+            return (1, self.kv_lora_rank), (1, self.rotary_dim)
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes one token adds over all layers."""
+        (kh, kd), (vh, vd) = self.kv_cache_dims
+        return self.n_layers * (kh * kd + vh * vd) * dtype_bytes
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
@@ -139,6 +189,11 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}")
         return cls(**data)
+
+    @classmethod
+    def from_manifest(cls, data: dict[str, Any]) -> DecoderConfig:
+        """The config an artifact's manifest records (which adds where the weights came from)."""
+        return cls.from_dict({k: v for k, v in data.items() if k != "source"})
 
 
 PRESETS: dict[str, DecoderConfig] = {

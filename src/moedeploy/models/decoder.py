@@ -7,17 +7,30 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moedeploy.models.attention import LayerCache, RotaryEmbedding, StaticLayerCache, causal_mask
+from moedeploy.models.attention import (
+    LayerCache,
+    RotaryEmbedding,
+    StaticLayerCache,
+    Yarn,
+    causal_mask,
+)
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
 from moedeploy.models.layers import DecoderLayer, make_norm
+from moedeploy.models.mla import LatentAttention
 from moedeploy.models.moe import SparseMoE
 from moedeploy.models.norms import LayerNorm, RMSNorm
 
 
 def rotary_embedding(config: DecoderConfig) -> RotaryEmbedding:
-    """The decoder's rotary tables (rotary_dim wide: narrower than a head for partial rotary)."""
-    return RotaryEmbedding(config.rotary_dim, config.max_positions, config.rope_theta)
+    """The decoder's rotary tables (rotary_dim wide: narrower than a head for partial rotary),
+    YaRN-scaled when the config says so."""
+    c = config
+    yarn = None
+    if c.yarn_factor:
+        yarn = Yarn(c.yarn_factor, c.yarn_original_positions, c.yarn_beta_fast, c.yarn_beta_slow, c.yarn_truncate,
+                    c.yarn_attention_factor)
+    return RotaryEmbedding(c.rotary_dim, c.max_positions, c.rope_theta, yarn)
 
 
 class MoEDecoder(nn.Module):
@@ -49,6 +62,9 @@ class MoEDecoder(nn.Module):
             # Not all ones (a checkpoint sets them anyway): random models must exercise the scale,
             # or an exported graph that dropped it would still match.
             nn.init.normal_(module.weight, mean=1.0, std=0.1)
+        elif isinstance(module, LatentAttention):
+            for w in (module.w_uk, module.w_uv):
+                nn.init.normal_(w, std=std)
         elif isinstance(module, SparseMoE):
             for w in (module.w_gate, module.w_up, module.w_down):
                 nn.init.normal_(w, std=std)
@@ -89,8 +105,9 @@ class MoEDecoder(nn.Module):
         c = self.config
         max_len = max_len or c.max_positions
         p = self.lm_head.weight
+        (k_heads, k_dim), value = c.kv_cache_dims
         return [
-            StaticLayerCache(batch, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+            StaticLayerCache(batch, k_heads, max_len, k_dim, p.dtype, p.device, value_dims=value)
             for _ in range(c.n_layers)
         ]
 

@@ -8,6 +8,7 @@ from torch import nn
 from moedeploy.models.attention import Attention, LayerCache
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.ffn import Activation, FeedForward, SwiGLU
+from moedeploy.models.mla import LatentAttention
 from moedeploy.models.moe import SparseMoE
 from moedeploy.models.norms import LayerNorm, RMSNorm
 
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
         self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, head_dim: int | None = None,
         moe: bool = True, n_experts: int = 8, top_k: int = 2, normalize_topk: bool = True,
         eps: float = 1e-5, norm: str = "rms", residual_multiplier: float = 1.0,
-        attn: Attention | None = None, ffn: nn.Module | None = None,
+        attn: nn.Module | None = None, ffn: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = make_norm(norm, dim, eps)
@@ -74,13 +75,23 @@ class DecoderLayer(nn.Module):
     @classmethod
     def from_config(cls, c: DecoderConfig, layer: int) -> DecoderLayer:
         """Layer `layer` of a decoder: its attention and FFN variant as the config says."""
-        attn = Attention(
-            c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, bias=c.qkv_bias, out_bias=c.o_bias,
-            qk_norm=c.qk_norm, norm_eps=c.norm_eps, scale=c.attention_scale or None, clip_qkv=c.clip_qkv or None,
-        )
+        attn: nn.Module
+        if c.kv_lora_rank:
+            attn = LatentAttention(
+                c.hidden_size, c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.rotary_dim, c.v_head_dim,
+                q_lora_rank=c.q_lora_rank, scale=c.attention_scale or None, bias=c.qkv_bias,
+                rope_interleaved=c.rope_interleaved,
+            )
+        else:
+            attn = Attention(
+                c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, bias=c.qkv_bias, out_bias=c.o_bias,
+                qk_norm=c.qk_norm, norm_eps=c.norm_eps, scale=c.attention_scale or None,
+                clip_qkv=c.clip_qkv or None, sinks=c.attention_sinks, rope_interleaved=c.rope_interleaved,
+            )
         if c.is_moe_layer(layer):
             ffn: nn.Module = SparseMoE(
-                c.hidden_size, c.expert_hidden, c.n_experts, c.routing, score_bias=c.score_bias,
+                c.hidden_size, c.expert_hidden, c.n_experts, c.routing, bias=c.expert_bias,
+                router_bias=c.router_bias, score_bias=c.score_bias,
                 shared_hidden=c.shared_expert_hidden, shared_gate=c.shared_expert_gate,
             )
         else:

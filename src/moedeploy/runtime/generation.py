@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from moedeploy.export.artifact import NP_DTYPES, Artifact
-from moedeploy.export.decoder import past_names
+from moedeploy.export.decoder import past_names, past_shapes
+from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
 from moedeploy.runtime.lowering import MoELowering
 from moedeploy.runtime.ort import create_session
@@ -28,11 +29,11 @@ class KVDecoder:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
         if self.artifact.kind != "decoder":
             raise ValueError(f"{self.artifact.path} holds a {self.artifact.kind!r}, not a decoder artifact")
-        config = self.artifact.manifest["config"]
-        self.n_layers = config["n_layers"]
-        self.kv_shape = (config["n_kv_heads"], config["head_dim"])
-        self.max_positions = config["max_positions"]
-        self.vocab_size = config["vocab_size"]
+        config = DecoderConfig.from_manifest(self.artifact.manifest["config"])
+        self.n_layers = config.n_layers
+        self.config = config
+        self.max_positions = config.max_positions
+        self.vocab_size = config.vocab_size
         self.np_dtype = NP_DTYPES[self.artifact.dtype]
         self.past_names = past_names(self.n_layers)
         self._past: list[np.ndarray] = []
@@ -42,8 +43,8 @@ class KVDecoder:
 
     def reset(self, batch: int) -> None:
         """Empty KV cache (past length 0) for a new batch of prompts."""
-        empty = np.zeros((batch, *self.kv_shape[:1], 0, self.kv_shape[1]), dtype=self.np_dtype)
-        self._past = [empty] * (2 * self.n_layers)
+        key, value = (np.zeros(shape, dtype=self.np_dtype) for shape in past_shapes(self.config, batch, 0))
+        self._past = [key, value] * self.n_layers
 
     def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Run `ids` (B, S) at positions start_pos..; keeps the returned cache. -> (B, S, V) logits."""

@@ -20,6 +20,7 @@ import torch
 
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, present_names
+from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import SamplingConfig, generate_tokens
 from moedeploy.serving.batching import (
     LOGGER,
@@ -47,19 +48,19 @@ class DecoderShape:
     vocab_size: int
     max_positions: int
     n_layers: int
-    n_kv_heads: int
-    head_dim: int
+    kv_cache_dims: tuple[tuple[int, int], tuple[int, int]]  # (heads, features) of key and value
     dtype: Any
 
     @classmethod
     def of(cls, artifact: Artifact) -> DecoderShape:
-        c = artifact.manifest["config"]
-        return cls(c["vocab_size"], c["max_positions"], c["n_layers"], c["n_kv_heads"], c["head_dim"],
-                   NP_DTYPES[artifact.dtype])
+        c = DecoderConfig.from_manifest(artifact.manifest["config"])
+        return cls(c.vocab_size, c.max_positions, c.n_layers, c.kv_cache_dims, NP_DTYPES[artifact.dtype])
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
-        empty = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.dtype)  # (B, nkv, 0, hd)
-        return dict.fromkeys(past_names(self.n_layers), empty)
+        (k_heads, k_dim), (v_heads, v_dim) = self.kv_cache_dims
+        key = np.zeros((batch, k_heads, 0, k_dim), dtype=self.dtype)  # (B, heads, 0, features)
+        value = np.zeros((batch, v_heads, 0, v_dim), dtype=self.dtype)
+        return {name: key if name.endswith(".key") else value for name in past_names(self.n_layers)}
 
     def check_ids(self, ids: np.ndarray, name: str = "input_ids") -> None:
         if ids.size == 0:

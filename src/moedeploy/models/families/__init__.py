@@ -7,7 +7,9 @@ the decoder does not implement) and a `Family`, list it here, and add its parity
 from __future__ import annotations
 
 from moedeploy.models.families import (
+    deepseek,
     glm4_moe,
+    gpt_oss,
     granitemoe,
     minimax_m2,
     mixtral,
@@ -20,7 +22,7 @@ from moedeploy.models.families.base import LLAMA_NAMES, Family, TensorNames, Uns
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (mixtral.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY, granitemoe.FAMILY, phimoe.FAMILY,
-              glm4_moe.FAMILY, minimax_m2.FAMILY)
+              glm4_moe.FAMILY, minimax_m2.FAMILY, gpt_oss.FAMILY, deepseek.V2, deepseek.V3)
 }
 
 

@@ -8,9 +8,12 @@ it renames.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from moedeploy.models.config import DecoderConfig
 
@@ -68,6 +71,25 @@ LLAMA_NAMES = TensorNames(direct=(
 
 
 @dataclass(frozen=True)
+class Derived:
+    """One of our tensors computed from checkpoint tensors rather than renamed: gpt-oss's
+    transposed, interleaved (and MXFP4-packed) experts, DeepSeek's kv_b_proj split per head.
+
+    `make(*sources)` returns our tensor; with `per_expert` every source leads with the expert
+    dim and `make` gets one expert's slices at a time (the unit of streaming).
+    """
+
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]
+    make: Callable[..., torch.Tensor]
+    per_expert: bool = False
+
+
+#: shapes of the checkpoint's tensors (by name), config -> {our name: Derived}
+DeriveTensors = Callable[[dict[str, tuple[int, ...]], DecoderConfig], dict[str, Derived]]
+
+
+@dataclass(frozen=True)
 class Family:
     """One Hugging Face architecture the shared decoder implements."""
 
@@ -77,27 +99,55 @@ class Family:
     options: str  # the config.json options it honours, for `moedeploy families`
     names: TensorNames = LLAMA_NAMES
     experts_key: str = "num_local_experts"  # the config.json key of the expert count, for messages
+    derive: DeriveTensors | None = None  # tensors that need more than a rename
 
 
 def refuse(option: str, value: Any, why: str) -> UnsupportedOption:
     return UnsupportedOption(f"{option}={value!r} is not supported: {why}")
 
 
-def rope(hf: dict[str, Any]) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from rope_parameters (transformers 5) or the legacy
-    top-level fields; any RoPE type other than the default is refused."""
+def rope(hf: dict[str, Any], scalings: tuple[str, ...] = ()) -> tuple[float, float, dict[str, Any]]:
+    """(rope_theta, partial_rotary_factor, YaRN fields of DecoderConfig) from rope_parameters
+    (transformers 5) or the legacy top-level fields. A RoPE type other than the default, or a
+    scaling the family does not list in `scalings`, is refused."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-        raise refuse("rope_type", kind, "only the default RoPE is implemented (no scaled variants yet)")
+    if kind not in ("default", None, *scalings):
+        allowed = " and ".join(("the default RoPE", *scalings))
+        raise refuse("rope_type", kind, f"only {allowed} is implemented for this family")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    return theta, factor
+    return theta, factor, yarn_fields(hf, params) if kind == "yarn" else {}
 
 
-def common(hf: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the pretraining one."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_fields(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """DecoderConfig's yarn_* fields from a YaRN rope_parameters, as transformers reads them."""
+    original = int(params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096))
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    return {
+        "yarn_factor": float(factor),
+        "yarn_original_positions": original,
+        "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+        "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+        "yarn_truncate": bool(params.get("truncate", True)),
+        "yarn_attention_factor": float(attention_factor),
+    }
+
+
+def common(hf: dict[str, Any], eps: float = 1e-6, scalings: tuple[str, ...] = ()) -> dict[str, Any]:
     """The fields every Llama-style config.json names the same way. `eps`: the family's default
-    rms_norm_eps in transformers, for a config.json that leaves it out."""
+    rms_norm_eps in transformers, for a config.json that leaves it out; `scalings`: the RoPE
+    scalings the family implements beyond the default (e.g. "yarn")."""
     quantized = hf.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
@@ -105,7 +155,7 @@ def common(hf: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise refuse("hidden_act", act, "the experts are SwiGLU (silu)")
-    theta, factor = rope(hf)
+    theta, factor, yarn = rope(hf, scalings)
     window_layers(hf)  # refuses attention kinds we do not implement
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
@@ -122,6 +172,7 @@ def common(hf: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
         "norm_eps": float(hf.get("rms_norm_eps", eps)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "head_dim": head_dim,
+        **yarn,
     }
     if factor != 1.0:
         fields["rotary_dim"] = int(head_dim * factor)
