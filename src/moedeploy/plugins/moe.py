@@ -502,7 +502,8 @@ def function_proto() -> onnx.FunctionProto:
 # Its SwiGLU is G * sigmoid(alpha * G) * (L + beta) with G = min(g, limit) and
 # L = clamp(l, -limit, limit): ours, attribute for attribute (activation_alpha,
 # activation_beta, swiglu_limit). Without swiglu_limit it clamps nothing (as our +inf); a
-# limit of 0 clamps everything to 0 (ONNX Runtime 1.32, CPU: tests/plugins/test_ort_moe.py).
+# limit of 0 clamps everything to 0 (ONNX Runtime 1.32, CPU: test_onnxruntime_swiglu_limit_semantics
+# in tests/plugins/test_swiglu_clamp.py).
 CONTRIB_DOMAIN = "com.microsoft"
 CONTRIB_KERNELS = {
     # provider -> element types its com.microsoft::MoE kernel takes
