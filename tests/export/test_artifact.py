@@ -69,7 +69,7 @@ def test_model_checks_and_custom_ops_have_bodies(store, key) -> None:
             assert attrs.get("plugin_namespace") == b"moe"
     assert counts == EXPECTED_CUSTOM_OPS.get(key[1], {})
     if counts:
-        assert opsets.get("moe") == 2  # opset moe 2: MoE routing variants (RMSNorm unchanged since 1)
+        assert opsets.get("moe") == 3  # opset moe 3: MoE group scoring, clamped SwiGLU (RMSNorm unchanged since 1)
     for f in functions.values():
         f_opsets = {o.domain: o.version for o in f.opset_import}
         assert f_opsets.get("", f_opsets.get("ai.onnx")) == 23

@@ -14,7 +14,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
 
 from moedeploy.plugins.kernels.aot import compile_moe_fused, compile_rms_norm
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import ExpertActivation, Routing
 
 # Triton >= 3.3 appends two pointer parameters (global and profile scratch) to every kernel.
 # TensorRT does not pass them, which is harmless only if the kernel never uses them.
@@ -52,6 +52,18 @@ def test_moe_fused_aot_kernel_matches_tensorrt_launch(routing: Routing) -> None:
     assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 9 + ["u32"] * 3 + ["u64"]
     assert kernel.global_scratch == 0
     assert ".target sm_90" in kernel.ptx
+
+
+def test_moe_fused_aot_bakes_in_opset_3_attributes() -> None:
+    """DeepSeek-V2's max group scoring and gpt-oss's clamped SwiGLU compile into the same
+    launch signature; the limits +7 and -7 (0f40E00000, 0fC0E00000) are constants of the kernel."""
+    routing = Routing(3, False, n_group=4, topk_group=2, routed_scaling_factor=16.0, group_scoring="max")
+    gpt_oss = ExpertActivation("swiglu", activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
+    kernel = compile_moe_fused("bf16", routing, activation=gpt_oss, n_experts=16, arch=90)
+    params = _entry_params(kernel.ptx)
+    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 9 + ["u32"] * 3 + ["u64"]
+    assert kernel.global_scratch == 0
+    assert "0f40E00000" in kernel.ptx and "0fC0E00000" in kernel.ptx  # neither is there without the clamp
 
 
 def test_moe_fused_aot_refuses_what_the_op_refuses() -> None:

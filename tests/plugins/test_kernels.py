@@ -16,7 +16,7 @@ if importlib.util.find_spec("triton") is None:  # not importorskip: see tests/co
 
 from moedeploy.plugins.kernels import TileConfig, default_config, moe, rms_norm
 from moedeploy.plugins.kernels.moe import route as kernel_route
-from moedeploy.plugins.moe import Routing, moe_reference, route
+from moedeploy.plugins.moe import ExpertActivation, Routing, moe_reference, route
 from moedeploy.plugins.rmsnorm import rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,7 +198,7 @@ def test_fused_moe_writes_into_out_and_handles_no_tokens() -> None:
     assert moe_fused(x[:0].to(DEVICE), logits[:0].to(DEVICE), *(t.to(DEVICE) for t in (wg, wu, wd)), 2).shape == (0, 16)
 
 
-# Routing variants of the op contract (opset "moe" version 2), against the eager `route` and
+# Routing variants of the op contract (opset "moe" version 3), against the eager `route` and
 # `moe_reference`. Dropped groups are masked with -inf, so a signed score_bias is fine; exact
 # ties go to the lower index in eager, the kernels and ONNX TopK alike (the ties test below).
 ROUTINGS = {
@@ -208,6 +208,11 @@ ROUTINGS = {
     "sigmoid-bias-raw-scaled": (Routing(2, False, "sigmoid", routed_scaling_factor=2.5), "signed"),
     "sigmoid-grouped": (Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), "signed"),
     "softmax-grouped": (Routing(2, False, "softmax", n_group=2, topk_group=1), None),
+    # group_scoring "max": DeepSeek-V2 (unnormalised, scaled), with a selection bias, groups of one
+    "softmax-grouped-max": (Routing(3, False, "softmax", n_group=4, topk_group=2, routed_scaling_factor=16.0,
+                                    group_scoring="max"), None),
+    "sigmoid-grouped-max-bias": (Routing(2, True, "sigmoid", n_group=4, topk_group=2, group_scoring="max"), "signed"),
+    "softmax-groups-of-1-max": (Routing(2, False, "softmax", n_group=8, topk_group=3, group_scoring="max"), None),
     "sparsemixer": (Routing(2, scoring="sparsemixer", jitter_eps=0.3), None),
     "sparsemixer-tight": (Routing(2, scoring="sparsemixer", jitter_eps=0.01), None),
 }
@@ -252,19 +257,57 @@ def test_moe_routing_variants_match_reference(name: str, fused: bool) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_group_limited_ties_pick_lower_index() -> None:
+@pytest.mark.parametrize(("group_scoring", "first_row"), [("top2_sum", [0, 1, 4]), ("max", [0, 1, 7])])
+def test_group_limited_ties_pick_lower_index(group_scoring: str, first_row: list[int]) -> None:
     """Every choice negative: only the kept groups' experts are picked (the dropped ones are
     masked with -inf, as transformers 5 does); with every logit equal, groups and experts tie
     and the lower index wins, in the kernel and in eager `route` alike."""
-    routing = Routing(3, True, "sigmoid", n_group=4, topk_group=2)
+    routing = Routing(3, True, "sigmoid", n_group=4, topk_group=2, group_scoring=group_scoring)
     score_bias = torch.full((8,), -1.0)
-    logits = torch.tensor([[3.0, 2.0, -1.0, -2.0, 0.5, 0.2, -0.3, 1.0],  # groups {0, 1} and {4, 5} kept
-                           [0.0] * 8])  # all tied: groups 0 and 1, then experts 0, 1, 2
+    # row 0, choices sigmoid - 1: groups {0, 1} and {4, 5} have the best two-expert sums,
+    # groups {0, 1} and {6, 7} the best single experts (-0.05 and -0.27); row 1: all tied,
+    # so groups 0 and 1, then experts 0, 1, 2
+    logits = torch.tensor([[3.0, 2.0, -1.0, -2.0, 0.5, 0.2, -0.3, 1.0], [0.0] * 8])
     weights, ids = kernel_route(logits.to(DEVICE), routing, score_bias=score_bias.to(DEVICE))
-    assert ids.cpu().tolist() == [[0, 1, 4], [0, 1, 2]]
+    assert ids.cpu().tolist() == [first_row, [0, 1, 2]]
     chosen = torch.sigmoid(logits).gather(1, ids.cpu().long())
     torch.testing.assert_close(weights.cpu(), chosen / chosen.sum(-1, keepdim=True))
-    assert route(logits, routing, score_bias=score_bias)[1].tolist() == [[0, 1, 4], [0, 1, 2]]
+    assert route(logits, routing, score_bias=score_bias)[1].tolist() == [first_row, [0, 1, 2]]
+
+
+# gpt-oss's clamped SwiGLU (activation_alpha, activation_beta, swiglu_limit), in both kernels.
+GPT_OSS = ExpertActivation("swiglu", activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
+SWIGLUS = {
+    "gpt-oss": GPT_OSS,
+    "other-params": ExpertActivation("swiglu", activation_alpha=0.5, activation_beta=-0.25, swiglu_limit=3.0),
+    "unclamped": ExpertActivation("swiglu", activation_alpha=1.702, activation_beta=1.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+@pytest.mark.parametrize("name", list(SWIGLUS))
+def test_moe_clamped_swiglu_matches_reference(name: str, fused: bool, dtype: torch.dtype) -> None:
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
+
+    activation = SWIGLUS[name]
+    x, logits, wg, wu, wd, bg, bu, bd = _moe_case(9, 24, 20, 4, torch.float32, seed=23, bias=True)
+    wg, wu, bg, bu = 8 * wg, 8 * wu, 8 * bg, 8 * bu  # gate and up reach well past the limits
+    gate, up = torch.einsum("eih,nh->nei", wg, x) + bg, torch.einsum("eih,nh->nei", wu, x) + bu
+    assert (gate > 7).any() and (up > 7).any() and (up < -7).any()
+    x, logits, wg, wu, wd, bg, bu, bd = (t.to(dtype) for t in (x, logits, wg, wu, wd, bg, bu, bd))
+    expected = moe_reference(x, logits, wg, wu, wd, 2, True, activation, bg, bu, bd)
+    if activation.clamped:  # the clamp changes the answer on these inputs
+        plain = ExpertActivation("swiglu", activation.activation_alpha, activation.activation_beta)
+        assert (moe_reference(x, logits, wg, wu, wd, 2, True, plain, bg, bu, bd) - expected).abs().max() > 1.0
+    run = moe_fused if fused else moe
+    actual = run(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True, activation,
+                 *(t.to(DEVICE) for t in (bg, bu, bd))).cpu()
+    # outputs reach ~100 here: tolerances scale with them (in fp16, eager also rounds alpha * gate
+    # and the sigmoid, the kernels only their product: a unit in the last place of the output)
+    scale = expected.abs().max().item()
+    atol, rtol = {torch.float32: (1e-6 * scale, 1e-5), torch.float16: (1e-3 * scale, 2e-3)}[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
 def test_moe_refuses_bad_score_bias_and_routing() -> None:

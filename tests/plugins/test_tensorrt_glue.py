@@ -21,7 +21,7 @@ import torch
 import moedeploy.plugins.tensorrt_plugins as glue
 from moedeploy.export.onnx_export import to_onnx
 from moedeploy.models import RMSNorm, SparseMoE
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import ExpertActivation, Routing
 from moedeploy.runtime.tensorrt import tensorrt_available
 
 TAILS = {"register": [], "autotune": ["outputs"], "impl": ["outputs", "stream"], "aot_impl": ["outputs", "tactic"]}
@@ -80,6 +80,17 @@ def test_plugin_signature_matches_exported_node(plugin: str, kind: str, nodes) -
     assert len(args) == n_inputs + len(attributes) + len(TAILS[kind])
     assert args[n_inputs : n_inputs + len(attributes)] == attributes
     assert args[len(args) - len(TAILS[kind]) :] == TAILS[kind]
+
+
+def test_attributes_as_tensorrt_passes_them() -> None:
+    """STRING attributes arrive as NUL-terminated char arrays, floats as floats: the glue turns
+    them into the op's Routing and ExpertActivation (opset "moe" 3's attributes included)."""
+    routing = glue._routing(3, 0, b"softmax\x00", 4, 2, 16.0, 0.01, b"max\x00")
+    assert routing == Routing(3, False, "softmax", n_group=4, topk_group=2, routed_scaling_factor=16.0,
+                              group_scoring="max")
+    activation = glue._activation(b"swiglu\x00", 1.702, 1.0, 7.0)
+    assert activation == ExpertActivation("swiglu", activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
+    assert glue._activation(b"swiglu\x00", 1.0, 0.0, float("inf")) == ExpertActivation()
 
 
 def test_nodes_carry_plugin_namespace(nodes) -> None:

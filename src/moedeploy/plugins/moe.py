@@ -1,23 +1,40 @@
 """The `moe::MoE` op: top-k routed mixture of experts over stacked expert weights.
 
-Semantics (opset "moe" version 2; version 1 is version 2 with every new attribute at its default):
+Semantics (opset "moe" version 3; each version is the next with every attribute it added at
+its default: version 2 added the routing variants, version 3 `group_scoring` and the SwiGLU
+parameters `activation_alpha`, `activation_beta`, `swiglu_limit`):
 
   routing, in fp32 (`scoring`):
-    softmax      s = softmax(logits)         Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE (whose
-                                             top-k-then-softmax equals renormalised softmax top-k)
+    softmax      s = softmax(logits)         Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, gpt-oss
+                                             (whose top-k-then-softmax equals renormalised
+                                             softmax top-k), DeepSeek-V2
     sigmoid      s = sigmoid(logits)         GLM-4-MoE, MiniMax-M2, DeepSeek-V3
     sparsemixer  PhiMoE's inference router (top-2 only): each of the two picks is the arg-max
                  of the logits left, weighted by a softmax over the logits within `jitter_eps`
                  (relative) of that maximum
   selection    idx = top_k(s + score_bias)   the bias (zeros for most families) only chooses
-               with n_group > 1, only the `topk_group` groups of experts with the largest
-               sum of their two best (s + bias) compete (the others are masked with -inf, as
-               transformers does); equal values go to the lower expert index (ONNX TopK's
-               rule; torch.topk, and so transformers, leaves that order unspecified)
+               with n_group > 1, only the `topk_group` groups of experts with the best group
+               score compete, the others are masked with -inf; the group score
+               (`group_scoring`) of (s + bias) over the group's experts is
+                 "top2_sum" (default)  the sum of its two best  DeepSeek-V3, GLM-4-MoE
+                 "max"                 its best                 DeepSeek-V2 group_limited_greedy
+               (transformers masks V2's dropped experts with 0.0 instead: the same picks, as
+               softmax scores are positive and top_k <= the kept groups' experts, which
+               `Routing.check` requires). Equal values go to the lower index, groups and
+               experts alike (ONNX TopK's rule; torch.topk, and so transformers, leaves that
+               order unspecified)
   weights      w = s[idx]; w /= sum(w) if normalize_topk; w *= routed_scaling_factor
   y[n]         sum_j w[n, j] * expert_{idx[n, j]}(x[n])
-  expert_e(x) = down_e(silu(gate_e x) * up_e x)     activation "swiglu"
-              = down_e(act(up_e x))                 activation "relu" / "gelu" (no gate)
+  expert_e(x) = down_e(swiglu(gate_e x, up_e x))   activation "swiglu"
+              = down_e(act(up_e x))                activation "relu" / "gelu" (no gate)
+  swiglu(g, u) = g' * sigmoid(alpha * g') * (u' + beta), with
+              g' = min(g, limit), u' = clamp(u, -limit, limit)
+              alpha = activation_alpha (default 1.0), beta = activation_beta (default 0.0),
+              limit = swiglu_limit (default +inf: no clamp; it must be > 0). The defaults give
+              silu(g) * u; gpt-oss is alpha 1.702, beta 1, limit 7. The names and meaning are
+              ONNX Runtime's com.microsoft::MoE attributes' (whose absent limit is no clamp,
+              and whose limit 0 clamps everything to 0). relu/gelu take none of them.
+  Every linear above carries its bias (b_gate, b_up, b_down; zeros for most families).
 
 Weights are stacked `[E, out, in]` (nn.Linear's layout per expert); biases `[E, out]`;
 `score_bias` is `[E]`. `x` is `[N, H]`, `router_logits` `[N, E]`. For relu/gelu experts the
@@ -27,6 +44,7 @@ w_up and zeros).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,11 +57,14 @@ from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "MoE"
-#: The "moe" domain's opset version (shared by moe::RMSNorm): 2 added routing variants.
-VERSION = 2
+#: The "moe" domain's opset version (shared by moe::RMSNorm): 2 added routing variants,
+#: 3 DeepSeek-V2's group scoring and gpt-oss's clamped SwiGLU.
+VERSION = 3
 PLUGIN_NAMESPACE = "moe"
 ACTIVATIONS = ("swiglu", "relu", "gelu")
 SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+GROUP_SCORINGS = ("top2_sum", "max")
+NO_LIMIT = math.inf  #: swiglu_limit's default: no clamp
 
 
 @dataclass(frozen=True)
@@ -57,10 +78,13 @@ class Routing:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     jitter_eps: float = 0.01
+    group_scoring: str = "top2_sum"
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"unknown MoE scoring {self.scoring!r}; choose one of {SCORINGS}")
+        if self.group_scoring not in GROUP_SCORINGS:
+            raise ValueError(f"unknown MoE group_scoring {self.group_scoring!r}; choose one of {GROUP_SCORINGS}")
         if self.scoring == "sparsemixer" and self.top_k != 2:
             raise ValueError(f"sparsemixer routing picks exactly 2 experts, not top_k={self.top_k}")
         if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
@@ -71,10 +95,13 @@ class Routing:
         if not 1 <= self.top_k <= n_experts:
             raise ValueError(f"top_k {self.top_k} must lie in [1, n_experts={n_experts}]")
         if self.n_group > 1:
-            if n_experts % self.n_group or n_experts // self.n_group < 2:
+            smallest = 2 if self.group_scoring == "top2_sum" else 1  # a group's two best need two
+            if n_experts % self.n_group or n_experts // self.n_group < smallest:
                 raise ValueError(
-                    f"n_group {self.n_group} must divide n_experts {n_experts} into groups of at least 2"
+                    f"n_group {self.n_group} must divide n_experts {n_experts} into groups of at least {smallest}"
                 )
+            # Picks come from the kept groups only: the dropped experts' -inf never wins (and
+            # transformers' 0.0 mask of DeepSeek-V2 picks the same experts).
             if self.top_k > self.topk_group * (n_experts // self.n_group):
                 raise ValueError(f"top_k {self.top_k} exceeds the experts of {self.topk_group} groups")
 
@@ -88,15 +115,77 @@ class Routing:
             "topk_group": int(self.topk_group),
             "routed_scaling_factor": float(self.routed_scaling_factor),
             "jitter_eps": float(self.jitter_eps),
+            "group_scoring": self.group_scoring,
         }
 
     @classmethod
     def from_attributes(cls, attrs: dict) -> Routing:
-        """From a node's attributes (name -> Python value); missing ones take version 1's defaults."""
-        known = {k: attrs[k] for k in cls.__dataclass_fields__ if k in attrs}
+        """From a node's attributes (name -> Python value); missing ones take their defaults,
+        so nodes of every earlier version read as they meant."""
+        known = {k: _text(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs}
         if "normalize_topk" in known:
             known["normalize_topk"] = bool(known["normalize_topk"])
         return cls(**known)
+
+
+def _text(value):
+    """A STRING attribute as str (onnx gives bytes); any other value as it is."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What each expert computes between its linears: the op's activation attributes in one place.
+
+    `activation` is "swiglu", "relu" or "gelu"; the other three parametrise swiglu only (see
+    the module docstring): swiglu(g, u) = g' * sigmoid(activation_alpha * g') *
+    (u' + activation_beta), g' = min(g, swiglu_limit), u' = clamp(u, -swiglu_limit,
+    swiglu_limit). The defaults (1, 0, +inf: no clamp) are silu(g) * u.
+    """
+
+    activation: str = "swiglu"
+    activation_alpha: float = 1.0
+    activation_beta: float = 0.0
+    swiglu_limit: float = NO_LIMIT
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown MoE activation {self.activation!r}; choose one of {ACTIVATIONS}")
+        if not (math.isfinite(self.activation_alpha) and math.isfinite(self.activation_beta)):
+            raise ValueError("activation_alpha and activation_beta must be finite")
+        if not self.swiglu_limit > 0:  # NaN included
+            raise ValueError(f"swiglu_limit must be > 0 (+inf: no clamp), not {self.swiglu_limit}")
+        if self.activation != "swiglu" and self.parametrised:
+            raise ValueError(f"activation_alpha, activation_beta and swiglu_limit apply to swiglu only, not {self.activation}")
+
+    @property
+    def parametrised(self) -> bool:
+        """Whether any swiglu parameter differs from its default (plain silu(g) * u)."""
+        return (self.activation_alpha, self.activation_beta, self.swiglu_limit) != (1.0, 0.0, NO_LIMIT)
+
+    @property
+    def clamped(self) -> bool:
+        return self.swiglu_limit != NO_LIMIT
+
+    def attributes(self) -> dict[str, float | str]:
+        """The node attributes (defaults included, so a reader never needs ours)."""
+        return {
+            "activation": self.activation,
+            "activation_alpha": float(self.activation_alpha),
+            "activation_beta": float(self.activation_beta),
+            "swiglu_limit": float(self.swiglu_limit),
+        }
+
+    @classmethod
+    def from_attributes(cls, attrs: dict) -> ExpertActivation:
+        """From a node's attributes (name -> Python value); missing ones take their defaults."""
+        return cls(**{k: _text(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs})
+
+
+def as_activation(activation: str | ExpertActivation) -> ExpertActivation:
+    """An activation as the op's functions take it: an ExpertActivation, or a name with the
+    default parameters."""
+    return activation if isinstance(activation, ExpertActivation) else ExpertActivation(activation)
 
 
 def route(
@@ -118,7 +207,10 @@ def route(
     if r.n_group > 1:
         n, e = choice.shape
         grouped = choice.view(n, r.n_group, e // r.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        if r.group_scoring == "max":
+            group_scores = grouped.amax(dim=-1)  # (N, G)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
         keep = torch.zeros_like(group_scores).scatter_(1, _top_indices(group_scores, r.topk_group), 1.0)
         choice = choice.masked_fill(~keep.bool().repeat_interleave(e // r.n_group, dim=1), float("-inf"))
     experts = _top_indices(choice, r.top_k)
@@ -161,22 +253,33 @@ def expert_forward(
     w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-    activation: str,
+    activation: str | ExpertActivation,
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert's FFN on the rows routed to it; weights are that expert's `[out, in]` slices."""
+    act = as_activation(activation)
     up = F.linear(x, w_up, b_up)
-    if activation == "swiglu":
-        hidden = F.silu(F.linear(x, w_gate, b_gate)) * up
-    elif activation == "relu":
+    if act.activation == "swiglu":
+        hidden = swiglu(F.linear(x, w_gate, b_gate), up, act)
+    elif act.activation == "relu":
         hidden = F.relu(up)
-    elif activation == "gelu":
-        hidden = F.gelu(up)
     else:
-        raise ValueError(f"unknown MoE activation {activation!r}; choose one of {ACTIVATIONS}")
+        hidden = F.gelu(up)
     return F.linear(hidden, w_down, b_down)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+    """(up' + beta) * gate' * sigmoid(alpha * gate'), in the tensors' dtype (see the module
+    docstring); exactly silu(gate) * up at the default parameters."""
+    if not act.parametrised:
+        return F.silu(gate) * up
+    if act.clamped:
+        gate = gate.clamp(max=act.swiglu_limit)
+        up = up.clamp(-act.swiglu_limit, act.swiglu_limit)
+    glu = gate * torch.sigmoid(gate * act.activation_alpha)
+    return (up + act.activation_beta) * glu
 
 
 def moe_reference(
@@ -187,7 +290,7 @@ def moe_reference(
     w_down: torch.Tensor,
     top_k: int | Routing,
     normalize_topk: bool = True,
-    activation: str = "swiglu",
+    activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
@@ -195,7 +298,8 @@ def moe_reference(
 ) -> torch.Tensor:
     """Exact sparse MoE: each token runs through its k experts only.
 
-    `top_k` is a Routing, or the top-k of plain softmax routing (with `normalize_topk`).
+    `top_k` is a Routing, or the top-k of plain softmax routing (with `normalize_topk`);
+    `activation` an ExpertActivation, or the name of one with default parameters.
 
     Tokens are grouped by expert with one stable sort, so each expert does a single GEMM
     over its rows (an expert with no rows does an empty one). Eager only: the group sizes
@@ -203,6 +307,7 @@ def moe_reference(
     """
     n_tokens, _ = x.shape
     n_experts = w_up.shape[0]
+    activation = as_activation(activation)
     routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
     top_k = routing.top_k
     weights, experts = route(router_logits, routing, score_bias=score_bias)  # (N, k), (N, k)
@@ -248,7 +353,7 @@ def moe(
     w_down: torch.Tensor,
     top_k: int | Routing,
     normalize_topk: bool = True,
-    activation: str = "swiglu",
+    activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
@@ -258,9 +363,10 @@ def moe(
 
     The node always takes the three bias inputs and the score bias (zeros when the model has
     none), so the function body needs no optional-input plumbing; lowerings drop zero biases.
+    `activation` is an ExpertActivation (gpt-oss: ExpertActivation("swiglu", 1.702, 1.0, 7.0)),
+    or the name of one with default parameters.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown MoE activation {activation!r}; choose one of {ACTIVATIONS}")
+    activation = as_activation(activation)
     routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
     routing.check(w_up.shape[0])
     if torch.onnx.is_in_onnx_export():
@@ -279,7 +385,7 @@ def moe(
             f"{DOMAIN}::{OP_TYPE}",
             (*(t.to(dt) for t in (x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)),
              score_bias.float()),
-            {**routing.attributes(), "activation": activation, "plugin_namespace": PLUGIN_NAMESPACE},
+            {**routing.attributes(), **activation.attributes(), "plugin_namespace": PLUGIN_NAMESPACE},
             dtype=dtype,
             shape=shape,
             version=VERSION,
@@ -298,6 +404,8 @@ def MoE(
     X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down, score_bias,
     top_k: int = 2, normalize_topk: int = 1, activation: str = "swiglu", scoring: str = "softmax",
     n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0, jitter_eps: float = 0.01,
+    group_scoring: str = "top2_sum", activation_alpha: float = 1.0, activation_beta: float = 0.0,
+    swiglu_limit: float = float("inf"),
 ):
     # Routing in fp32 (see the module docstring): scores, selection, weights.
     logits = op.Cast(router_logits, to=1)  # (N, E)
@@ -328,15 +436,18 @@ def MoE(
             guard = op.Constant(value_float=0.0)
         choice = scores + op.Unsqueeze(op.Cast(score_bias, to=1), op.Constant(value_ints=[0]))
         if op.Greater(op.Constant(value_int=n_group), op.Constant(value_int=1)):
-            # Group-limited: only the topk_group groups with the best two-expert sums compete.
+            # Group-limited: only the topk_group groups with the best group scores compete.
             n_experts = op.Shape(choice, start=1, end=2)
             groups = op.Reshape(op.Constant(value_int=n_group), op.Constant(value_ints=[1]))
             grouped = op.Reshape(choice, op.Concat(op.Constant(value_ints=[0]), groups, last, axis=0), allowzero=0)
-            # min(2, group size): the same 2 whenever this branch runs (groups hold >= 2 experts),
-            # but not a constant, so shape inference of the untaken branch accepts E = 1
-            two = op.Min(op.Constant(value_ints=[2]), op.Shape(grouped, start=-1))
-            best2, _ = op.TopK(grouped, two, axis=-1)
-            group_scores = op.ReduceSum(best2, last, keepdims=0)  # (N, G)
+            if op.Equal(op.Constant(value_string=group_scoring), op.Constant(value_string="max")):
+                group_scores = op.ReduceMax(grouped, last, keepdims=0)  # (N, G): DeepSeek-V2
+            else:
+                # min(2, group size): the same 2 whenever this branch runs (groups hold >= 2
+                # experts), but not a constant, so shape inference of an untaken branch accepts 1
+                two = op.Min(op.Constant(value_ints=[2]), op.Shape(grouped, start=-1))
+                best2, _ = op.TopK(grouped, two, axis=-1)
+                group_scores = op.ReduceSum(best2, last, keepdims=0)  # (N, G): sum of the two best
             kept_k = op.Reshape(op.Constant(value_int=topk_group), op.Constant(value_ints=[1]))
             _, kept = op.TopK(group_scores, kept_k, axis=-1)
             zeros = op.Mul(group_scores, op.Constant(value_float=0.0))
@@ -361,7 +472,14 @@ def MoE(
     act = op.Constant(value_string=activation)
     if op.Equal(act, op.Constant(value_string="swiglu")):
         gate = op.MatMul(x, op.Transpose(w_gate, perm=[0, 2, 1])) + op.Unsqueeze(b_gate, one)
-        hidden = gate * op.Sigmoid(gate) * up
+        # gate' = min(gate, limit), up' = clamp(up, -limit, limit) (Where keeps NaN, as torch's
+        # clamp; an infinite limit changes nothing), then gate' * sigmoid(alpha gate') * (up' + beta)
+        limit = op.CastLike(op.Constant(value_float=swiglu_limit), gate)
+        gate = op.Where(op.Greater(gate, limit), limit, gate)
+        up = op.Where(op.Greater(up, limit), limit, op.Where(op.Less(up, op.Neg(limit)), op.Neg(limit), up))
+        alpha = op.CastLike(op.Constant(value_float=activation_alpha), gate)
+        beta = op.CastLike(op.Constant(value_float=activation_beta), up)
+        hidden = gate * op.Sigmoid(gate * alpha) * (up + beta)
     else:
         if op.Equal(act, op.Constant(value_string="gelu")):
             hidden = op.Gelu(up)
@@ -381,7 +499,11 @@ def function_proto() -> onnx.FunctionProto:
 # --- ONNX Runtime lowering ------------------------------------------------------------------
 # com.microsoft::MoE takes router *logits* (softmax + top-k inside), weights (E, out, in),
 # and SwiGLU only in the fused interleaved form on CPU: fc1 rows alternate gate_i, up_i.
-# Its SwiGLU is G * sigmoid(alpha * G) * (L + beta): alpha=1, beta=0 gives silu(G) * L.
+# Its SwiGLU is G * sigmoid(alpha * G) * (L + beta) with G = min(g, limit) and
+# L = clamp(l, -limit, limit): ours, attribute for attribute (activation_alpha,
+# activation_beta, swiglu_limit). Without swiglu_limit it clamps nothing (as our +inf); a
+# limit of 0 clamps everything to 0 (ONNX Runtime 1.32, CPU: test_onnxruntime_swiglu_limit_semantics
+# in tests/plugins/test_swiglu_clamp.py).
 CONTRIB_DOMAIN = "com.microsoft"
 CONTRIB_KERNELS = {
     # provider -> element types its com.microsoft::MoE kernel takes
@@ -392,18 +514,24 @@ CONTRIB_ACTIVATIONS = ("swiglu", "relu")
 
 
 def node_routing(node: ir.Node) -> Routing:
-    """The Routing a moe::MoE node's attributes describe (version 1 nodes included)."""
+    """The Routing a moe::MoE node's attributes describe (nodes of every version)."""
     return Routing.from_attributes({name: attr.value for name, attr in node.attributes.items()})
+
+
+def node_activation(node: ir.Node) -> ExpertActivation:
+    """The ExpertActivation a moe::MoE node's attributes describe (nodes of every version)."""
+    return ExpertActivation.from_attributes({name: attr.value for name, attr in node.attributes.items()})
 
 
 def contrib_eligible(node: ir.Node, provider: str) -> bool:
     """Whether com.microsoft::MoE on `provider` computes exactly what this node means.
 
     Its router is softmax, top-k, optional renormalisation: sigmoid or sparsemixer scoring,
-    group-limited selection, a scaling factor or a selection bias it cannot express.
+    group-limited selection, a scaling factor or a selection bias it cannot express. Its
+    SwiGLU takes our activation_alpha, activation_beta and swiglu_limit as they are.
     """
     dtype = node.inputs[0].dtype
-    activation = node.attributes["activation"].as_string() if "activation" in node.attributes else "swiglu"
+    activation = node_activation(node).activation
     r = node_routing(node)
     plain_routing = r.scoring == "softmax" and r.n_group == 1 and r.routed_scaling_factor == 1.0
     score_bias = node.inputs[8] if len(node.inputs) > 8 else None
@@ -432,7 +560,8 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
     """
     x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     attrs = node.attributes
-    activation = attrs["activation"].as_string() if "activation" in attrs else "swiglu"
+    act = node_activation(node)
+    activation = act.activation
     new_nodes: list[ir.Node] = []
 
     def add(op_type: str, inputs, **attributes) -> ir.Value:
@@ -462,7 +591,9 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
         fc1 = interleaved_source(w_gate, w_up) or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
         fused_bias = nonzero(b_gate) is not None or nonzero(b_up) is not None
         fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if fused_bias else None
-        extra = {"swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0}
+        extra = {"swiglu_fusion": 1, "activation_alpha": act.activation_alpha, "activation_beta": act.activation_beta}
+        if act.clamped:  # no attribute: no clamp (ONNX Runtime's limit 0 would clamp to 0)
+            extra["swiglu_limit"] = act.swiglu_limit
     else:
         fc1, fc1_bias, extra = w_up, nonzero(b_up), {}
     moe_node = ir.node(

@@ -18,9 +18,10 @@ from onnxscript import opset23 as op
 
 DOMAIN = "moe"
 OP_TYPE = "RMSNorm"
-#: The "moe" domain's opset version, shared with moe::MoE (which added routing variants in 2;
-#: RMSNorm is unchanged since 1). One model imports one version per domain.
-VERSION = 2
+#: The "moe" domain's opset version, shared with moe::MoE (which added routing variants in 2,
+#: group scoring and the clamped SwiGLU in 3; RMSNorm is unchanged since 1). One model imports
+#: one version per domain.
+VERSION = 3
 PLUGIN_NAMESPACE = "moe"
 
 

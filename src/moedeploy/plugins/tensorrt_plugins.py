@@ -98,13 +98,22 @@ def _register_rms_norm(trt, trtp) -> None:
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
 
 
-def _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps):
+def _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps, group_scoring):
     """The node's routing attributes (as TensorRT passes them) as a Routing."""
     from moedeploy.plugins.moe import Routing
 
     return Routing(
         int(top_k), bool(normalize_topk), _attr_str(scoring), int(n_group), int(topk_group),
-        float(routed_scaling_factor), float(jitter_eps),
+        float(routed_scaling_factor), float(jitter_eps), _attr_str(group_scoring),
+    )
+
+
+def _activation(activation, activation_alpha, activation_beta, swiglu_limit):
+    """The node's activation attributes (as TensorRT passes them) as an ExpertActivation."""
+    from moedeploy.plugins.moe import ExpertActivation
+
+    return ExpertActivation(
+        _attr_str(activation), float(activation_alpha), float(activation_beta), float(swiglu_limit)
     )
 
 
@@ -116,7 +125,7 @@ def _moe_io_types() -> str:
 
 
 def _register_moe(trt, trtp) -> None:
-    # Inputs and attributes in the moe::MoE node's order (opset "moe" version 2): TensorRT's
+    # Inputs and attributes in the moe::MoE node's order (opset "moe" version 3): TensorRT's
     # ONNX parser passes the node's attributes in that order (plugin_namespace is its own).
     @trtp.register("moe::MoE")
     def moe_desc(
@@ -124,7 +133,8 @@ def _register_moe(trt, trtp) -> None:
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
         score_bias: trtp.TensorDesc,
         top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
-        routed_scaling_factor: float, jitter_eps: float, activation: str,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
     ) -> Tuple[trtp.TensorDesc]:
         return (X.like(),)
 
@@ -134,7 +144,8 @@ def _register_moe(trt, trtp) -> None:
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
         score_bias: trtp.TensorDesc,
         top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
-        routed_scaling_factor: float, jitter_eps: float, activation: str, outputs: Tuple[trtp.TensorDesc],
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float, outputs: Tuple[trtp.TensorDesc],
     ) -> List[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(_moe_io_types(), "LINEAR")]
 
@@ -144,20 +155,24 @@ def _register_moe(trt, trtp) -> None:
         w_down: trtp.Tensor, b_gate: trtp.Tensor, b_up: trtp.Tensor, b_down: trtp.Tensor,
         score_bias: trtp.Tensor,
         top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
-        routed_scaling_factor: float, jitter_eps: float, activation: str,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
         outputs: Tuple[trtp.Tensor], stream: int,
     ) -> None:
         import torch
 
         from moedeploy.plugins.kernels import moe
 
-        act = _attr_str(activation)
-        routing = _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps)
+        act = _activation(activation, activation_alpha, activation_beta, swiglu_limit)
+        gated = act.activation == "swiglu"
+        routing = _routing(
+            top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps, group_scoring
+        )
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             tensors = [_torch(t) for t in (X, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down, score_bias)]
             x, logits, wg, wu, wd, bg, bu, bd, sb = tensors
-            moe(x, logits, wg if act == "swiglu" else None, wu, wd, routing, activation=act,
-                b_gate=bg if act == "swiglu" else None, b_up=bu, b_down=bd, score_bias=sb, out=_torch(outputs[0]))
+            moe(x, logits, wg if gated else None, wu, wd, routing, activation=act,
+                b_gate=bg if gated else None, b_up=bu, b_down=bd, score_bias=sb, out=_torch(outputs[0]))
 
     @trtp.aot_impl("moe::MoE")
     def moe_aot_impl(
@@ -165,15 +180,19 @@ def _register_moe(trt, trtp) -> None:
         w_down: trtp.TensorDesc, b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc,
         score_bias: trtp.TensorDesc,
         top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
-        routed_scaling_factor: float, jitter_eps: float, activation: str,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
         outputs: Tuple[trtp.TensorDesc], tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         from moedeploy.plugins.kernels.aot import compile_moe_fused
         from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
 
         n_experts = _static(w_up.shape_expr[0], "number of experts")
-        routing = _routing(top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps)
-        kernel = compile_moe_fused(_DTYPES[X.dtype], routing, activation=_attr_str(activation), n_experts=n_experts)
+        routing = _routing(
+            top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps, group_scoring
+        )
+        act = _activation(activation, activation_alpha, activation_beta, swiglu_limit)
+        kernel = compile_moe_fused(_DTYPES[X.dtype], routing, activation=act, n_experts=n_experts)
         hidden, inter = X.shape_expr[1], w_up.shape_expr[1]
         params = trtp.KernelLaunchParams()
         params.grid_x = X.shape_expr[0]  # one program per token ...

@@ -22,8 +22,9 @@ from moedeploy.plugins import moe, rmsnorm
 MoELowering = Literal["auto", "contrib", "function"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
-#: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped).
-LOWERING_VERSION = 3
+#: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
+#: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE).
+LOWERING_VERSION = 4
 MOE_LOWERINGS = ("auto", "contrib", "function")
 
 

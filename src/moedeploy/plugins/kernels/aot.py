@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import triton
 
-from moedeploy.plugins.kernels.moe import ACTIVATION_IDS, as_routing, routing_params
+from moedeploy.plugins.kernels.moe import activation_params, as_routing, routing_params
 from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS, moe_fused_kernel
 from moedeploy.plugins.kernels.rmsnorm import MAX_BLOCK, rms_norm_kernel
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 TRITON_TYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 RMS_NORM_BLOCK = 1024  # the AOT kernel cannot see H at compile time; it loops over chunks
@@ -78,35 +78,38 @@ def compile_rms_norm(dtype: str, eps: float, arch: int | None = None) -> AotKern
 
 
 def compile_moe_fused(
-    dtype: str, top_k: int | Routing, normalize_topk: bool = True, activation: str = "swiglu", *,
-    n_experts: int, arch: int | None = None,
+    dtype: str, top_k: int | Routing, normalize_topk: bool = True, activation: str | ExpertActivation = "swiglu",
+    *, n_experts: int, arch: int | None = None,
 ) -> AotKernel:
     """moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y) with the
-    routing (a Routing, or top_k and normalize_topk of softmax routing) and activation baked in.
+    routing (a Routing, or top_k and normalize_topk of softmax routing) and activation (an
+    ExpertActivation, or a name with default parameters) baked in.
 
     Every routing variant compiles (the kernel routes with `route_token`); SCORE_BIAS is fp32
     whatever `dtype` is, as the node's score_bias input.
     """
     routing = as_routing(top_k, normalize_topk)
-    if activation not in ACTIVATION_IDS:
-        raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATION_IDS)}")
+    act = as_activation(activation)
     routing.check(n_experts)
     if _interpreting():
-        kwargs = {"dtype": dtype, "routing": routing.attributes(), "activation": activation,
+        kwargs = {"dtype": dtype, "routing": routing.attributes(), "activation": act.attributes(),
                   "n_experts": n_experts, "arch": arch}
         return _in_clean_process("moe_fused", kwargs)
     t = TRITON_TYPES[dtype]
     signature = {name: f"*{t}" for name in ("X", "LOGITS", "WG", "WU", "WD", "BG", "BU", "BD")}
     signature.update({"SCORE_BIAS": "*fp32", "H": "i32", "I": "i32", "E": "i32", "Y": f"*{t}"})
     constexprs = {
-        **routing_params(routing), "ACT": ACTIVATION_IDS[activation],
+        **routing_params(routing), **activation_params(act),
         "BLOCK_E": triton.next_power_of_2(n_experts), **FUSED_BLOCKS,
     }
     return _compile(moe_fused_kernel, signature, constexprs, arch)
 
 
-def _compile_moe_fused_from_json(routing: dict, **kwargs) -> AotKernel:
-    return compile_moe_fused(top_k=Routing.from_attributes(routing), **kwargs)
+def _compile_moe_fused_from_json(routing: dict, activation: dict, **kwargs) -> AotKernel:
+    # json carries an infinite swiglu_limit as Infinity, which json.loads reads back
+    return compile_moe_fused(
+        top_k=Routing.from_attributes(routing), activation=ExpertActivation.from_attributes(activation), **kwargs
+    )
 
 
 if __name__ == "__main__":  # used by _in_clean_process

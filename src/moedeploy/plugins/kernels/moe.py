@@ -7,7 +7,8 @@ graph or a TensorRT engine):
            kernel, none in torch:
              softmax / sigmoid scores; selection on scores + score_bias; with n_group > 1
              the group-limited selection (each group scored by the sum of its two best
-             choices, the topk_group best groups kept, the other experts masked with -inf);
+             choices, or by its best one for group_scoring "max", the topk_group best groups
+             kept, the other experts masked with -inf);
              top-k by repeated argmax; weights = scores of the picks, optionally
              renormalised (sigmoid: sum + 1e-20), times routed_scaling_factor
            or sparsemixer (PhiMoE, top-2): two argmax picks, each weighted by a softmax over
@@ -18,7 +19,8 @@ graph or a TensorRT engine):
   scatter  one program per expert: the slots of that expert in ascending order (a stable
            counting sort, as the eager reference's stable argsort), padding = sentinel N*k
   gate_up  grouped GEMM: each BLOCK_M row tile belongs to exactly one expert; it gathers its
-           tokens' rows of x and computes act(x W_gate^T) * (x W_up^T) into a sorted buffer
+           tokens' rows of x and computes swiglu(x W_gate^T, x W_up^T) (with the op's alpha,
+           beta and clamp, `swiglu`) or act(x W_up^T) into a sorted buffer
   down     grouped GEMM back to H, scaled by each slot's routing weight, written to slot order
   combine  per token, the sum of its k slots in a fixed order (deterministic, no atomics)
 
@@ -36,17 +38,18 @@ import triton
 import triton.language as tl
 
 from moedeploy.plugins.kernels._launch import check_device
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
 SCORING_IDS = {"softmax": 0, "sigmoid": 1, "sparsemixer": 2}
+GROUP_SCORING_IDS = {"top2_sum": 0, "max": 1}
 
 
 @triton.jit
 def route_token(
     LOGITS_ROW, SCORE_BIAS, E, scale, two_eps,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
 ):
     """One token's routing (see the module docstring) -> (ids int32, weights fp32), each
     (BLOCK_TOPK,): slot j < TOP_K holds pick j. `scale` is routed_scaling_factor, `two_eps`
@@ -80,15 +83,19 @@ def route_token(
         scores = tl.where(valid, scores, 0.0)
         choice = scores + tl.load(SCORE_BIAS + cols, mask=valid, other=0.0).to(tl.float32)
         if N_GROUP > 1:
-            # Each expert carries its group's score: the sum of the group's two best choices.
+            # Each expert carries its group's score: the sum of the group's two best choices,
+            # or (GROUP_SCORING 1, DeepSeek-V2) its best one.
             group_size = E // N_GROUP
             group = cols // group_size
             group_score = tl.zeros((BLOCK_E,), dtype=tl.float32)
             for g in tl.static_range(N_GROUP):
                 members = tl.where(valid & (group == g), choice, -float("inf"))
-                first = tl.argmax(members, axis=0)
-                second = tl.max(tl.where(cols == first, -float("inf"), members), axis=0)
-                group_score = tl.where(group == g, tl.max(members, axis=0) + second, group_score)
+                if GROUP_SCORING == 1:
+                    score = tl.max(members, axis=0)
+                else:
+                    first = tl.argmax(members, axis=0)
+                    score = tl.max(members, axis=0) + tl.max(tl.where(cols == first, -float("inf"), members), axis=0)
+                group_score = tl.where(group == g, score, group_score)
             group_score = tl.where(valid, group_score, -float("inf"))
             keep = cols < 0
             for _ in tl.static_range(TOPK_GROUP):
@@ -117,16 +124,29 @@ def route_token(
 def route_kernel(
     LOGITS, SCORE_BIAS, IDS, WEIGHTS, E, stride_l, scale, two_eps,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     ids, weights = route_token(
         LOGITS + row * stride_l, SCORE_BIAS, E, scale, two_eps,
-        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, BLOCK_E, BLOCK_TOPK,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_E, BLOCK_TOPK,
     )
     slots = tl.arange(0, BLOCK_TOPK)
     tl.store(IDS + row * TOP_K + slots, ids, mask=slots < TOP_K)
     tl.store(WEIGHTS + row * TOP_K + slots, weights, mask=slots < TOP_K)
+
+
+@triton.jit
+def swiglu(gate, up, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr, dtype: tl.constexpr):
+    """The op's SwiGLU on fp32 tiles that hold dtype-rounded linears; the result is rounded to
+    dtype where eager rounds its ops (silu, up + beta), the product where the caller stores it:
+    (min(up, limit) clamped to -limit + beta) * min(gate, limit) * sigmoid(alpha * min(gate, limit)).
+    CLAMP is False for an infinite limit. ALPHA 1 and BETA 0 compute silu(gate) * up exactly."""
+    if CLAMP:  # tl.where keeps NaN, as torch's clamp does
+        gate = tl.where(gate > LIMIT, LIMIT, gate)
+        up = tl.where(up > LIMIT, LIMIT, tl.where(up < -LIMIT, -LIMIT, up))
+    glu = (gate / (1.0 + tl.exp(-(gate * ALPHA)))).to(dtype).to(tl.float32)
+    return glu * (up + BETA).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -176,7 +196,8 @@ def _tile_expert(ENDS, E, row0, BLOCK_E: tl.constexpr):
 def gate_up_kernel(
     X, WG, WU, BG, BU, HBUF, SORTED, ENDS,
     n_slots, H, I, E, stride_x, stride_we, stride_wn, stride_be, stride_h,
-    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
@@ -210,8 +231,7 @@ def gate_up_kernel(
     dtype = HBUF.dtype.element_ty
     up = acc_up.to(dtype).to(tl.float32)
     if ACT == 0:
-        gate = acc_gate.to(dtype).to(tl.float32)
-        hidden = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        hidden = swiglu(acc_gate.to(dtype).to(tl.float32), up, ALPHA, BETA, CLAMP, LIMIT, dtype)
     elif ACT == 1:
         hidden = tl.maximum(up, 0.0)
     else:
@@ -308,9 +328,22 @@ def routing_params(routing: Routing) -> dict[str, int | float | bool]:
         "SCORING": SCORING_IDS[routing.scoring],
         "N_GROUP": 1 if mixer else routing.n_group,
         "TOPK_GROUP": 1 if mixer else routing.topk_group,
+        "GROUP_SCORING": GROUP_SCORING_IDS[routing.group_scoring] if routing.n_group > 1 and not mixer else 0,
         "BLOCK_TOPK": triton.next_power_of_2(routing.top_k),
         "scale": 1.0 if mixer else float(routing.routed_scaling_factor),
         "two_eps": 2 * float(routing.jitter_eps) if mixer else 0.0,
+    }
+
+
+def activation_params(activation: ExpertActivation) -> dict[str, int | float | bool]:
+    """The expert kernels' activation constexprs: ACT and `swiglu`'s ALPHA, BETA, CLAMP, LIMIT
+    (LIMIT 0.0 when CLAMP is off: no infinity in a compiled constant)."""
+    return {
+        "ACT": ACTIVATION_IDS[activation.activation],
+        "ALPHA": float(activation.activation_alpha),
+        "BETA": float(activation.activation_beta),
+        "CLAMP": activation.clamped,
+        "LIMIT": float(activation.swiglu_limit) if activation.clamped else 0.0,
     }
 
 
@@ -323,7 +356,7 @@ def dense_score_bias(score_bias: torch.Tensor | None, n_experts: int, device) ->
     return score_bias.to(torch.float32).contiguous()
 
 
-def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation) -> None:
+def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation) -> None:
     if x.dim() != 2 or router_logits.dim() != 2:
         raise ValueError(f"x must be (N, H) and router_logits (N, E); got {tuple(x.shape)}, {tuple(router_logits.shape)}")
     n, h = x.shape
@@ -333,15 +366,13 @@ def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation)
             f"inconsistent MoE shapes: x {tuple(x.shape)}, router_logits {tuple(router_logits.shape)}, "
             f"w_up {tuple(w_up.shape)}, w_down {tuple(w_down.shape)}"
         )
-    if activation == "swiglu" and (w_gate is None or w_gate.shape != w_up.shape):
+    if activation.activation == "swiglu" and (w_gate is None or w_gate.shape != w_up.shape):
         raise ValueError("swiglu experts need w_gate with w_up's shape (E, I, H)")
-    if activation not in ACTIVATION_IDS:
-        raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATION_IDS)}")
     routing.check(e)
 
 
 def prepare(
-    x, router_logits, w_gate, w_up, w_down, routing: Routing, activation, out
+    x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation, out
 ) -> tuple[int, int, int, int, torch.Tensor]:
     """Validate a MoE call and give its sizes (N, H, E, I) and the output tensor."""
     _check(x, router_logits, w_gate, w_up, w_down, routing, activation)
@@ -387,7 +418,7 @@ def moe(
     w_down: torch.Tensor,
     top_k: int | Routing,
     normalize_topk: bool = True,
-    activation: str = "swiglu",
+    activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
@@ -398,9 +429,11 @@ def moe(
     """y (N, H) = sum over each token's routed experts of weight * expert(x); see the module doc.
 
     Arguments as `moedeploy.plugins.moe.moe_reference`: `top_k` is a Routing, or the top-k of
-    plain softmax routing (with `normalize_topk`); `score_bias` (E,) only selects.
+    plain softmax routing (with `normalize_topk`); `activation` an ExpertActivation or a name;
+    `score_bias` (E,) only selects.
     """
     routing = as_routing(top_k, normalize_topk)
+    activation = as_activation(activation)
     n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
     device, dtype = x.device, x.dtype
     if n == 0:
@@ -432,7 +465,7 @@ def moe(
     gate_up_kernel[(n_tiles, triton.cdiv(i, cfg.block_n))](
         x, w_gate, w_up, b_gate, b_up, hidden, sorted_slots, ends,
         n_slots, h, i, e, x.stride(0), w_up.stride(0), w_up.stride(1), b_up.stride(0), hidden.stride(0),
-        TOP_K=top_k, ACT=ACTIVATION_IDS[activation], HAS_BIAS=has_bias, PRECISION=precision,
+        TOP_K=top_k, **activation_params(activation), HAS_BIAS=has_bias, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
     )
     slot_out = torch.empty(n_slots, h, dtype=torch.float32, device=device)

@@ -2,7 +2,8 @@
 
 Grid (N, cdiv(H, BLOCK_H)): a program owns one token and one tile of output features. It
 routes its token with the grouped pipeline's `route_token` (every routing variant: softmax,
-sigmoid, score_bias, group-limited, sparsemixer, renormalisation, scaling), then for each of
+sigmoid, score_bias, group-limited by either group score, sparsemixer, renormalisation,
+scaling) and computes its experts' SwiGLU with the same `swiglu` (alpha, beta, clamp), then for each of
 its k experts streams W_gate/W_up in (BLOCK_I x BLOCK_K) tiles to build the hidden vector
 tile by tile and immediately folds it into the W_down tile of its outputs. Every expert
 weight it touches is read once per (token, output tile): the bandwidth-bound shape of a
@@ -11,7 +12,8 @@ decode step, where N is small. Prefill-sized N is better served by the grouped p
 
 Argument order is TensorRT's AOT launch order: input pointers, then integer scalars, then
 output pointers; everything else is constexpr, fixed when the plugin is compiled (the
-routing attributes included: routed_scaling_factor and jitter_eps are constexpr floats).
+routing and activation attributes included: routed_scaling_factor, jitter_eps,
+activation_alpha, activation_beta and swiglu_limit are constexpr floats).
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import triton
 import triton.language as tl
 
 from moedeploy.plugins.kernels.moe import (
-    ACTIVATION_IDS,
+    activation_params,
     as_routing,
     dense_biases,
     dense_score_bias,
     prepare,
     route_token,
     routing_params,
+    swiglu,
 )
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 
 @triton.jit
@@ -38,8 +41,9 @@ def moe_fused_kernel(
     H, I, E,
     Y,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr, two_eps: tl.constexpr,
-    ACT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
+    two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     h_cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -49,7 +53,7 @@ def moe_fused_kernel(
     # Routing in fp32, exactly as the grouped pipeline's route_kernel.
     ids, weights = route_token(
         LOGITS + token * E, SCORE_BIAS, E, scale, two_eps,
-        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, BLOCK_E, BLOCK_TOPK,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_E, BLOCK_TOPK,
     )
     slots = tl.arange(0, BLOCK_TOPK)
 
@@ -75,7 +79,7 @@ def moe_fused_kernel(
             up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             if ACT == 0:
                 gate = (gate + tl.load(BG + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-                hidden = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+                hidden = swiglu(gate, up, ALPHA, BETA, CLAMP, LIMIT, dtype)
             elif ACT == 1:
                 hidden = tl.maximum(up, 0.0)
             else:
@@ -94,13 +98,15 @@ FUSED_BLOCKS = {"BLOCK_H": 256, "BLOCK_I": 32, "BLOCK_K": 64}
 
 def moe_fused(
     x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
-    w_down: torch.Tensor, top_k: int | Routing, normalize_topk: bool = True, activation: str = "swiglu",
+    w_down: torch.Tensor, top_k: int | Routing, normalize_topk: bool = True,
+    activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
     score_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches);
     arguments as `moedeploy.plugins.kernels.moe`."""
     routing = as_routing(top_k, normalize_topk)
+    activation = as_activation(activation)
     n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
     if n == 0:
         return y
@@ -108,7 +114,7 @@ def moe_fused(
     args = [*weights, *dense_biases(w_up, b_gate, b_up, b_down), dense_score_bias(score_bias, e, x.device)]
     grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
     moe_fused_kernel[grid](
-        *args, h, i, e, y, ACT=ACTIVATION_IDS[activation], BLOCK_E=triton.next_power_of_2(e),
+        *args, h, i, e, y, **activation_params(activation), BLOCK_E=triton.next_power_of_2(e),
         **routing_params(routing), **FUSED_BLOCKS,
     )
     return y
