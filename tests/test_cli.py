@@ -122,8 +122,8 @@ CASES |= {
             ["export", "decoder", "--checkpoint", "llama", "--out", "out"], _not_mixtral, "llama", "out"
         ),
         "checkpoint-unknown-family": (
-            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"], _hf_config("deepseek_v3"),
-            "model_type 'deepseek_v3' is not supported", "out",
+            ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"], _hf_config("dbrx"),
+            "model_type 'dbrx' is not supported", "out",
         ),
         "checkpoint-scaled-rope": (
             ["export", "decoder", "--checkpoint", "ckpt", "--out", "out"],

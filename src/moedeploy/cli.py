@@ -519,7 +519,8 @@ def bench_cmd(
                        progress=progress)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
-              f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step)", highlight=False)
+              f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
+              f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token", highlight=False)
     table = make_table(None, ["backend", "prefill ms", "decode tok/s", "p50 ms", "p99 ms", "peak RSS MB", "of bound"])
     for r in report["raw"]:
         if "error" in r:

@@ -77,7 +77,9 @@ def test_model_checks_and_custom_ops_have_bodies(store, key) -> None:
     # The manifest's custom_ops say the same.
     listed = {(o["domain"], o["op_type"]): o["count"] for o in artifact.manifest["custom_ops"]}
     assert listed == counts
-    assert all(o["version"] == 1 and o["plugin_namespace"] == "moe" for o in artifact.manifest["custom_ops"])
+    # each op's version is the "moe" opset the graph imports
+    moe_opset = {o.domain: o.version for o in model.opset_import}.get("moe")
+    assert all(o["version"] == moe_opset == 3 and o["plugin_namespace"] == "moe" for o in artifact.manifest["custom_ops"])
     # the graph's element type is the artifact's dtype
     float_inputs = [i for i in model.graph.input if i.type.tensor_type.elem_type != onnx.TensorProto.INT64]
     assert float_inputs and all(i.type.tensor_type.elem_type == ONNX_TYPES[key[2]] for i in float_inputs)

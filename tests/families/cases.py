@@ -25,12 +25,17 @@ def _family_config(name: str, n_layers: int, **kw):
     cls = {
         "mixtral": T.MixtralConfig, "qwen2_moe": T.Qwen2MoeConfig, "qwen3_moe": T.Qwen3MoeConfig,
         "olmoe": T.OlmoeConfig, "granitemoe": T.GraniteMoeConfig, "phimoe": T.PhimoeConfig,
-        "glm4_moe": T.Glm4MoeConfig, "minimax_m2": T.MiniMaxM2Config,
+        "glm4_moe": T.Glm4MoeConfig, "minimax_m2": T.MiniMaxM2Config, "gpt_oss": T.GptOssConfig,
+        "deepseek_v2": T.DeepseekV2Config, "deepseek_v3": T.DeepseekV3Config,
     }[name]
     args = {**BASE, "num_hidden_layers": n_layers, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             **kw}
     if "rope_parameters" in kw:
         args["rope_parameters"] = {**BASE["rope_parameters"], **kw["rope_parameters"]}
+    if "layer_types" in kw:
+        args["layer_types"] = kw["layer_types"][:n_layers]
+    if name.startswith("deepseek"):  # latent attention expands to every head: no KV-head groups
+        args["num_key_value_heads"] = args["num_attention_heads"]
     config = cls(**args)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
@@ -90,6 +95,42 @@ def cases(n_layers: int = 3) -> dict[str, object]:
                                num_local_experts=5, num_experts_per_tok=3),
         "minimax_m2": _cfg("minimax_m2", head_dim=12, intermediate_size=22, num_local_experts=6,
                            num_experts_per_tok=2, rope_parameters={"partial_rotary_factor": 0.5}),
+        # gpt-oss: sinks, alternating sliding (shorter than the prompt) and full layers, YaRN, and a
+        # SwiGLU limit low enough that the clamp bites on these activations.
+        "gpt_oss": _cfg("gpt_oss", head_dim=12, intermediate_size=18, num_local_experts=5, num_experts_per_tok=2,
+                        sliding_window=4, swiglu_limit=0.9,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
+        "gpt_oss-mqa-truncate": _cfg("gpt_oss", num_key_value_heads=1, head_dim=10, intermediate_size=14,
+                                     num_local_experts=4, num_experts_per_tok=3, sliding_window=6,
+                                     layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0,
+                                                      "original_max_position_embeddings": 20, "truncate": True}),
+        # DeepSeek: latent attention with and without a low-rank query, interleaved rotary, YaRN
+        # with mscale, greedy and group-limited routing, shared experts, dense first layers.
+        "deepseek_v2-lite": _cfg("deepseek_v2", q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6,
+                                 qk_rope_head_dim=4, v_head_dim=7, moe_intermediate_size=10, intermediate_size=30,
+                                 n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+                                 first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.5),
+        "deepseek_v2-groups": _cfg("deepseek_v2", q_lora_rank=16, kv_lora_rank=10, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=6, v_head_dim=5, moe_intermediate_size=12,
+                                   intermediate_size=30, n_routed_experts=6, num_experts_per_tok=3,
+                                   n_shared_experts=2, first_k_dense_replace=0, topk_method="group_limited_greedy",
+                                   n_group=3, topk_group=2, routed_scaling_factor=2.0,
+                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                                    "mscale_all_dim": 0.707, "original_max_position_embeddings": 24}),
+        "deepseek_v3": _cfg("deepseek_v3", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                            v_head_dim=7, moe_intermediate_size=10, intermediate_size=30, n_routed_experts=8,
+                            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                            topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                             "original_max_position_embeddings": 24, "beta_fast": 32.0,
+                                             "beta_slow": 1.0}),
+        "deepseek_v3-lite-halfsplit": _cfg("deepseek_v3", num_attention_heads=3, q_lora_rank=None, kv_lora_rank=9,
+                                           qk_nope_head_dim=5, qk_rope_head_dim=6, v_head_dim=4,
+                                           moe_intermediate_size=10, intermediate_size=26, n_routed_experts=5,
+                                           num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=0,
+                                           n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False),
     }
 
 

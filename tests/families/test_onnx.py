@@ -20,7 +20,7 @@ from .cases import cases, make_model, prompt, save_checkpoint
 
 CASES = cases()  # every configuration of every family, the same ones the eager tests check
 #: Families whose routing com.microsoft::MoE computes (softmax top-k, renormalised or not).
-CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"}
+CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -53,10 +53,9 @@ def test_plain_onnxruntime_matches_transformers(exported) -> None:
     hf, artifact, _ = exported
     ids = prompt(hf.config.vocab_size, seed=7)
     session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
-    c = artifact.manifest["config"]
     feed = {"input_ids": ids.numpy()}
-    for i in session.get_inputs()[1:]:
-        feed[i.name] = np.zeros((ids.shape[0], c["n_kv_heads"], 0, c["head_dim"]), np.float32)
+    for i in session.get_inputs()[1:]:  # an empty cache: (batch, heads, 0, features)
+        feed[i.name] = np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32)
     got = session.run(["logits"], feed)[0]
     expected = hf(ids).logits.numpy()
     assert np.abs(expected).max() > 1.0
@@ -78,3 +77,23 @@ def test_onnxruntime_greedy_tokens_match_transformers(exported) -> None:
     assert decoder.lowering["moe_function"] == (0 if fast else n_moe)
     if hf.config.model_type == "mixtral":  # and the function body on a family that has the fast path
         assert torch.equal(OrtDecoder(artifact, moe_lowering="function").generate(ids, max_new_tokens=16), expected)
+
+
+def _expected_cache_floats_per_token_and_layer(config) -> int:
+    """From transformers' config: latent attention caches kv_lora_rank + qk_rope_head_dim values
+    per token and layer; every other family keys and values for each KV head."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim
+
+
+def test_kv_cache_bytes_per_token_are_measured_and_recorded(exported) -> None:
+    hf, artifact, _ = exported
+    c = hf.config
+    expected = c.num_hidden_layers * _expected_cache_floats_per_token_and_layer(c) * 4  # fp32
+    assert artifact.manifest["kv_cache"]["bytes_per_token"] == expected
+    decoder = OrtDecoder(artifact)
+    decoder.generate(prompt(c.vocab_size, batch=1, seed=9), max_new_tokens=2)  # 15 positions cached
+    cached = sum(t.nbytes for t in decoder._past)
+    assert cached == expected * (len(prompt(c.vocab_size, batch=1)[0]) + 1)  # the last token is not cached yet

@@ -31,6 +31,9 @@ def _hf_router(case: str):
         "phimoe": lambda c: M.phimoe.modeling_phimoe.PhimoeTopKRouter(c),
         "glm4_moe": lambda c: M.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter(c),
         "minimax_m2": lambda c: M.minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter(c),
+        "gpt_oss": lambda c: M.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(c),
+        "deepseek_v2": lambda c: M.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(c),
+        "deepseek_v3": lambda c: M.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(c),
     }[kind](config).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

@@ -1,8 +1,11 @@
 """The tools work unchanged on a family's artifact: `compare` (layer-wise too) passes and its
 report says which ONNX Runtime path the MoE took, and the Triton server generates
-transformers' own greedy tokens. GLM-4-MoE is the family furthest from Mixtral (sigmoid routing
-with a selection bias and groups on the function body, shared experts, a dense first layer,
-q/k norms, partial rotary); Qwen3-MoE stands for the families on com.microsoft::MoE."""
+transformers' own greedy tokens. GLM-4-MoE is the Llama-style family furthest from Mixtral
+(sigmoid routing with a selection bias and groups on the function body, shared experts, a
+dense first layer, q/k norms, partial rotary); Qwen3-MoE stands for the families on
+com.microsoft::MoE; gpt-oss (sinks, alternating windows, clamped SwiGLU experts with biases)
+and DeepSeek-V2/V3 (latent attention with a latent KV cache, group-limited routing) follow.
+`bench` on a DeepSeek-V3 checkpoint reports its latent cache's bytes per token."""
 
 from __future__ import annotations
 
@@ -18,10 +21,15 @@ from moedeploy.export.exporter import export
 from .cases import cases, make_model, prompt, save_checkpoint
 
 CASES = cases(n_layers=2)
-#: case id -> the path `compare` must report: 1 MoE layer each (the other layer is dense).
+FAST = "moe::MoE on com.microsoft::MoE (fast path)"
+BODY = "moe::MoE on the standard-op function body"
+#: case id -> the path `compare` must report (MoE layers, where they ran)
 PATHS = {
-    "glm4_moe-groups": "1 moe::MoE on the standard-op function body",
-    "qwen3_moe-headdim": "1 moe::MoE on com.microsoft::MoE (fast path)",
+    "glm4_moe-groups": f"1 {BODY}",  # its first layer is dense
+    "qwen3_moe-headdim": f"1 {FAST}",
+    "gpt_oss": f"2 {FAST}",
+    "deepseek_v2-groups": f"2 {BODY}",
+    "deepseek_v3": f"1 {BODY}",
 }
 
 
@@ -39,10 +47,11 @@ def test_compare_passes_layerwise_and_names_the_path(family) -> None:
     assert report["passed"] and report["first_divergent_layer"] is None
     (comparison,) = report["comparisons"]
     assert comparison["path"].startswith(PATHS[case])
-    # The MoE layer was localised with its own routing (selection bias and groups included):
+    # Every MoE layer was localised with its own routing (selection bias and groups included):
     # every token routed, none flipped.
-    (moe,) = [m for m in comparison["layerwise"]["modules"] if "routing_flips" in m]
-    assert moe["module"].endswith("ffn") and moe["routing_flips"] == 0 and moe["routed_tokens"] > 0
+    moes = [m for m in comparison["layerwise"]["modules"] if "routing_flips" in m]
+    assert len(moes) == int(PATHS[case].split()[0])
+    assert all(m["module"].endswith("ffn") and m["routing_flips"] == 0 and m["routed_tokens"] > 0 for m in moes)
     on_disk = json.loads((artifact.path / "report" / "report.json").read_text())
     assert on_disk["comparisons"][0]["path"] == comparison["path"]
     assert f"Path: {comparison['path']}." in (artifact.path / "report" / "report.md").read_text()
@@ -65,3 +74,34 @@ def test_served_greedy_tokens_are_transformers(family, tmp_path) -> None:
         feed = {"input_ids": ids.numpy(), "max_new_tokens": np.full((len(ids), 1), 12, np.int64)}
         tokens = infer("http", client("http", server), "decoder_generate", feed, ["output_ids"])["output_ids"]
     assert torch.equal(torch.from_numpy(tokens), expected)
+
+
+def test_bench_reports_the_latent_cache_of_a_deepseek_checkpoint(tmp_path, monkeypatch) -> None:
+    """`moedeploy bench DIR` on a DeepSeek-V3 folder: exported into the cache, both backends give
+    the same greedy tokens, and the roofline counts layers x (kv_lora_rank + qk_rope_head_dim) x 4
+    bytes of KV cache per token."""
+    from typer.testing import CliRunner
+
+    import moedeploy.bench.api as api
+    from moedeploy.bench.decode import run
+    from moedeploy.cli import app
+    from tests.test_bench import FAKE_MACHINE
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
+    monkeypatch.setattr(api, "run_in_subprocess", run)  # the workers in this process
+    hf = make_model(CASES["deepseek_v3"], seed=5)
+    checkpoint = save_checkpoint(hf, tmp_path / "deepseek_v3")
+    threads = torch.get_num_threads()
+    try:
+        result = CliRunner().invoke(app, ["bench", str(checkpoint), "--backend", "torch,ort", "--prompt-len", "5",
+                                          "--new-tokens", "3", "--repeat", "1", "--threads", "1",
+                                          "--json", str(tmp_path / "bench.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    c = hf.config
+    assert report["roofline"]["kv_cache_bytes_per_token"] == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert report["greedy_tokens_agree"] is True
+    assert "KV cache" in result.stdout

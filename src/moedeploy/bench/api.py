@@ -15,6 +15,7 @@ from moedeploy.bench.machine import describe
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
+from moedeploy.export.artifact import parse_dtype
 from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
@@ -249,6 +250,7 @@ def bench(
         "settings": {"target": target, "artifact": str(artifact.path), "batch": batch, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "threads": threads, "repeat": repeat},
         "roofline": {"decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
+                     "kv_cache_bytes_per_token": config.kv_cache_bytes_per_token(parse_dtype(artifact.dtype).itemsize),
                      "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2)},
         "results": results,
         "spread": {name: {key: s.as_dict() for key, s in figures.items()} for name, figures in spread.items()},

@@ -64,6 +64,7 @@ from moedeploy.export.streaming import (
 )
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
+from moedeploy.plugins import moe
 from moedeploy.utils.io import (
     atomic_directory,
     atomic_write_json,
@@ -321,7 +322,7 @@ def _manifest(
         "dtype": dtype,
         "opset": OPSET,
         "custom_ops": [
-            {"domain": d, "op_type": t, "version": 1, "count": c, "plugin_namespace": d}
+            {"domain": d, "op_type": t, "version": moe.VERSION, "count": c, "plugin_namespace": d}
             for (d, t), c in sorted(custom_op_counts(model).items())
         ],
         "inputs": io_spec(model.graph.input),

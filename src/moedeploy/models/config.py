@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moedeploy.plugins.moe import Routing
+from moedeploy.plugins.moe import NO_LIMIT, ExpertActivation, Routing
 
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
@@ -141,6 +141,7 @@ class DecoderConfig:
                     raise ValueError(f"{name} {layers} name layers outside 0..{self.n_layers - 1}")
                 setattr(self, name, layers)
         self.routing.check(self.n_experts)
+        self.expert_activation  # noqa: B018 (checks the SwiGLU parameters)
 
     @property
     def kv_groups(self) -> int:
@@ -151,7 +152,12 @@ class DecoderConfig:
     def routing(self) -> Routing:
         """The moe::MoE routing attributes of every MoE layer."""
         return Routing(self.top_k, self.normalize_topk, self.scoring, self.n_group, self.topk_group,
-                       self.routed_scaling_factor, self.jitter_eps)
+                       self.routed_scaling_factor, self.jitter_eps, self.group_scoring)
+
+    @property
+    def expert_activation(self) -> ExpertActivation:
+        """The moe::MoE activation attributes of every MoE layer (swiglu_limit 0 here = no clamp)."""
+        return ExpertActivation("swiglu", self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit or NO_LIMIT)
 
     @property
     def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:

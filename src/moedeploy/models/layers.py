@@ -93,6 +93,7 @@ class DecoderLayer(nn.Module):
                 c.hidden_size, c.expert_hidden, c.n_experts, c.routing, bias=c.expert_bias,
                 router_bias=c.router_bias, score_bias=c.score_bias,
                 shared_hidden=c.shared_expert_hidden, shared_gate=c.shared_expert_gate,
+                activation=c.expert_activation,
             )
         else:
             ffn = SwiGLU(c.hidden_size, c.dense_hidden or c.expert_hidden)

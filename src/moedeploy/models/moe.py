@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moedeploy.models.ffn import SwiGLU
-from moedeploy.plugins.moe import Routing, moe
+from moedeploy.plugins.moe import ExpertActivation, Routing, moe
 
 
 class SparseMoE(nn.Module):
@@ -21,6 +21,7 @@ class SparseMoE(nn.Module):
     renormalisation, scaling) and the weighted sum live in `moedeploy.plugins.moe`, which
     export turns into one `moe::MoE` node. A shared expert (Qwen2-MoE, GLM-4-MoE), gated by
     sigmoid(shared_gate x) in Qwen2-MoE, is an ordinary SwiGLU added to the routed output.
+    gpt-oss's experts carry biases and a clamped SwiGLU (`activation`).
     """
 
     def __init__(
@@ -35,8 +36,10 @@ class SparseMoE(nn.Module):
         score_bias: bool = False,
         shared_hidden: int = 0,
         shared_gate: bool = False,
+        activation: ExpertActivation | None = None,
     ) -> None:
         super().__init__()
+        self.activation = activation or ExpertActivation()
         self.routing = top_k if isinstance(top_k, Routing) else Routing(top_k, normalize_topk)
         self.routing.check(n_experts)
         self.top_k = self.routing.top_k
@@ -91,7 +94,7 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, D): routing is per token
         logits = self.router(x)  # (N, E)
         y = moe(
-            x, logits, self.w_gate, self.w_up, self.w_down, self.routing, activation="swiglu",
+            x, logits, self.w_gate, self.w_up, self.w_down, self.routing, activation=self.activation,
             b_gate=self.b_gate, b_up=self.b_up, b_down=self.b_down, score_bias=self.score_bias,
         )
         if self.shared is not None:

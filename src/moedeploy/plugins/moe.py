@@ -542,6 +542,8 @@ def contrib_eligible(node: ir.Node, provider: str) -> bool:
 def is_zero(value: ir.Value) -> bool:
     """Whether `value` is all zeros by construction: a constant, or ConstantOfShape of zero
     (what torch's exporter emits for `new_zeros`)."""
+    if value.const_value is not None and isinstance(value.const_value, ir.ExternalTensor):
+        return False  # real weights in the data file (gpt-oss's expert biases): never read to decide
     tensor = ir.convenience.get_const_tensor(value)
     if tensor is not None:
         return not tensor.numpy().any()
