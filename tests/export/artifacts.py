@@ -200,21 +200,24 @@ def moe_weights(
 
 def moe_node_model(
     weights: dict[str, torch.Tensor], top_k: int, normalize_topk: int, activation: str,
-    dtype: np.dtype = np.float32,
+    dtype: np.dtype = np.float32, routing=None, score_bias: np.ndarray | None = None,
 ) -> onnx.ModelProto:
     """Y = moe::MoE(X[n, H], router_logits[n, E], weights as initializers), with the op's
-    function body attached exactly as an exported artifact carries it."""
+    function body attached exactly as an exported artifact carries it. `routing` (a Routing)
+    replaces top_k/normalize_topk with every routing attribute; `score_bias` the zero one."""
     from moedeploy.plugins import moe as moe_op
 
     elem = _NP_TO_ONNX[np.dtype(dtype)]
     n_experts, _, dim = weights["w_up"].shape
     order = ["w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"]
     inits = [onnx.numpy_helper.from_array(weights[k].numpy().astype(dtype), k) for k in order]
-    # opset moe 2's selection-only score bias: zeros (plain softmax routing), always fp32
-    inits.append(onnx.numpy_helper.from_array(np.zeros(n_experts, np.float32), "score_bias"))
+    # the selection-only score bias: zeros unless given (plain softmax routing), always fp32
+    bias = np.zeros(n_experts, np.float32) if score_bias is None else score_bias.astype(np.float32)
+    inits.append(onnx.numpy_helper.from_array(bias, "score_bias"))
+    attributes = routing.attributes() if routing is not None else {"top_k": top_k, "normalize_topk": normalize_topk}
     node = onnx.helper.make_node(
         "MoE", ["X", "router_logits", *order, "score_bias"], ["Y"], domain="moe", name="moe_0",
-        top_k=top_k, normalize_topk=normalize_topk, activation=activation, plugin_namespace="moe",
+        **attributes, activation=activation, plugin_namespace="moe",
     )
     graph = onnx.helper.make_graph(
         [node], "moe_node",

@@ -1,7 +1,7 @@
 """The tools work unchanged on a family's artifact: `compare` (layer-wise too) passes and its
 report says which ONNX Runtime path the MoE took, and the Triton server generates
 transformers' own greedy tokens. GLM-4-MoE is the Llama-style family furthest from Mixtral
-(sigmoid routing with a selection bias and groups on the function body, shared experts, a
+(sigmoid routing with a selection bias and groups, routed on graph ops, shared experts, a
 dense first layer, q/k norms, partial rotary); Qwen3-MoE stands for the families on
 com.microsoft::MoE; gpt-oss (sinks, alternating windows, clamped SwiGLU experts with biases)
 and DeepSeek-V2/V3 (latent attention with a latent KV cache, group-limited routing) follow.
@@ -22,14 +22,14 @@ from .cases import cases, make_model, prompt, save_checkpoint
 
 CASES = cases(n_layers=2)
 FAST = "moe::MoE on com.microsoft::MoE (fast path)"
-BODY = "moe::MoE on the standard-op function body"
+ROUTED = "moe::MoE on com.microsoft::MoE, routed on graph ops"
 #: case id -> the path `compare` must report (MoE layers, where they ran)
 PATHS = {
-    "glm4_moe-groups": f"1 {BODY}",  # its first layer is dense
+    "glm4_moe-groups": f"1 {ROUTED}",  # its first layer is dense
     "qwen3_moe-headdim": f"1 {FAST}",
     "gpt_oss": f"2 {FAST}",
-    "deepseek_v2-groups": f"2 {BODY}",
-    "deepseek_v3": f"1 {BODY}",
+    "deepseek_v2-groups": f"2 {ROUTED}",
+    "deepseek_v3": f"1 {ROUTED}",
 }
 
 

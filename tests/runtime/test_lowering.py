@@ -59,7 +59,8 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
 
 def test_decoder_lowering_counts(store) -> None:
     lowered = create_session(store.decoder("fp32"), CPU)
-    assert lowered.lowering == {"moe_contrib": 2, "moe_function": 0, "rmsnorm_native": 5, "rmsnorm_function": 0}
+    assert lowered.lowering == {"moe_contrib": 2, "moe_routed": 0, "moe_function": 0, "rmsnorm_native": 5,
+                                "rmsnorm_function": 0}
     assert lowered.provider == "CPUExecutionProvider"
 
 
@@ -231,3 +232,62 @@ def test_contrib_propagates_non_finite_tokens_like_eager(activation: str, monkey
         (function,) = plain_session(model).run(None, feed)
         assert np.isnan(function[nan_rows]).all()
 
+
+
+# --- routings com.microsoft::MoE cannot compute: routed on graph ops, experts on the contrib op --
+
+ROUTED = {  # name -> (Routing over 8 experts, with a selection bias)
+    "deepseek-v3": (moe_op.Routing(3, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), True),
+    "deepseek-v2-groups": (moe_op.Routing(3, False, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                                          group_scoring="max"), False),
+    "deepseek-v2-greedy": (moe_op.Routing(2, False, routed_scaling_factor=1.5), False),
+    "minimax-sigmoid-bias": (moe_op.Routing(2, True, "sigmoid"), True),
+    "sparsemixer": (moe_op.Routing(2, scoring="sparsemixer", jitter_eps=0.3), False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTED))
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_routed_contrib_lowering_matches_eager_and_the_function_body(name: str, activation: str) -> None:
+    routing, has_bias = ROUTED[name]
+    n_experts = 8
+    w = moe_weights(n_experts, H, I, activation, True, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = 0.5 * torch.randn(n_experts, generator=g) if has_bias else None
+    model = moe_node_model(w, 0, 0, activation, routing=routing, score_bias=None if bias is None else bias.numpy())
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "auto")
+    assert counts["moe_routed"] == 1 and counts["moe_contrib"] == counts["moe_function"] == 0
+    ops = [(n.domain, n.op_type) for n in lowered.graph.node]
+    assert ops.count(("com.microsoft", "MoE")) == 1 and ops.count(("moe", "MoE")) == 1  # + the routing probe
+    gate = w["w_gate"] if activation == "swiglu" else None
+    b_gate = w["b_gate"] if activation == "swiglu" else None
+    for n in (1, 37):
+        x, logits = torch.randn(n, H, generator=g), 2.0 * torch.randn(n, n_experts, generator=g)
+        logits[0, 1] = logits[0, 5]  # an exact tie: the lower index wins everywhere
+        feed = {"X": x.numpy(), "router_logits": logits.numpy()}
+        (y,) = plain_session(lowered).run(None, feed)
+        eager = moe_op.moe_reference(x, logits, gate, w["w_up"], w["w_down"], routing, activation=activation,
+                                     b_gate=b_gate, b_up=w["b_up"], b_down=w["b_down"], score_bias=bias)
+        np.testing.assert_allclose(y, eager.numpy(), rtol=1e-5, atol=1e-5)
+        if activation == "swiglu":  # the function body loads for swiglu (see test_function_bodies)
+            (function,) = plain_session(model).run(None, feed)
+            np.testing.assert_allclose(y, function, rtol=1e-5, atol=1e-5)
+
+
+def test_routed_contrib_propagates_non_finite_tokens_like_eager() -> None:
+    routing, _ = ROUTED["deepseek-v3"]
+    w = moe_weights(8, H, I, "swiglu", True, seed=13)
+    g = torch.Generator().manual_seed(14)
+    bias = 0.5 * torch.randn(8, generator=g)
+    model = moe_node_model(w, 0, 0, "swiglu", routing=routing, score_bias=bias.numpy())
+    x, logits = torch.randn(6, H, generator=g), torch.randn(6, 8, generator=g)
+    x[1, 3] = NAN
+    logits[2, 4], logits[3, 0] = NAN, INF
+    (y,) = plain_session(lower_for_ort(model, "CPUExecutionProvider", "auto")[0]).run(
+        None, {"X": x.numpy(), "router_logits": logits.numpy()})
+    eager = moe_op.moe_reference(x, logits, w["w_gate"], w["w_up"], w["w_down"], routing, b_gate=w["b_gate"],
+                                 b_up=w["b_up"], b_down=w["b_down"], score_bias=bias).numpy()
+    nan_rows = [1, 2]  # sigmoid(+Inf) = 1: that token's routing is finite, in eager as here
+    assert np.isnan(eager[nan_rows]).all() and np.isnan(y[nan_rows]).all()
+    assert np.isfinite(np.delete(y, nan_rows, 0)).all()
+    np.testing.assert_allclose(np.delete(y, nan_rows, 0), np.delete(eager, nan_rows, 0), rtol=1e-5, atol=1e-5)

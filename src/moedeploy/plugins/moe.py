@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxscript
@@ -524,19 +525,26 @@ def node_activation(node: ir.Node) -> ExpertActivation:
 
 
 def contrib_eligible(node: ir.Node, provider: str) -> bool:
-    """Whether com.microsoft::MoE on `provider` computes exactly what this node means.
+    """Whether com.microsoft::MoE on `provider` computes exactly what this node means, routing
+    included.
 
     Its router is softmax, top-k, optional renormalisation: sigmoid or sparsemixer scoring,
-    group-limited selection, a scaling factor or a selection bias it cannot express. Its
-    SwiGLU takes our activation_alpha, activation_beta and swiglu_limit as they are.
+    group-limited selection, a scaling factor or a selection bias it cannot express (those
+    take `lower_to_contrib(..., routed=True)`). Its SwiGLU takes our activation_alpha,
+    activation_beta and swiglu_limit as they are.
     """
-    dtype = node.inputs[0].dtype
-    activation = node_activation(node).activation
     r = node_routing(node)
     plain_routing = r.scoring == "softmax" and r.n_group == 1 and r.routed_scaling_factor == 1.0
     score_bias = node.inputs[8] if len(node.inputs) > 8 else None
     plain_routing = plain_routing and (score_bias is None or is_zero(score_bias))
-    return dtype in CONTRIB_KERNELS.get(provider, set()) and activation in CONTRIB_ACTIVATIONS and plain_routing
+    return contrib_experts_eligible(node, provider) and plain_routing
+
+
+def contrib_experts_eligible(node: ir.Node, provider: str) -> bool:
+    """Whether com.microsoft::MoE on `provider` computes this node's experts (dtype, activation),
+    whatever its routing."""
+    dtype = node.inputs[0].dtype
+    return dtype in CONTRIB_KERNELS.get(provider, set()) and node_activation(node).activation in CONTRIB_ACTIVATIONS
 
 
 def is_zero(value: ir.Value) -> bool:
@@ -554,11 +562,16 @@ def is_zero(value: ir.Value) -> bool:
     return fill is None or not fill.as_tensor().numpy().any()
 
 
-def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
+def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> None:
     """Replace one moe::MoE node by com.microsoft::MoE, in place.
 
     The interleaved fc1 weight is built with graph ops (Unsqueeze, Concat, Reshape) over the
     original initializers; ONNX Runtime constant-folds them at session creation.
+
+    `routed`: for a routing com.microsoft::MoE cannot compute (sigmoid or sparsemixer scores, a
+    selection bias, groups, scaling), the routing runs before it on graph ops (`routing_probe`)
+    and the contrib op gets logits log(w) (-inf off each token's top-k), whose softmax is
+    w / sum(w); its output is scaled back by sum(w) per token. The experts still run sparsely.
     """
     x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     attrs = node.attributes
@@ -570,6 +583,17 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
         n = ir.node(op_type, inputs, attributes)
         new_nodes.append(n)
         return n.outputs[0]
+
+    normalize = attrs["normalize_topk"].as_int()
+    route_scale = None
+    if routed:
+        dense = routing_probe(node, new_nodes)  # (N, E): each token's weights, 0 off its top-k
+        route_scale = add("ReduceSum", [dense, add("Constant", [], value=ir.tensor([-1], dtype=ir.DataType.INT64))],
+                          keepdims=1)
+        minus_inf = add("Constant", [], value=ir.tensor(float("-inf"), dtype=ir.DataType.FLOAT))
+        zero = add("Constant", [], value=ir.tensor(0.0, dtype=ir.DataType.FLOAT))
+        logits = add("Where", [add("Greater", [dense, zero]), add("Log", [dense]), minus_inf])
+        normalize = 0  # the softmax of log(w) is already w / sum(w)
 
     def const(values: list[int]) -> ir.Value:
         return add("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
@@ -603,7 +627,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
         [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)],
         {
             "k": attrs["top_k"].as_int(),
-            "normalize_routing_weights": attrs["normalize_topk"].as_int(),
+            "normalize_routing_weights": normalize,
             "activation_type": activation,
             **extra,
         },
@@ -611,10 +635,48 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node) -> None:
     )
     new_nodes.append(moe_node)
     y = nan_where_not_finite(add, moe_node.outputs[0], x, logits)
+    if route_scale is not None:
+        y = add("Mul", [y, route_scale])
     name = node.outputs[0].name
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+
+
+def routing_probe(node: ir.Node, new_nodes: list[ir.Node]) -> ir.Value:
+    """Each token's dense routing weights (N, E) in fp32, computed by the op itself.
+
+    A second moe::MoE node with the node's own routing attributes and inputs, but E one-hot
+    "experts" (relu(0 x + 1) = 1, projected onto e_j), outputs exactly sum_j w_j e_j = the
+    dense weights: the op's routing, whatever it is, on its standard-op function body, with
+    nothing of it written twice. Its experts cost E tiny matmuls.
+    """
+    x, logits = node.inputs[0], node.inputs[1]
+    n_experts, _, dim = (int(d) for d in node.inputs[3].shape)
+    score_bias = node.inputs[8] if len(node.inputs) > 8 else None
+
+    def const(name: str, array) -> ir.Value:
+        value = ir.node("Constant", [], {"value": ir.tensor(array, name=name)})
+        new_nodes.append(value)
+        return value.outputs[0]
+
+    one_hot = np.eye(n_experts, dtype=np.float32)[:, :, None]  # expert j writes 1 at output j
+    inputs = [
+        x, logits,
+        const("probe_w_gate", np.zeros((n_experts, 1, dim), np.float32)),
+        const("probe_w_up", np.zeros((n_experts, 1, dim), np.float32)),
+        const("probe_w_down", one_hot),
+        const("probe_b_gate", np.zeros((n_experts, 1), np.float32)),
+        const("probe_b_up", np.ones((n_experts, 1), np.float32)),
+        const("probe_b_down", np.zeros((n_experts, n_experts), np.float32)),
+        score_bias if score_bias is not None else const("probe_score_bias", np.zeros(n_experts, np.float32)),
+    ]
+    routing = {k: v.value for k, v in node.attributes.items()
+               if k not in ("activation", "activation_alpha", "activation_beta", "swiglu_limit")}
+    probe = ir.node(OP_TYPE, inputs, {**routing, "activation": "relu"}, domain=DOMAIN,
+                    name=f"{node.name}/routing" if node.name else None)
+    new_nodes.append(probe)
+    return probe.outputs[0]
 
 
 def interleaved_source(w_gate: ir.Value, w_up: ir.Value) -> ir.Value | None:
