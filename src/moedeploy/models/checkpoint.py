@@ -148,7 +148,12 @@ class _Part:
     def make(self, index: tuple | None = None) -> torch.Tensor:
         """A derived tensor (or, with `index`, the one made from that slice of every source)."""
         assert self.derived is not None
-        return self.derived.make(*(_read(file, key, index) for file, key in self.files))
+        try:
+            return self.derived.make(*(_read(file, key, index) for file, key in self.files))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # e.g. MXFP4 blocks stored in a dtype other than uint8
+            raise CheckpointError(f"{', '.join(key for _, key in self.files)}: {e}") from None
 
 
 class CheckpointWeights:
@@ -281,6 +286,11 @@ def _hf_parts(
     claimed: set[str] = set()
     if family.derive is not None:
         for ours, derived in family.derive({k: shape for k, (_, shape) in headers.items()}, config).items():
+            for src, want in zip(derived.sources, derived.source_shapes or (), strict=False):
+                if headers[src][1] != want:
+                    raise CheckpointError(
+                        f"{src} has shape {headers[src][1]}; config.json implies {want}: fix config.json or the weights"
+                    )
             parts[ours] = _Part(tuple((headers[src][0], src) for src in derived.sources), derived=derived)
             shapes[ours] = derived.shape
             claimed.update(derived.sources)

@@ -76,13 +76,16 @@ class Derived:
     transposed, interleaved (and MXFP4-packed) experts, DeepSeek's kv_b_proj split per head.
 
     `make(*sources)` returns our tensor; with `per_expert` every source leads with the expert
-    dim and `make` gets one expert's slices at a time (the unit of streaming).
+    dim and `make` gets one expert's slices at a time (the unit of streaming). `source_shapes`,
+    where given, are the shapes config.json implies for the sources: the loader checks the
+    file headers against them before anything is read, as it does for renamed tensors.
     """
 
     sources: tuple[str, ...]
     shape: tuple[int, ...]
     make: Callable[..., torch.Tensor]
     per_expert: bool = False
+    source_shapes: tuple[tuple[int, ...], ...] | None = None
 
 
 #: shapes of the checkpoint's tensors (by name), config -> {our name: Derived}
@@ -144,14 +147,18 @@ def yarn_fields(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def common(hf: dict[str, Any], eps: float = 1e-6, scalings: tuple[str, ...] = ()) -> dict[str, Any]:
+def common(
+    hf: dict[str, Any], eps: float = 1e-6, scalings: tuple[str, ...] = (), quantizations: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The fields every Llama-style config.json names the same way. `eps`: the family's default
     rms_norm_eps in transformers, for a config.json that leaves it out; `scalings`: the RoPE
-    scalings the family implements beyond the default (e.g. "yarn")."""
+    scalings the family implements beyond the default (e.g. "yarn"); `quantizations`: the
+    quantization_config.quant_method values whose tensors the family unpacks on load."""
     quantized = hf.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
-        raise refuse("quantization_config.quant_method", method, "load the unquantized (bf16/fp32) checkpoint")
+        if method not in quantizations:
+            raise refuse("quantization_config.quant_method", method, "load the unquantized (bf16/fp32) checkpoint")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise refuse("hidden_act", act, "the experts are SwiGLU (silu)")
