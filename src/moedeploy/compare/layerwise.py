@@ -121,7 +121,7 @@ def localize(
     import onnxruntime as ort
 
     from moedeploy.runtime.lowering import lower_for_ort
-    from moedeploy.runtime.ort import reads_weights_from, session_options
+    from moedeploy.runtime.ort import decoder_config, reads_weights_from, session_options
     from moedeploy.runtime.runners import TorchRunner
 
     reference = reference if reference is not None else load_reference(artifact)
@@ -157,7 +157,7 @@ def localize(
     eager = _hook_outputs(reference, modules + routers, run_torch)
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
-    lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering)
+    lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact))
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
     session = ort.InferenceSession(lowered.SerializeToString(), reads_weights_from(session_options(), artifact))
     names = [o.name for o in session.get_outputs()]

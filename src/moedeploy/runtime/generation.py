@@ -14,7 +14,7 @@ from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.runtime.lowering import MoELowering
+from moedeploy.runtime.lowering import AttentionLowering, MoELowering
 from moedeploy.runtime.ort import create_session
 
 
@@ -76,7 +76,7 @@ class KVDecoder:
 
 
 class OrtDecoder(KVDecoder):
-    """The decoder on ONNX Runtime, with moe::MoE / moe::RMSNorm lowered for the provider."""
+    """The decoder on ONNX Runtime, with moe::MoE / moe::RMSNorm and attention lowered for the provider."""
 
     def __init__(
         self,
@@ -84,9 +84,11 @@ class OrtDecoder(KVDecoder):
         providers: list[str] | None = None,
         moe_lowering: MoELowering = "auto",
         threads: int | None = None,
+        attention_lowering: AttentionLowering = "auto",
     ) -> None:
         super().__init__(artifact)
-        self.lowered = create_session(self.artifact, providers, moe_lowering, threads)
+        self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
+                                      attention_lowering=attention_lowering)
 
     @property
     def lowering(self) -> dict[str, int]:

@@ -7,6 +7,9 @@
                    selection biases, groups, scaling, sparsemixer). Otherwise the node stays
                    and ONNX Runtime inlines its dense standard-op function body
   moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype
+  attention     a decoder layer's traced attention (rotary, KV concat, ONNX Attention) ->
+                com.microsoft::GroupQueryAttention, given the decoder's config and where the
+                config and the traced subgraph qualify (runtime/gqa.py)
 
 The artifact on disk is never changed: lowering works on an in-memory copy.
 """
@@ -19,16 +22,22 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from moedeploy.models.config import DecoderConfig
 from moedeploy.plugins import moe, rmsnorm
+from moedeploy.runtime import gqa
 
 MoELowering = Literal["auto", "contrib", "function"]
+#: auto: GroupQueryAttention where it applies; gqa: every layer or an error; graph: as traced
+AttentionLowering = Literal["auto", "gqa", "graph"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
-#: contrib op cannot compute run on graph ops before it instead of on the dense function body).
-LOWERING_VERSION = 5
+#: contrib op cannot compute run on graph ops before it instead of on the dense function body;
+#: 6: a decoder's attention on com.microsoft::GroupQueryAttention).
+LOWERING_VERSION = 6
 MOE_LOWERINGS = ("auto", "contrib", "function")
+ATTENTION_LOWERINGS = ("auto", "gqa", "graph")
 
 
 class LoweringError(ValueError):
@@ -36,14 +45,22 @@ class LoweringError(ValueError):
 
 
 def lower_for_ort(
-    model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto"
+    model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
+    config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "auto",
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """Returns the lowered model and counts of what was lowered to what."""
+    """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
+    artifact's config, without which attention is left as traced."""
     if moe_lowering not in MOE_LOWERINGS:
         raise LoweringError(f"invalid MoE lowering {moe_lowering!r}; choose one of {MOE_LOWERINGS}")
+    if attention_lowering not in ATTENTION_LOWERINGS:
+        raise LoweringError(f"invalid attention lowering {attention_lowering!r}; choose one of {ATTENTION_LOWERINGS}")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
-    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_function": 0, "rmsnorm_native": 0, "rmsnorm_function": 0}
+    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_function": 0, "rmsnorm_native": 0, "rmsnorm_function": 0,
+              "attention_gqa": 0, "attention_graph": 0}
+    if config is not None:
+        counts["attention_gqa"] = lowered = _lower_attention(graph, config, provider, attention_lowering)
+        counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
         if node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE:
             eligible = moe.contrib_experts_eligible(node, provider)
@@ -68,6 +85,18 @@ def lower_for_ort(
     # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
     return ir.to_proto(ir_model), counts
+
+
+def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering) -> int:
+    """How many layers now run GroupQueryAttention; `gqa` demands all of them."""
+    why = "it runs on ONNX Runtime's CPU provider only here" if provider != "CPUExecutionProvider" else None
+    why = why or gqa.eligible(config)
+    lowered = 0 if why or how == "graph" else gqa.lower_attention(graph, config)
+    if how == "gqa" and lowered != config.n_layers:
+        why = why or "the traced attention of some layers is not the subgraph it computes"
+        raise LoweringError(f"com.microsoft::GroupQueryAttention cannot take this decoder's attention ({why}); "
+                            "use --attention-lowering auto or graph")
+    return lowered
 
 
 def _elem_type(value: ir.Value) -> int:

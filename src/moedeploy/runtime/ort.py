@@ -16,7 +16,13 @@ import onnxruntime as ort
 
 import moedeploy
 from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact, sha256
-from moedeploy.runtime.lowering import LOWERING_VERSION, MoELowering, lower_for_ort
+from moedeploy.models.config import DecoderConfig
+from moedeploy.runtime.lowering import (
+    LOWERING_VERSION,
+    AttentionLowering,
+    MoELowering,
+    lower_for_ort,
+)
 from moedeploy.utils.io import atomic_write_json, normalise_modes
 
 CACHE_DIR = "cache"
@@ -88,8 +94,10 @@ def create_session(
     moe_lowering: MoELowering = "auto",
     threads: int | None = None,
     profile: bool = False,
+    attention_lowering: AttentionLowering = "auto",
 ) -> LoweredSession:
-    """A session over the artifact's graph with the custom ops lowered for its first provider."""
+    """A session over the artifact's graph with the custom ops (and a decoder's attention)
+    lowered for its first provider."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -102,7 +110,7 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
-    model, counts = lowered_model(artifact, provider, moe_lowering)
+    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering)
     options = session_options(threads, profile)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
@@ -115,7 +123,9 @@ def create_session(
     return LoweredSession(session, provider, counts)
 
 
-def lowered_model(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[str | bytes, dict[str, int]]:
+def lowered_model(
+    artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "auto"
+) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
     An artifact with its weights in model.onnx.data (every decoder): the graph alone is
@@ -128,7 +138,7 @@ def lowered_model(artifact: Artifact, provider: str, moe_lowering: MoELowering) 
     """
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
-        lowered, counts = lower_for_ort(graph, provider, moe_lowering)
+        lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering)
         return lowered.SerializeToString(), counts
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)
@@ -136,6 +146,11 @@ def lowered_model(artifact: Artifact, provider: str, moe_lowering: MoELowering) 
     except OSError:
         lowered, counts = lower_for_ort(onnx.load(str(artifact.model_path)), provider, moe_lowering)
         return lowered.SerializeToString(), counts
+
+
+def decoder_config(artifact: Artifact) -> DecoderConfig | None:
+    """A decoder artifact's config (what the attention lowering needs); None for a block."""
+    return DecoderConfig.from_manifest(artifact.manifest["config"]) if artifact.kind == "decoder" else None
 
 
 def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELowering) -> tuple[Path, dict[str, int]]:

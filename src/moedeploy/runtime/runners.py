@@ -110,6 +110,10 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
         parts.append(f"{lowering['rmsnorm_native']} moe::RMSNorm on RMSNormalization-23")
     if lowering.get("rmsnorm_function"):
         parts.append(f"{lowering['rmsnorm_function']} moe::RMSNorm on the function body")
+    if lowering.get("attention_gqa"):
+        parts.append(f"{lowering['attention_gqa']} attention on com.microsoft::GroupQueryAttention")
+    if lowering.get("attention_graph"):
+        parts.append(f"{lowering['attention_graph']} attention on the traced graph")
     return "; ".join(parts) or None
 
 

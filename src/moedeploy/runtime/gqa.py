@@ -1,0 +1,260 @@
+"""Lower a decoder layer's attention to ONNX Runtime's fused `com.microsoft::GroupQueryAttention`.
+
+The artifact traces attention as some twenty standard ops per layer: reshapes and
+transposes of q/k/v, the rotary rotation, the KV concatenation, ONNX `Attention` with a
+mask, and the reshape back. ONNX Runtime GenAI's models run one GroupQueryAttention node
+instead, which rotates q and k itself (from cos/sin tables), appends k/v to the cache and
+attends in one kernel. This pass finds each layer's q/k/v and output projections by the
+module scopes the exporter records on every node (`decoder.layers.{i}.attn.wq`, ...), takes
+as the core every node between them and the layer's past and present, checks that it is
+exactly what GroupQueryAttention computes (see `_core_boundary`), and swaps it for one
+GroupQueryAttention node. The projections
+(with their biases) and everything else stay as they are.
+
+Which layers qualify is decided from the artifact's config, conservatively: plain rotary
+attention (full or partial rotary, default or YaRN frequencies) with no sinks, no latent
+attention, no q/k norm or clamp and no sliding window. Anything else keeps its traced
+graph. The graph's interface is unchanged (past in, present out), so the same KV-cache
+handling runs either graph; `compare` checks the lowered graph against eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from moedeploy.models.config import DecoderConfig
+
+CONTRIB_DOMAIN = "com.microsoft"
+SCOPES = "pkg.torch.onnx.name_scopes"
+#: dtypes GroupQueryAttention's CPU kernel takes
+GQA_DTYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
+
+
+def eligible(config: DecoderConfig) -> str | None:
+    """Why GroupQueryAttention cannot take this config's attention, or None when it can."""
+    c = config
+    reasons = [
+        (c.kv_lora_rank, "latent attention"),
+        (c.attention_sinks, "attention sinks"),
+        (c.qk_norm != "none", "q/k norm"),
+        (c.clip_qkv, "q/k/v clamp"),
+        (c.sliding_window, "sliding window"),
+        (c.rope_interleaved, "interleaved rotary"),
+        (c.rotary_dim != c.head_dim, "partial rotary"),
+        (c.head_dim % 16, f"head_dim {c.head_dim} is not a multiple of 16"),  # the CPU kernel's rule with rotary
+    ]
+    return next((why for flag, why in reasons if flag), None)
+
+
+def module_of(node: ir.Node) -> str:
+    """The module path the exporter recorded for a node ('' when none)."""
+    scopes = node.metadata_props.get(SCOPES)
+    if not scopes:
+        return ""
+    path = ast.literal_eval(scopes)
+    return path[-2] if len(path) >= 2 else ""
+
+
+def rotary_tables(config: DecoderConfig, np_dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """(max_positions, rotary_dim / 2) cos and sin: the decoder's own rotary module evaluated
+    at every position (YaRN's scaling included), half of each row since the halves repeat."""
+    from moedeploy.models.decoder import rotary_embedding
+
+    with torch.no_grad():
+        cos, sin = rotary_embedding(config)(torch.arange(config.max_positions))
+    half = config.rotary_dim // 2
+    return cos[:, :half].numpy().astype(np_dtype), sin[:, :half].numpy().astype(np_dtype)
+
+
+class _Lengths:
+    """seqlens_k and total_sequence_length for every layer's node, built once from the graph's
+    inputs: the cache holds P positions, S tokens arrive, every row has P + S after the step."""
+
+    def __init__(self, graph: ir.Graph, input_ids: ir.Value, past_key: ir.Value) -> None:
+        self.nodes: list[ir.Node] = []
+
+        def add(op: str, inputs: list, **attrs) -> ir.Value:
+            node = ir.node(op, inputs, attrs)
+            self.nodes.append(node)
+            return node.outputs[0]
+
+        def const(value: int) -> ir.Value:
+            return add("Constant", [], value=ir.tensor(value, dtype=ir.DataType.INT64))
+
+        ids_shape = add("Shape", [input_ids])
+        seq = add("Gather", [ids_shape, const(1)], axis=0)
+        past = add("Gather", [add("Shape", [past_key]), const(2)], axis=0)
+        total = add("Cast", [add("Add", [past, seq])], to=ir.DataType.INT32)  # scalar
+        batch = add("Slice", [ids_shape, add("Constant", [], value=ir.tensor([0], dtype=ir.DataType.INT64)),
+                              add("Constant", [], value=ir.tensor([1], dtype=ir.DataType.INT64))])
+        one = add("Constant", [], value=ir.tensor(1, dtype=ir.DataType.INT32))
+        self.total = total
+        self.seqlens_k = add("Expand", [add("Sub", [total, one]), batch])  # (B,) int32: total - 1
+        # every row's S tokens are real: without this input the kernel refuses a batch of
+        # multi-token steps over a cache
+        self.query_seqlens = add("Expand", [add("Cast", [seq], to=ir.DataType.INT32), batch])
+        graph.insert_before(graph.node(0), self.nodes)
+
+
+def lower_attention(graph: ir.Graph, config: DecoderConfig) -> int:
+    """Replace every qualifying layer's attention core by GroupQueryAttention; returns how many."""
+    if eligible(config) is not None:
+        return 0
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: i for i, v in enumerate(graph.outputs)}
+    if "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
+        return 0
+    dtype = inputs["past_key_values.0.key"].dtype
+    if dtype not in GQA_DTYPES:
+        return 0
+    by_module: dict[str, list[ir.Node]] = {}
+    for node in graph:
+        by_module.setdefault(module_of(node), []).append(node)
+    cos, sin = rotary_tables(config, GQA_DTYPES[dtype])
+    cos_cache = _initializer(graph, "gqa.cos_cache", cos)
+    sin_cache = _initializer(graph, "gqa.sin_cache", sin)
+    lengths: _Lengths | None = None
+    lowered = 0
+    for layer in range(config.n_layers):
+        scope = f"decoder.layers.{layer}.attn"
+        found = _core_boundary(graph, by_module, scope, layer, inputs, outputs)
+        if found is None:
+            continue
+        (q, k, v, past_k, past_v), (attn_out, present_k, present_v) = found
+        if lengths is None:
+            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"])
+        gqa = ir.node(
+            "GroupQueryAttention",
+            [q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, cos_cache, sin_cache,
+             *[None] * 7, lengths.query_seqlens],
+            {"num_heads": config.n_heads, "kv_num_heads": config.n_kv_heads, "do_rotary": 1,
+             "scale": config.attention_scale or config.head_dim**-0.5},
+            domain=CONTRIB_DOMAIN, num_outputs=3, name=f"{scope}.GroupQueryAttention",
+        )
+        gqa.metadata_props[SCOPES] = str(["", "decoder", f"decoder.layers.{layer}", scope, "gqa"])
+        consumer = next(use.node for use in attn_out.uses())
+        graph.insert_before(consumer, gqa)
+        out, new_k, new_v = gqa.outputs
+        ir.convenience.replace_all_uses_with(attn_out, out)
+        for old, new in ((present_k, new_k), (present_v, new_v)):
+            name = old.name
+            old.name = f"{name}.traced"
+            graph.outputs[outputs[name]] = new
+            new.name = name
+        lowered += 1
+    if lowered:
+        graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+    return lowered
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+#: ops a traced attention core may consist of (reshapes, the rotary rotation, the KV concat)
+CORE_OPS = {"Reshape", "Transpose", "Split", "Slice", "Neg", "Concat", "Mul", "Add", "Sub", "Unsqueeze", "Squeeze",
+            "Cast", "Attention"}
+
+
+def _core_boundary(
+    graph: ir.Graph, by_module: dict[str, list[ir.Node]], scope: str, layer: int,
+    inputs: dict[str, ir.Value], outputs: dict[str, int],
+) -> tuple[tuple[ir.Value, ...], tuple[ir.Value, ...]] | None:
+    """((q, k, v, past_key, past_value), (output, present_key, present_value)) of one layer's
+    attention core, or None unless the core is exactly what GroupQueryAttention computes.
+
+    The core is every node on a path from the q/k/v projections and the past to the output
+    projection's input and the present. It must consist of CORE_OPS with one ONNX Attention
+    node, nothing it computes may be read outside it, and whatever else it reads (rotary
+    tables, the mask, target shapes) must depend on tensor shapes and constants only, which
+    GroupQueryAttention derives itself.
+    """
+    q, k, v = (_scope_output(by_module.get(f"{scope}.{w}", [])) for w in ("wq", "wk", "wv"))
+    out = _scope_input(by_module.get(f"{scope}.wo", []))
+    past = inputs.get(f"past_key_values.{layer}.key"), inputs.get(f"past_key_values.{layer}.value")
+    present = tuple(graph.outputs[outputs[n]] if n in outputs else None
+                    for n in (f"present.{layer}.key", f"present.{layer}.value"))
+    starts, ends = (q, k, v, *past), (out, *present)
+    if None in starts or None in ends:
+        return None
+    core = _forward(starts) & _backward(ends, set(starts))
+    if not core or any(n.op_type not in CORE_OPS or n.domain not in ("", "ai.onnx") for n in core):
+        return None
+    if sum(n.op_type == "Attention" for n in core) != 1:
+        return None
+    produced = {val for n in core for val in n.outputs}
+    for val in produced:
+        if val not in ends and (val.is_graph_output() or any(use.node not in core for use in val.uses())):
+            return None  # an intermediate value someone else reads
+    if any(val not in produced for val in ends):
+        return None
+    shape_only: dict[ir.Value, bool] = {}
+    for n in core:
+        for val in n.inputs:
+            if val is not None and val not in produced and val not in starts and not _shape_only(val, shape_only):
+                return None
+    return starts, ends  # type: ignore[return-value]
+
+
+def _scope_output(nodes: list[ir.Node]) -> ir.Value | None:
+    """The one value a module's nodes hand to the rest of the graph (a projection's output)."""
+    members = set(nodes)
+    found = {val for n in nodes for val in n.outputs if any(use.node not in members for use in val.uses())}
+    return found.pop() if len(found) == 1 else None
+
+
+def _scope_input(nodes: list[ir.Node]) -> ir.Value | None:
+    """The one activation a module's nodes read from outside (a projection's input)."""
+    members = set(nodes)
+    found = {val for n in nodes for val in n.inputs
+             if val is not None and not val.is_initializer() and val.producer() not in members
+             and not (val.producer() is not None and val.producer().op_type == "Constant")}
+    return found.pop() if len(found) == 1 else None
+
+
+def _forward(starts: tuple[ir.Value, ...]) -> set[ir.Node]:
+    """Nodes that read the contents of `starts`, directly or not (a Shape reads no contents)."""
+    seen: set[ir.Node] = set()
+    todo = [use.node for val in starts for use in val.uses()]
+    while todo:
+        node = todo.pop()
+        if node not in seen and node.op_type != "Shape":
+            seen.add(node)
+            todo.extend(use.node for val in node.outputs for use in val.uses())
+    return seen
+
+
+def _backward(ends: tuple[ir.Value, ...], stop: set[ir.Value]) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    todo = [val.producer() for val in ends]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(val.producer() for val in node.inputs if val is not None and val not in stop)
+    return seen
+
+
+def _shape_only(value: ir.Value, memo: dict[ir.Value, bool]) -> bool:
+    """Whether a value depends on tensor shapes and constants only, never on tensor contents."""
+    if value in memo:
+        return memo[value]
+    producer = value.producer()
+    if value.is_initializer() or value.const_value is not None:
+        result = True
+    elif producer is None:
+        result = False  # a graph input's contents
+    elif producer.op_type == "Shape":
+        result = True
+    else:
+        memo[value] = False  # cycles cannot occur in a DAG; this only guards deep recursion
+        result = all(_shape_only(val, memo) for val in producer.inputs if val is not None)
+    memo[value] = result
+    return result
