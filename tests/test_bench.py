@@ -45,7 +45,7 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
     shutil.copytree(shared.path, folder, ignore=shutil.ignore_patterns("cache", "report", "engines"))
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "moedeploy.cli", "bench", "tiny", "--backend", "torch,ort", "--prompt-len", "8",
+        [sys.executable, "-m", "moedeploy.cli", "bench", "tiny", "--backend", "torch,ort,ort-gqa", "--prompt-len", "8",
          "--new-tokens", "6", "--repeat", "2", "--json", str(out)],
         capture_output=True, text=True, check=False, env={**os.environ, "MOEDEPLOY_CACHE": str(tmp_path / "cache")},
     )
@@ -53,12 +53,12 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
     report = json.loads(out.read_text())
     assert {"cpu", "threads", "bandwidth_gbs", "gemm_gflops"} <= set(report["machine"])
     metrics = {(r["backend"], r["metric"]): r for r in report["results"]}
-    for backend in ("torch", "ort"):
+    for backend in ("torch", "ort", "ort-gqa"):
         for metric, unit in (("prefill_ms", "ms"), ("decode_tokens_per_s", "tokens/s"), ("peak_rss_mb", "MB"),
                              ("token_latency_p50_ms", "ms"), ("token_latency_p99_ms", "ms")):
             row = metrics[(backend, metric)]
             assert row["unit"] == unit and row["value"] > 0
-    assert report["greedy_tokens_agree"] is True  # same weights, same greedy tokens
+    assert report["greedy_tokens_agree"] is True  # same weights, same greedy tokens (GroupQueryAttention too)
     assert "ort_vs_torch" in report["ratios"]
     for raw in report["raw"]:  # the spread is min / median / max of every timed run
         for key in ("decode_tokens_per_s", "prefill_ms"):

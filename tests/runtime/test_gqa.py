@@ -59,7 +59,7 @@ def _two_steps(decoder: OrtDecoder, ids: torch.Tensor, split: int) -> torch.Tens
 @torch.no_grad()
 def test_lowered_attention_matches_transformers(exported) -> None:
     hf, artifact = exported
-    lowered = OrtDecoder(artifact)
+    lowered = OrtDecoder(artifact, attention_lowering="gqa")
     n_layers = hf.config.num_hidden_layers
     assert lowered.lowering["attention_gqa"] == n_layers and lowered.lowering["attention_graph"] == 0
     ids = prompt(hf.config.vocab_size, batch=2, length=13, seed=9)
@@ -67,7 +67,7 @@ def test_lowered_attention_matches_transformers(exported) -> None:
     assert expected.abs().max() > 1.0
     got = _two_steps(lowered, ids, 8)  # batch 2, 5 tokens over an 8-token cache
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    traced = OrtDecoder(artifact, attention_lowering="graph")
+    traced = OrtDecoder(artifact)  # the default
     assert traced.lowering["attention_gqa"] == 0 and traced.lowering["attention_graph"] == n_layers
     torch.testing.assert_close(got, _two_steps(traced, ids, 8), atol=2e-5, rtol=0)
 
@@ -82,7 +82,7 @@ def test_lowered_greedy_tokens_are_transformers(exported) -> None:
 
 def test_the_fused_node_is_what_runs(exported) -> None:
     hf, artifact = exported
-    session = create_session(artifact, ["CPUExecutionProvider"], profile=True)
+    session = create_session(artifact, ["CPUExecutionProvider"], profile=True, attention_lowering="gqa")
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
     (kh, kd), (vh, vd) = config.kv_cache_dims
     feed = {"input_ids": prompt(hf.config.vocab_size, batch=1, length=4).numpy()}

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moedeploy.export.artifact import Artifact
 
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "trt")
+#: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention,
+#: so one run shows what that lowering buys on this machine
+BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "trt")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
 
 

@@ -101,10 +101,10 @@ def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
     return reset, step
 
 
-def _ort_stepper(artifact, threads: int) -> tuple[Callable[[int, int], None], Step]:
+def _ort_stepper(artifact, threads: int, attention: str = "graph") -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.runtime.generation import OrtDecoder
 
-    decoder = OrtDecoder(artifact, threads=threads)
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention)
     return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
 
 
@@ -117,6 +117,8 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
         return _hf_stepper(artifact)
     if settings.backend == "ort":
         return _ort_stepper(artifact, settings.threads)
+    if settings.backend == "ort-gqa":
+        return _ort_stepper(artifact, settings.threads, attention="gqa")
     if settings.backend == "trt":
         from moedeploy.runtime.generation import TrtDecoder
 

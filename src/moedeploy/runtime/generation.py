@@ -84,7 +84,7 @@ class OrtDecoder(KVDecoder):
         providers: list[str] | None = None,
         moe_lowering: MoELowering = "auto",
         threads: int | None = None,
-        attention_lowering: AttentionLowering = "auto",
+        attention_lowering: AttentionLowering = "graph",
     ) -> None:
         super().__init__(artifact)
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,

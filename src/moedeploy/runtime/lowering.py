@@ -7,9 +7,11 @@
                    selection biases, groups, scaling, sparsemixer). Otherwise the node stays
                    and ONNX Runtime inlines its dense standard-op function body
   moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype
-  attention     a decoder layer's traced attention (rotary, KV concat, ONNX Attention) ->
-                com.microsoft::GroupQueryAttention, given the decoder's config and where the
-                config and the traced subgraph qualify (runtime/gqa.py)
+  attention     on request (attention_lowering="gqa"), a decoder layer's traced attention
+                (rotary, KV concat, ONNX Attention) -> com.microsoft::GroupQueryAttention,
+                where the decoder's config and the traced subgraph qualify (runtime/gqa.py).
+                Not the default: on the 2-core CPU it was measured on, decode and prefill
+                were no faster (benchmarks/README.md), so the traced graph stays
 
 The artifact on disk is never changed: lowering works on an in-memory copy.
 """
@@ -27,17 +29,17 @@ from moedeploy.plugins import moe, rmsnorm
 from moedeploy.runtime import gqa
 
 MoELowering = Literal["auto", "contrib", "function"]
-#: auto: GroupQueryAttention where it applies; gqa: every layer or an error; graph: as traced
-AttentionLowering = Literal["auto", "gqa", "graph"]
+#: graph: attention as traced; gqa: every layer on GroupQueryAttention, or an error saying why not
+AttentionLowering = Literal["graph", "gqa"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
-#: 6: a decoder's attention on com.microsoft::GroupQueryAttention).
+#: 6: attention lowering counts).
 LOWERING_VERSION = 6
 MOE_LOWERINGS = ("auto", "contrib", "function")
-ATTENTION_LOWERINGS = ("auto", "gqa", "graph")
+ATTENTION_LOWERINGS = ("graph", "gqa")
 
 
 class LoweringError(ValueError):
@@ -46,7 +48,7 @@ class LoweringError(ValueError):
 
 def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
-    config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "auto",
+    config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced."""
@@ -88,14 +90,16 @@ def lower_for_ort(
 
 
 def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering) -> int:
-    """How many layers now run GroupQueryAttention; `gqa` demands all of them."""
-    why = "it runs on ONNX Runtime's CPU provider only here" if provider != "CPUExecutionProvider" else None
+    """How many layers now run GroupQueryAttention: none, or with `gqa` all of them."""
+    if how == "graph":
+        return 0
+    why = "it is wired for ONNX Runtime's CPU provider only" if provider != "CPUExecutionProvider" else None
     why = why or gqa.eligible(config)
-    lowered = 0 if why or how == "graph" else gqa.lower_attention(graph, config)
-    if how == "gqa" and lowered != config.n_layers:
+    lowered = 0 if why else gqa.lower_attention(graph, config)
+    if lowered != config.n_layers:
         why = why or "the traced attention of some layers is not the subgraph it computes"
         raise LoweringError(f"com.microsoft::GroupQueryAttention cannot take this decoder's attention ({why}); "
-                            "use --attention-lowering auto or graph")
+                            "keep the traced attention (attention_lowering='graph', bench backend 'ort')")
     return lowered
 
 

@@ -94,7 +94,7 @@ def create_session(
     moe_lowering: MoELowering = "auto",
     threads: int | None = None,
     profile: bool = False,
-    attention_lowering: AttentionLowering = "auto",
+    attention_lowering: AttentionLowering = "graph",
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
     lowered for its first provider."""
@@ -124,7 +124,7 @@ def create_session(
 
 
 def lowered_model(
-    artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "auto"
+    artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph"
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
