@@ -492,7 +492,8 @@ def check_cmd(
 def bench_cmd(
     target: str = typer.Argument(..., help="A decoder artifact folder; a checkpoint folder (config.json + safetensors: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, GLM-4-MoE, MiniMax-M2, or moedeploy's own), exported once (fp32) into the cache and reused only while its weights fingerprint and config still match; or a preset (tiny, small), exported once into the cache. The cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
-                                "(ort with attention on com.microsoft::GroupQueryAttention), trt."),
+                                "(ort with attention on com.microsoft::GroupQueryAttention), ort-contrib (ort with "
+                                "every MoE on com.microsoft::MoE), trt."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),

@@ -72,11 +72,14 @@ def test_onnxruntime_greedy_tokens_match_transformers(exported) -> None:
     assert torch.equal(got, expected)
     config = artifact.manifest["config"]
     n_moe = config["n_layers"] - len(config["dense_layers"])
+    assert decoder.lowering["moe_experts"] == n_moe  # the default on CPU fp32: one If per expert
+    assert decoder.lowering["moe_contrib"] == decoder.lowering["moe_function"] == 0
+    contrib = OrtDecoder(artifact, moe_lowering="contrib")
+    assert torch.equal(contrib.generate(ids, max_new_tokens=16), expected)
     fast = hf.config.model_type in CONTRIB_FAMILIES
     # the others' routing runs on graph ops before com.microsoft::MoE
-    assert decoder.lowering["moe_contrib"] == (n_moe if fast else 0)
-    assert decoder.lowering["moe_routed"] == (0 if fast else n_moe)
-    assert decoder.lowering["moe_function"] == 0
+    assert contrib.lowering["moe_contrib"] == (n_moe if fast else 0)
+    assert contrib.lowering["moe_routed"] == (0 if fast else n_moe)
     if hf.config.model_type == "mixtral":  # and the function body on a family that has the fast path
         assert torch.equal(OrtDecoder(artifact, moe_lowering="function").generate(ids, max_new_tokens=16), expected)
 

@@ -21,15 +21,15 @@ from moedeploy.export.exporter import export
 from .cases import cases, make_model, prompt, save_checkpoint
 
 CASES = cases(n_layers=2)
-FAST = "moe::MoE on com.microsoft::MoE (fast path)"
-ROUTED = "moe::MoE on com.microsoft::MoE, routed on graph ops"
-#: case id -> the path `compare` must report (MoE layers, where they ran)
+EXPERTS = "moe::MoE on one If per expert over prepacked Gemms (fast path)"
+#: case id -> the path `compare` must report (MoE layers, where they ran): every routing runs on
+#: the per-expert lowering by default (tests/plugins/test_moe_experts.py)
 PATHS = {
-    "glm4_moe-groups": f"1 {ROUTED}",  # its first layer is dense
-    "qwen3_moe-headdim": f"1 {FAST}",
-    "gpt_oss": f"2 {FAST}",
-    "deepseek_v2-groups": f"2 {ROUTED}",
-    "deepseek_v3": f"1 {ROUTED}",
+    "glm4_moe-groups": f"1 {EXPERTS}",  # its first layer is dense
+    "qwen3_moe-headdim": f"1 {EXPERTS}",
+    "gpt_oss": f"2 {EXPERTS}",
+    "deepseek_v2-groups": f"2 {EXPERTS}",
+    "deepseek_v3": f"1 {EXPERTS}",
 }
 
 

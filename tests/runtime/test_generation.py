@@ -36,11 +36,11 @@ def test_eager_greedy_is_argmax_without_cache(decoder, prompt, eager_greedy) -> 
     assert torch.equal(eager_greedy, tokens)
 
 
-@pytest.mark.parametrize("lowering", ["contrib", "function"])
+@pytest.mark.parametrize("lowering", ["auto", "contrib", "experts", "function"])
 def test_greedy_tokens_match_eager(store, prompt, eager_greedy, lowering: str) -> None:
     ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], moe_lowering=lowering)
-    expected_contrib = 2 if lowering == "contrib" else 0
-    assert ort_decoder.lowering["moe_contrib"] == expected_contrib
+    assert ort_decoder.lowering["moe_contrib"] == (2 if lowering == "contrib" else 0)
+    assert ort_decoder.lowering["moe_experts"] == (2 if lowering in ("auto", "experts") else 0)
     tokens = ort_decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
     assert tokens.shape == (2, 7 + NEW_TOKENS)
     assert torch.equal(tokens, eager_greedy)

@@ -44,7 +44,7 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
     monkeypatch.chdir(tmp_path)  # ONNX Runtime writes its profile into the working folder
     artifact = store.block("moe")
     feed = {"x": moe_block_input(2, 5).numpy()}
-    contrib = create_session(artifact, CPU, profile=True)
+    contrib = create_session(artifact, CPU, moe_lowering="contrib", profile=True)
     assert contrib.lowering["moe_contrib"] == 1 and contrib.lowering["moe_function"] == 0
     ops = executed_ops(contrib, feed)
     assert "MoE" in ops
@@ -56,11 +56,16 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
     assert "MoE" not in ops
     assert {"TopK", "ScatterElements"} <= ops  # the inlined dense body ran instead
 
+    experts = create_session(artifact, CPU, profile=True)  # the default on CPU fp32
+    assert experts.lowering["moe_experts"] == 1 and experts.lowering["moe_contrib"] == 0
+    ops = executed_ops(experts, feed)
+    assert "MoE" not in ops and {"If", "Gemm", "ScatterND"} <= ops
+
 
 def test_decoder_lowering_counts(store) -> None:
     lowered = create_session(store.decoder("fp32"), CPU)
-    assert lowered.lowering == {"moe_contrib": 2, "moe_routed": 0, "moe_function": 0, "rmsnorm_native": 5,
-                                "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 2}
+    assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_function": 0,
+                                "rmsnorm_native": 5, "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 2}
     assert lowered.provider == "CPUExecutionProvider"
 
 
@@ -182,7 +187,7 @@ def test_session_works_when_the_cache_cannot_be_written(store, tmp_path) -> None
     assert not (writable.path / CACHE_DIR).exists()  # both start without a cache: the first session writes it
     (blocked.path / CACHE_DIR).write_text("not a folder")
     cached, uncached = create_session(writable), create_session(blocked)
-    assert uncached.lowering == cached.lowering and uncached.lowering["moe_contrib"] == 1
+    assert uncached.lowering == cached.lowering and uncached.lowering["moe_experts"] == 1
     feed = blocked.golden_inputs()[0]
     np.testing.assert_allclose(uncached.run(feed)[0], blocked.golden_outputs()[0]["y"], rtol=1e-5, atol=1e-5)
     assert (blocked.path / CACHE_DIR).is_file()  # left alone
@@ -255,7 +260,7 @@ def test_routed_contrib_lowering_matches_eager_and_the_function_body(name: str, 
     g = torch.Generator().manual_seed(12)
     bias = 0.5 * torch.randn(n_experts, generator=g) if has_bias else None
     model = moe_node_model(w, 0, 0, activation, routing=routing, score_bias=None if bias is None else bias.numpy())
-    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "auto")
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "contrib" if activation == "swiglu" else "auto")
     assert counts["moe_routed"] == 1 and counts["moe_contrib"] == counts["moe_function"] == 0
     ops = [(n.domain, n.op_type) for n in lowered.graph.node]
     assert ops.count(("com.microsoft", "MoE")) == 1 and ops.count(("moe", "MoE")) == 1  # + the routing probe

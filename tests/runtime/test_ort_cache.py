@@ -60,7 +60,7 @@ def test_the_sidecar_records_every_cache_file(moe) -> None:
     on_disk = {p.name: digest(p) for p in (moe.path / CACHE_DIR).iterdir() if p != sidecar}
     assert {Path(n).suffix for n in on_disk} == {".onnx", ".data"}
     assert record["files"] == on_disk
-    assert record["lowering"]["moe_contrib"] == 1  # counts still travel with it
+    assert record["lowering"]["moe_experts"] == 1  # counts still travel with it
     assert record["source"] == {"model.onnx": moe.manifest["files"]["model.onnx"]}
 
 

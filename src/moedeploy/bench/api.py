@@ -173,7 +173,7 @@ def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
     check_positions(config_of(artifact) if artifact else preset(target), prompt_len, new_tokens)
     if "trt" in backends:
         require_engine(artifact, target)
-    if {"ort", "ort-gqa"} & set(backends):
+    if {"ort", "ort-gqa", "ort-contrib"} & set(backends):
         require_ort_dtype(artifact)
     if Path(target).is_dir():
         return artifact, None

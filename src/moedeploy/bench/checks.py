@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moedeploy.export.artifact import Artifact
 
-#: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention,
-#: so one run shows what that lowering buys on this machine
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "trt")
+#: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention;
+#: ort-contrib: with every MoE on com.microsoft::MoE (the default lowering before the per-expert
+#: one): so one run shows what each lowering buys on this machine
+BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
 
 

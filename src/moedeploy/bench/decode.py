@@ -101,10 +101,11 @@ def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
     return reset, step
 
 
-def _ort_stepper(artifact, threads: int, attention: str = "graph") -> tuple[Callable[[int, int], None], Step]:
+def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "auto",
+                 ) -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.runtime.generation import OrtDecoder
 
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention)
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe)
     return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
 
 
@@ -119,6 +120,8 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
         return _ort_stepper(artifact, settings.threads)
     if settings.backend == "ort-gqa":
         return _ort_stepper(artifact, settings.threads, attention="gqa")
+    if settings.backend == "ort-contrib":
+        return _ort_stepper(artifact, settings.threads, moe="contrib")
     if settings.backend == "trt":
         from moedeploy.runtime.generation import TrtDecoder
 

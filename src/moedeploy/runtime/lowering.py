@@ -1,6 +1,9 @@
 """Lower the custom ops of an artifact's graph to what an ONNX Runtime provider runs fastest.
 
-  moe::MoE      -> com.microsoft::MoE where its kernel takes the dtype and the activation on
+  moe::MoE      -> one If per expert over prepacked Gemms (plugins/moe_experts.py) for fp32
+                   SwiGLU experts on CPU, every routing: on the CPU it was measured on, faster
+                   than com.microsoft::MoE in decode and prefill (benchmarks/README.md); else
+                -> com.microsoft::MoE where its kernel takes the dtype and the activation on
                    that provider (fp32 on CPU): with its own router when that expresses the
                    node's (softmax top-k, with or without renormalisation), else with the
                    node's routing computed on graph ops before it ("routed": sigmoid scores,
@@ -25,10 +28,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from moedeploy.models.config import DecoderConfig
-from moedeploy.plugins import moe, rmsnorm
+from moedeploy.plugins import moe, moe_experts, rmsnorm
 from moedeploy.runtime import gqa
 
-MoELowering = Literal["auto", "contrib", "function"]
+MoELowering = Literal["auto", "contrib", "experts", "function"]
 #: graph: attention as traced; gqa: every layer on GroupQueryAttention, or an error saying why not
 AttentionLowering = Literal["graph", "gqa"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
@@ -36,9 +39,9 @@ AttentionLowering = Literal["graph", "gqa"]
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
-#: 6: attention lowering counts).
+#: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert).
 LOWERING_VERSION = 6
-MOE_LOWERINGS = ("auto", "contrib", "function")
+MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 
 
@@ -58,13 +61,21 @@ def lower_for_ort(
         raise LoweringError(f"invalid attention lowering {attention_lowering!r}; choose one of {ATTENTION_LOWERINGS}")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
-    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_function": 0, "rmsnorm_native": 0, "rmsnorm_function": 0,
+    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
+              "rmsnorm_function": 0,
               "attention_gqa": 0, "attention_graph": 0}
     if config is not None:
         counts["attention_gqa"] = lowered = _lower_attention(graph, config, provider, attention_lowering)
         counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
-        if node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE:
+        is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
+        if is_moe and moe_lowering in ("auto", "experts") and moe_experts.experts_eligible(node, provider):
+            moe_experts.lower_to_experts(graph, node)
+            counts["moe_experts"] += 1
+        elif is_moe and moe_lowering == "experts":
+            raise LoweringError(f"the per-expert lowering does not take node {node.name!r} (fp32 SwiGLU "
+                                f"experts with constant weights on the CPU provider only); use moe_lowering='auto'")
+        elif is_moe:
             eligible = moe.contrib_experts_eligible(node, provider)
             if moe_lowering == "contrib" and not eligible:
                 raise LoweringError(

@@ -104,6 +104,8 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
         parts.append(f"{lowering['moe_contrib']} moe::MoE on com.microsoft::MoE (fast path)")
     if lowering.get("moe_routed"):
         parts.append(f"{lowering['moe_routed']} moe::MoE on com.microsoft::MoE, routed on graph ops (fast path)")
+    if lowering.get("moe_experts"):
+        parts.append(f"{lowering['moe_experts']} moe::MoE on one If per expert over prepacked Gemms (fast path)")
     if lowering.get("moe_function"):
         parts.append(f"{lowering['moe_function']} moe::MoE on the standard-op function body")
     if lowering.get("rmsnorm_native"):

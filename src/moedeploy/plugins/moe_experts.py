@@ -1,0 +1,173 @@
+"""moe::MoE lowered to one ONNX If per expert: ONNX Runtime's fastest CPU path for decoding.
+
+com.microsoft::MoE's CPU kernel multiplies each expert's weights unpacked and transposed,
+one expert per thread, with the experts split between threads by index; for the one token of
+a decode step it reaches about 40-55% of the bandwidth floor (benchmarks/moe_decode_paths.py).
+Here each expert is an If, taken when any token routes to it, whose branch gathers that
+expert's tokens, runs its SwiGLU as Gemm nodes on the expert's own weights (initializers
+ONNX Runtime prepacks at session creation, multi-threaded like any MatMul), scales by the
+routing weights and scatters the rows back. An untaken expert costs one If. The routing is
+the op's own, computed on its function body by `moe.routing_probe`, so every routing variant
+(softmax, sigmoid with a selection bias, groups, scaling, sparsemixer) takes this path.
+
+The per-expert weights are new initializers that point into the artifact's data file at each
+expert's offset (no bytes are copied on disk); the interleaved gate/up weight a streamed
+export writes is used as one Gemm per expert. Rows with NaN or Inf come out NaN, as in eager
+PyTorch (`moe.nan_where_not_finite`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from moedeploy.plugins.moe import (
+    interleaved_source,
+    is_zero,
+    nan_where_not_finite,
+    node_activation,
+    routing_probe,
+)
+
+FLOAT = ir.DataType.FLOAT
+
+
+def experts_eligible(node: ir.Node, provider: str) -> bool:
+    """fp32 on the CPU provider, SwiGLU experts, and weights that are constant initializers
+    (so each expert's slice can be an initializer of its own)."""
+    if provider != "CPUExecutionProvider" or node.inputs[0].dtype != FLOAT:
+        return False
+    if node_activation(node).activation != "swiglu":
+        return False
+    w_gate, w_up, w_down = node.inputs[2:5]
+    fused = interleaved_source(w_gate, w_up)
+    stacked = [fused, w_down] if fused is not None else [w_gate, w_up, w_down]
+    biases = [b for b in node.inputs[5:8] if b is not None and not is_zero(b)]
+    return all(_constant(v) is not None for v in stacked + biases)
+
+
+def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
+    if value is None or value.const_value is None or value.shape is None:
+        return None
+    return value.const_value
+
+
+def expert_slice(value: ir.Value, expert: int) -> ir.Value:
+    """Expert `expert`'s slice of a stacked (E, ...) constant, as an initializer of its own:
+    a view into the same external data file (offset, length) when the weights live there."""
+    tensor = value.const_value
+    assert tensor is not None and value.shape is not None
+    shape = [int(d) for d in value.shape][1:]
+    name = f"{value.name}.expert{expert}"
+    if isinstance(tensor, ir.ExternalTensor):
+        size = int(np.prod(shape) * tensor.dtype.itemsize)
+        sliced: ir.TensorProtocol = ir.ExternalTensor(
+            tensor.location, (tensor.offset or 0) + expert * size, size, tensor.dtype,
+            shape=ir.Shape(shape), name=name, base_dir=tensor.base_dir)
+    else:
+        sliced = ir.tensor(tensor.numpy()[expert], name=name)
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype), const_value=sliced)
+
+
+class _Builder:
+    """Appends nodes to a list and returns their (first) outputs, every value named under
+    `prefix` (values of If branches must not share names with each other or the main graph)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.nodes: list[ir.Node] = []
+        self.prefix = prefix
+
+    def __call__(self, op: str, inputs: list, **attrs) -> ir.Value:
+        node = ir.node(op, inputs, attrs, name=f"{self.prefix}/{op}_{len(self.nodes)}")
+        self.nodes.append(node)
+        for i, value in enumerate(node.outputs):
+            value.name = f"{node.name}:{i}"
+        return node.outputs[0]
+
+    def ints(self, values: list[int]) -> ir.Value:
+        return self("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
+
+    def scalar(self, value: float) -> ir.Value:
+        return self("Constant", [], value=ir.tensor(value, dtype=FLOAT))
+
+
+def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
+    """Replace one moe::MoE node by the routing probe and one If per expert, in place."""
+    x, _, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
+    n_experts, hidden, dim = (int(d) for d in w_up.shape)
+    prefix = f"{node.name or node.outputs[0].name}/experts"
+    add = _Builder(prefix)
+    flat_x = add("Reshape", [x, add.ints([-1, dim])])  # (N, H)
+    dense = add("Reshape", [routing_probe(node, add.nodes), add.ints([-1, n_experts])])  # (N, E) weights
+    zeros = add("ConstantOfShape", [add("Shape", [flat_x])])  # float 0, (N, H)
+    zero = add.scalar(0.0)
+    fused = interleaved_source(w_gate, w_up)
+    initializers: list[ir.Value] = []
+
+    def weight(value: ir.Value | None, expert: int) -> ir.Value | None:
+        if value is None or is_zero(value):
+            return None
+        sliced = expert_slice(value, expert)
+        initializers.append(sliced)
+        return sliced
+
+    outs = []
+    for e in range(n_experts):
+        w_e = add("Gather", [dense, add.ints([e])], axis=1)  # (N, 1)
+        # any token routed here: from the mask, not ReduceMax(w_e), which a NaN row would make NaN
+        routed = add("Cast", [add("Greater", [w_e, zero])], to=FLOAT)
+        taken = add("Greater", [add("ReduceMax", [routed], keepdims=0), zero])
+        fc1 = (weight(fused, e),) if fused is not None else (weight(w_gate, e), weight(w_up, e))
+        branch = _expert_branch(f"{prefix}/expert{e}", flat_x, w_e, zeros, fc1, weight(w_down, e),
+                                (weight(b_gate, e), weight(b_up, e), weight(b_down, e)), hidden, node)
+        skip = _Builder(f"{prefix}/expert{e}_skipped")
+        none = skip("Identity", [zeros])
+        outs.append(add("If", [taken], then_branch=branch,
+                        else_branch=ir.Graph([], [none], nodes=skip.nodes, name=skip.prefix)))
+    y = add("Sum", outs) if len(outs) > 1 else outs[0]
+    # NaN rows where eager gives NaN: a non-finite input, or a routing that is not finite (the
+    # probe's weights carry exactly that: a +Inf logit is NaN under softmax, finite under sigmoid)
+    y = nan_where_not_finite(add, y, flat_x, dense)
+    y = add("Reshape", [y, add("Shape", [x])])
+    for value in initializers:
+        graph.register_initializer(value)
+    name = node.outputs[0].name
+    ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
+    y.name = name  # downstream tools (layer-wise compare) look values up by name
+
+
+def _expert_branch(
+    prefix: str, flat_x: ir.Value, w_e: ir.Value, zeros: ir.Value, fc1: tuple, w_down: ir.Value,
+    biases: tuple, hidden: int, node: ir.Node,
+) -> ir.Graph:
+    """The taken branch: expert e on the tokens routed to it, scattered into an (N, H) zero tensor."""
+    act = node_activation(node)
+    add = _Builder(prefix)
+    zero = add.scalar(0.0)
+    routed = add("Squeeze", [add("Greater", [w_e, zero]), add.ints([1])])  # (N,) bool
+    rows = add("Reshape", [add("NonZero", [routed]), add.ints([-1])])  # (M,)
+    xs = add("Gather", [flat_x, rows], axis=0)  # (M, H)
+    if len(fc1) == 1:  # the interleaved (2I, H) weight: one Gemm, then the even and odd columns
+        both = add("Gemm", [xs, fc1[0]], transB=1)
+        g = add("Slice", [both, add.ints([0]), add.ints([2 * hidden]), add.ints([1]), add.ints([2])])
+        u = add("Slice", [both, add.ints([1]), add.ints([2 * hidden]), add.ints([1]), add.ints([2])])
+    else:
+        g, u = add("Gemm", [xs, fc1[0]], transB=1), add("Gemm", [xs, fc1[1]], transB=1)
+    b_gate, b_up, b_down = biases
+    if b_gate is not None:
+        g = add("Add", [g, b_gate])
+    if b_up is not None:
+        u = add("Add", [u, b_up])
+    if act.clamped:
+        limit = add.scalar(act.swiglu_limit)
+        g = add("Min", [g, limit])
+        u = add("Max", [add("Min", [u, limit]), add.scalar(-act.swiglu_limit)])
+    gate_in = g if act.activation_alpha == 1.0 else add("Mul", [g, add.scalar(act.activation_alpha)])
+    gated = add("Mul", [g, add("Sigmoid", [gate_in])])
+    if act.activation_beta != 0.0:
+        u = add("Add", [u, add.scalar(act.activation_beta)])
+    h = add("Mul", [gated, u])
+    y = add("Gemm", [h, w_down], transB=1) if b_down is None else add("Gemm", [h, w_down, b_down], transB=1)
+    y = add("Mul", [y, add("Gather", [w_e, rows], axis=0)])  # times each token's routing weight
+    out = add("ScatterND", [zeros, add("Unsqueeze", [rows, add.ints([1])]), y])
+    return ir.Graph([], [out], nodes=add.nodes, name=prefix)
