@@ -6,10 +6,12 @@ reads / the machine's read bandwidth. This script splits that floor between the 
 (router, and the top-k experts' weights per layer) and the MatMuls (attention projections
 and the LM head), and reports how close each comes, so the next optimisation goes where the
 time is. Both attention lowerings are profiled (the traced graph and
-com.microsoft::GroupQueryAttention). The profiler adds a few microseconds per node, so step
-times here are above `moedeploy bench`'s; use bench for speed, this for where it goes.
+com.microsoft::GroupQueryAttention). With `--moe contrib` every MoE is one
+com.microsoft::MoE node and its floor is shown; the default lowering (one If per expert)
+spreads it over If, Gemm and routing ops. The profiler adds a few microseconds per node, so
+step times here are above `moedeploy bench`'s; use bench for speed, this for where it goes.
 
-    python benchmarks/decode_profile.py [ARTIFACT_OR_PRESET] [--context 128] [--steps 48] [--threads 2]
+    python benchmarks/decode_profile.py [ARTIFACT_OR_PRESET] [--moe auto|contrib] [--context 128] [--steps 48]
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ def floors_ms(config, bandwidth_gbs: float) -> dict[str, float]:
     return {"MoE": moe * 4 / bandwidth_gbs / 1e6, "MatMul": matmul * 4 / bandwidth_gbs / 1e6}
 
 
-def profile(artifact, attention: str, context: int, steps: int, threads: int) -> dict:
+def profile(artifact, attention: str, context: int, steps: int, threads: int, moe: str = "auto") -> dict:
     from moedeploy.models.config import DecoderConfig
     from moedeploy.runtime.ort import create_session
 
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
-    lowered = create_session(artifact, ["CPUExecutionProvider"], threads=threads, profile=True,
+    lowered = create_session(artifact, ["CPUExecutionProvider"], moe, threads=threads, profile=True,
                              attention_lowering=attention)
     (kh, kd), (vh, vd) = config.kv_cache_dims
     rng = np.random.default_rng(0)
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the profiled steps")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--moe", choices=("auto", "contrib"), default="auto", help="the MoE lowering")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -97,7 +100,7 @@ def main() -> None:
     print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.2f} GB/s; decode steps after {args.context} tokens")
     report = {"bandwidth_gbs": bandwidth, "context": args.context, "profiles": {}}
     for attention in ("graph", "gqa"):
-        p = profile(artifact, attention, args.context, args.steps, args.threads)
+        p = profile(artifact, attention, args.context, args.steps, args.threads, args.moe)
         floors = floors_ms(p.pop("config"), bandwidth)
         report["profiles"][attention] = {**p, "floors_ms": floors}
         print(f"\nattention {attention}: step {p['step_ms']:.2f} ms (profiled), kernels {p['kernel_ms']:.2f} ms, "

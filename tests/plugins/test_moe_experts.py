@@ -60,7 +60,8 @@ def test_every_routing_matches_eager_and_the_function_body(name: str, biases: bo
     assert counts["moe_experts"] == 1 and counts["moe_contrib"] == counts["moe_routed"] == counts["moe_function"] == 0
     ops = [(n.domain, n.op_type) for n in lowered.graph.node]
     assert ops.count(("", "If")) == E and ("com.microsoft", "MoE") not in ops
-    assert ops.count(("moe", "MoE")) == 1  # the routing probe alone
+    # plain softmax routing on five graph ops, the others on the op's function body (the probe)
+    assert ops.count(("moe", "MoE")) == (0 if name.startswith("softmax") else 1)
     session = plain_session(lowered)
     for n in (1, 2, 5, 64):  # a decode step, a few, a prefill's worth
         x, logits = torch.randn(n, H, generator=g), 2.0 * torch.randn(n, E, generator=g)

@@ -26,6 +26,7 @@ from moedeploy.plugins.moe import (
     is_zero,
     nan_where_not_finite,
     node_activation,
+    node_routing,
     routing_probe,
 )
 
@@ -69,6 +70,36 @@ def expert_slice(value: ir.Value, expert: int) -> ir.Value:
     return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype), const_value=sliced)
 
 
+def plain_softmax(node: ir.Node) -> bool:
+    """Softmax top-k, optionally renormalised, with no selection bias, groups or scaling."""
+    r = node_routing(node)
+    score_bias = node.inputs[8] if len(node.inputs) > 8 else None
+    return (r.scoring == "softmax" and r.n_group == 1 and r.routed_scaling_factor == 1.0
+            and (score_bias is None or is_zero(score_bias)))
+
+
+def dense_routing(add: _Builder, node: ir.Node, logits: ir.Value, n_experts: int) -> ir.Value:
+    """Each token's routing weights, (N, E) in fp32, zero off its top-k.
+
+    Plain softmax routing in five nodes: Softmax, TopK (ties to the lower index, as the op),
+    the optional renormalisation, ScatterElements. Every other routing on the op's own
+    function body (`routing_probe`), which costs more nodes per step.
+    """
+    if not plain_softmax(node):
+        return add("Reshape", [routing_probe(node, add.nodes), add.ints([-1, n_experts])])
+    r = node_routing(node)
+    probs = add("Softmax", [add("Reshape", [logits, add.ints([-1, n_experts])])], axis=-1)
+    top = ir.node("TopK", [probs, add.ints([r.top_k])], {"axis": -1, "largest": 1, "sorted": 1},
+                  num_outputs=2, name=f"{add.prefix}/TopK_{len(add.nodes)}")
+    add.nodes.append(top)
+    for i, value in enumerate(top.outputs):
+        value.name = f"{top.name}:{i}"
+    weights, experts = top.outputs
+    if r.normalize_topk:
+        weights = add("Div", [weights, add("ReduceSum", [weights, add.ints([-1])], keepdims=1)])
+    return add("ScatterElements", [add("Mul", [probs, add.scalar(0.0)]), experts, weights], axis=1)
+
+
 class _Builder:
     """Appends nodes to a list and returns their (first) outputs, every value named under
     `prefix` (values of If branches must not share names with each other or the main graph)."""
@@ -93,12 +124,12 @@ class _Builder:
 
 def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
     """Replace one moe::MoE node by the routing probe and one If per expert, in place."""
-    x, _, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
+    x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     n_experts, hidden, dim = (int(d) for d in w_up.shape)
     prefix = f"{node.name or node.outputs[0].name}/experts"
     add = _Builder(prefix)
     flat_x = add("Reshape", [x, add.ints([-1, dim])])  # (N, H)
-    dense = add("Reshape", [routing_probe(node, add.nodes), add.ints([-1, n_experts])])  # (N, E) weights
+    dense = dense_routing(add, node, logits, n_experts)  # (N, E) weights, 0 off each token's top-k
     zeros = add("ConstantOfShape", [add("Shape", [flat_x])])  # float 0, (N, H)
     zero = add.scalar(0.0)
     fused = interleaved_source(w_gate, w_up)
