@@ -57,7 +57,13 @@ def test_compare_passes_layerwise_and_names_the_path(family) -> None:
     assert f"Path: {comparison['path']}." in (artifact.path / "report" / "report.md").read_text()
 
 
+#: served end to end (each starts a Triton server): the new attention and routing of each issue;
+#: every family's greedy tokens on ONNX Runtime are test_onnx.py's
+SERVED = ("glm4_moe-groups", "gpt_oss", "deepseek_v3")
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("family", SERVED, indirect=True)
 def test_served_greedy_tokens_are_transformers(family, tmp_path) -> None:
     pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
     pytest.importorskip("tritonclient.http", reason="the serving tests talk to Triton through tritonclient[all]")
