@@ -493,7 +493,12 @@ def bench_cmd(
     target: str = typer.Argument(..., help="A decoder artifact folder; a checkpoint folder (config.json + safetensors: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, GLM-4-MoE, MiniMax-M2, or moedeploy's own), exported once (fp32) into the cache and reused only while its weights fingerprint and config still match; or a preset (tiny, small), exported once into the cache. The cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
                                 "(ort with attention on com.microsoft::GroupQueryAttention), ort-contrib (ort with "
-                                "every MoE on com.microsoft::MoE), trt."),
+                                "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
+                                "written once into the cache; needs `pip install 'moedeploy[peers]'`)."),
+    peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp) on the "
+                               "same weights; the report says which were left out and how to install them."),
+    rounds: int = typer.Option(1, "--rounds", help="Run every backend this many times, each in a fresh process, the "
+                               "backends interleaved, so a busy spell of the machine hits them alike."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),
@@ -518,7 +523,7 @@ def bench_cmd(
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
-                       progress=progress)
+                       progress=progress, peers=peers, rounds=rounds)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
@@ -540,6 +545,8 @@ def bench_cmd(
                   f"peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if not report["greedy_tokens_agree"]:
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
+    for peer, reason in report["peers_skipped"].items():
+        err.print(f"[dim]--peers: {peer} left out: {escape(reason)}[/dim]", highlight=False, soft_wrap=True)
     if note := cache_line(report):
         err.print(f"[dim]{escape(note)}[/dim]", highlight=False, soft_wrap=True)
     failed = [r for r in report["raw"] if "error" in r]

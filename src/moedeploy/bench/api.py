@@ -12,6 +12,7 @@ import torch
 from moedeploy.bench.checks import BACKENDS, require_backends, require_engine, require_ort_dtype
 from moedeploy.bench.decode import Settings, run_in_subprocess
 from moedeploy.bench.machine import describe
+from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
@@ -101,6 +102,18 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
         raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
 
 
+def check_peers(config: DecoderConfig, backends: list[str], batch: int) -> None:
+    for peer in PEERS:
+        if peer in backends:
+            check_config(peer, config, batch)
+
+
+def with_peers(backends: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`--peers`: the backends plus every peer installed here, and why each other peer is left out."""
+    skipped = {peer: reason for peer in PEERS if peer not in backends and (reason := missing(peer))}
+    return backends + [p for p in PEERS if p not in backends and p not in skipped], skipped
+
+
 def trusted_cache(folder: Path, weights_sha256: str, config: DecoderConfig) -> tuple[Artifact | None, str]:
     """The cached export in `folder` if it was made from these weights and this config, else None
     and why not. The manifest's `config.source.weights_sha256` is the exporter's
@@ -125,7 +138,7 @@ def trusted_cache(folder: Path, weights_sha256: str, config: DecoderConfig) -> t
     return artifact, ""
 
 
-def prepare_checkpoint(target: str, backends: list[str], prompt_len: int, new_tokens: int,
+def prepare_checkpoint(target: str, backends: list[str], batch: int, prompt_len: int, new_tokens: int,
                        progress: Progress) -> tuple[Artifact, bool]:
     """A checkpoint folder's fp32 export in the cache, and whether it was written now.
 
@@ -135,6 +148,7 @@ def prepare_checkpoint(target: str, backends: list[str], prompt_len: int, new_to
     """
     weights = CheckpointWeights(target)  # an unsupported family or a damaged folder fails here, in one line
     check_positions(weights.config, prompt_len, new_tokens)
+    check_peers(weights.config, backends, batch)
     progress(f"fingerprinting the weights of {target}")
     weights_sha256 = fingerprint(weights, torch.float32, progress)
     folder = checkpoint_folder(weights_sha256)
@@ -160,7 +174,7 @@ def prepare_checkpoint(target: str, backends: list[str], prompt_len: int, new_to
     return artifact, True
 
 
-def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
+def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_tokens: int,
             progress: Progress) -> tuple[Artifact, bool | None]:
     """The artifact to time, and for a preset or a checkpoint whether its cached export was written
     now (None: the user's artifact folder).
@@ -168,9 +182,11 @@ def prepare(target: str, backends: list[str], prompt_len: int, new_tokens: int,
     A preset or a checkpoint is exported only after every check that needs no export has passed.
     """
     if is_checkpoint(target):
-        return prepare_checkpoint(target, backends, prompt_len, new_tokens, progress)
+        return prepare_checkpoint(target, backends, batch, prompt_len, new_tokens, progress)
     artifact = existing_artifact(target)
-    check_positions(config_of(artifact) if artifact else preset(target), prompt_len, new_tokens)
+    config = config_of(artifact) if artifact else preset(target)
+    check_positions(config, prompt_len, new_tokens)
+    check_peers(config, backends, batch)
     if "trt" in backends:
         require_engine(artifact, target)
     if {"ort", "ort-gqa", "ort-contrib"} & set(backends):
@@ -200,24 +216,41 @@ def bench(
     repeat: int = 3,
     json_path: str | Path | None = None,
     progress: Progress | None = None,
+    peers: bool = False,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Time every backend; everything that can be checked is checked before any export or timing."""
+    """Time every backend; everything that can be checked is checked before any export or timing.
+
+    peers: add every peer engine installed here (llama.cpp) on the same weights.
+    rounds: run every backend this many times, each in a fresh process, the backends interleaved
+    (round 1: a, b, c; round 2: a, b, c ...), so a slow spell of the machine hits them alike.
+    """
     progress = progress or (lambda _: None)
     backends = require_backends(backends)
+    skipped_peers: dict[str, str] = {}
+    if peers:
+        backends, skipped_peers = with_peers(backends)
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
-    artifact, written = prepare(target, backends, prompt_len, new_tokens, progress)
+    if rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress)
     config = config_of(artifact)
+    peer_model = gguf_file(artifact, cache_dir() / "bench", progress) if "llama.cpp" in backends else None
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
 
     # eager torch of a checkpoint reads the folder that was just fingerprinted, not the one the
     # cached export was first made from (the same weights, perhaps at another path)
     checkpoint = str(Path(target).resolve()) if is_checkpoint(target) else None
-    raw = []
-    for backend in backends:
-        progress(f"{backend}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}")
-        raw.append(run_in_subprocess(Settings(str(artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat,
-                                              checkpoint=checkpoint)))
+    runs: dict[str, list[dict]] = {backend: [] for backend in backends}
+    for round_no in range(1, rounds + 1):
+        for backend in backends:
+            of_rounds = f", round {round_no}/{rounds}" if rounds > 1 else ""
+            progress(f"{backend}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
+            runs[backend].append(run_in_subprocess(Settings(
+                str(artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
+                peer_model=str(peer_model) if backend == "llama.cpp" else None)))
+    raw = [merge_rounds(backend_runs) for backend_runs in runs.values()]
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
     step_bytes = decode_step_bytes(config, batch, context)
@@ -242,13 +275,13 @@ def bench(
 
     ok = [r for r in raw if "error" not in r]
     spread = {r["backend"]: spreads(r) for r in ok}
-    warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat))]
+    warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat * rounds))]
     # hf runs transformers' Mixtral with its own random weights: only the others share weights
     agree = len({str(r["tokens"]) for r in ok if r["backend"] != "hf"}) <= 1
     report = {
         "machine": machine,
         "settings": {"target": target, "artifact": str(artifact.path), "batch": batch, "prompt_len": prompt_len,
-                     "new_tokens": new_tokens, "threads": threads, "repeat": repeat},
+                     "new_tokens": new_tokens, "threads": threads, "repeat": repeat, "rounds": rounds},
         "roofline": {"decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
                      "kv_cache_bytes_per_token": config.kv_cache_bytes_per_token(parse_dtype(artifact.dtype).itemsize),
                      "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2)},
@@ -257,6 +290,7 @@ def bench(
         "warnings": warnings,
         "ratios": _ratios(ok),
         "greedy_tokens_agree": agree,
+        "peers_skipped": skipped_peers,
         "cache": cache_report(artifact, written),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
     }
@@ -265,12 +299,34 @@ def bench(
     return report
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One backend's rounds as one result: medians over every timed generation of every round,
+    the highest peak memory; the first error if any round failed (a flaky backend is not averaged
+    away), and an error if two rounds generated different tokens."""
+    import statistics
+
+    if len(runs) == 1 or (failed := [r for r in runs if "error" in r]):
+        return runs[0] if len(runs) == 1 else failed[0]
+    first = runs[0]
+    if any(r["tokens"] != first["tokens"] for r in runs):
+        return {"backend": first["backend"], "error": "its rounds generated different greedy tokens"}
+    merged = dict(first)
+    for key in ("prefill_ms", "decode_tokens_per_s"):
+        merged[f"{key}_all"] = [v for r in runs for v in r[f"{key}_all"]]
+        merged[key] = statistics.median(merged[f"{key}_all"])
+    for key in ("token_latency_p50_ms", "token_latency_p99_ms", "load_s"):
+        merged[key] = statistics.median(r[key] for r in runs)
+    for key in ("peak_rss_mb", "load_peak_rss_mb"):
+        merged[key] = max(r[key] for r in runs)
+    return merged
+
+
 def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
-    """Each backend against each eager baseline present (torch, hf)."""
+    """Each backend against each baseline present: eager (torch, hf) and the peer llama.cpp."""
     by = {r["backend"]: r for r in ok}
     ratios = {}
     for name, r in by.items():
-        for base in ("torch", "hf"):
+        for base in ("torch", "hf", "llama.cpp"):
             if base in by and base != name:
                 b = by[base]
                 ratios[f"{name}_vs_{base}"] = {

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 #: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention;
 #: ort-contrib: with every MoE on com.microsoft::MoE (the default lowering before the per-expert
 #: one): so one run shows what each lowering buys on this machine
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt")
+#: llama.cpp: a peer engine on the same weights (moedeploy.bench.peers)
+BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt", "llama.cpp")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
 
 
@@ -73,9 +74,17 @@ def require_tensorrt_gpu() -> None:
         raise TensorRTUnavailable(f"backend 'trt': {e}") from None
 
 
+def require_peer(name: str) -> None:
+    from moedeploy.bench.peers import missing
+
+    if reason := missing(name):
+        raise ValueError(reason)
+
+
 def require_backends(backends: Iterable[str]) -> list[str]:
     """Every requested backend is known and its packages (and, for trt, GPU) are here."""
-    checks = {"hf": require_transformers, "torch-compile": require_torch_compile, "trt": require_tensorrt_gpu}
+    checks = {"hf": require_transformers, "torch-compile": require_torch_compile, "trt": require_tensorrt_gpu,
+              "llama.cpp": lambda: require_peer("llama.cpp")}
     parsed = parse_backends(backends)
     for name in parsed:
         if name in checks:

@@ -34,6 +34,7 @@ class Settings:
     repeat: int = 3
     seed: int = 0
     checkpoint: str | None = None  # eager torch reads this folder (else the one the manifest names)
+    peer_model: str | None = None  # the weights in a peer's own format (llama.cpp: the GGUF file)
 
 
 def _reset_peak_rss() -> None:
@@ -122,6 +123,11 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
         return _ort_stepper(artifact, settings.threads, attention="gqa")
     if settings.backend == "ort-contrib":
         return _ort_stepper(artifact, settings.threads, moe="contrib")
+    if settings.backend == "llama.cpp":
+        from moedeploy.bench.peers import llama_cpp_stepper
+
+        return llama_cpp_stepper(settings.peer_model, settings.threads, settings.prompt_len + settings.new_tokens,
+                                 settings.prompt_len)
     if settings.backend == "trt":
         from moedeploy.runtime.generation import TrtDecoder
 

@@ -7,12 +7,14 @@ from typing import Any
 
 def spread_lines(report: dict[str, Any]) -> list[str]:
     """min / median / max of decode tokens/s and prefill ms per backend (one line for a single run)."""
-    repeat = report["settings"]["repeat"]
+    settings = report["settings"]
+    runs = settings["repeat"] * settings.get("rounds", 1)
     if not report["spread"]:
         return []
-    if repeat < 2:
+    if runs < 2:
         return ["one run per backend: no spread to show (--repeat 3 or more shows min / median / max)"]
-    lines = [f"min / median / max over {repeat} runs:"]
+    rounds = f" ({settings['rounds']} rounds of {settings['repeat']})" if settings.get("rounds", 1) > 1 else ""
+    lines = [f"min / median / max over {runs} runs{rounds}:"]
     for name, s in report["spread"].items():
         d, p = s["decode_tokens_per_s"], s["prefill_ms"]
         lines.append(f"  {name}: decode {d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s, "

@@ -1,0 +1,93 @@
+"""Other inference engines timed on the same weights, beside moedeploy: the peers.
+
+`llama.cpp` runs the decoder's weights as an f32 GGUF (`moedeploy.bench.gguf`) through
+llama-cpp-python. A peer that is not installed is skipped by `--peers` (with the install
+command in the report) and refused in one line when named in `--backend`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.models.config import DecoderConfig
+
+PEERS = ("llama.cpp",)
+INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)"}
+_MODULES = {"llama.cpp": ("llama_cpp", "gguf")}
+
+
+def missing(peer: str) -> str | None:
+    """Why `peer` cannot run here (its packages are absent), else None; nothing is imported."""
+    absent = [m for m in _MODULES[peer] if importlib.util.find_spec(m) is None]
+    if absent:
+        return f"backend {peer!r} needs {', '.join(absent)}, which is not installed: {INSTALL[peer]}"
+    return None
+
+
+def check_config(peer: str, config: DecoderConfig, batch: int) -> None:
+    """The peer computes this model and this batch, or a one-line ValueError."""
+    if peer == "llama.cpp":
+        from moedeploy.bench.gguf import require_llama_shaped
+
+        require_llama_shaped(config)
+        if batch != 1:
+            raise ValueError("backend 'llama.cpp' is benchmarked at --batch 1 (one sequence per context)")
+
+
+def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) -> Path:
+    """The artifact's weights as an f32 GGUF in the cache, written once per weights fingerprint.
+
+    A cached file is reused only when the fingerprint it records is the artifact's; the weights
+    written are checked against that fingerprint first (an eager rebuild that differs is refused).
+    """
+    from moedeploy.bench.gguf import recorded_fingerprint, write_gguf
+    from moedeploy.models.checkpoint import CheckpointWeights
+    from moedeploy.models.weights import ModuleWeights, fingerprint
+
+    source = artifact.manifest["config"].get("source", {})
+    expected = source.get("weights_sha256")
+    if not expected:
+        raise ValueError(f"{artifact.path}'s manifest records no weights fingerprint, so a GGUF made for it could "
+                         "not be checked; re-export it with this moedeploy version")
+    path = cache / f"gguf-{expected[:16]}-f32.gguf"
+    if path.is_file() and recorded_fingerprint(path) == expected:
+        progress(f"llama.cpp: reading the cached {path} (it records this artifact's weights fingerprint)")
+        return path
+    config = DecoderConfig.from_manifest(artifact.manifest["config"])
+    if checkpoint := source.get("checkpoint"):
+        weights = CheckpointWeights(checkpoint)
+    else:
+        from moedeploy.export.reference import build_decoder
+
+        weights = ModuleWeights(build_decoder(source.get("preset"), None, artifact.manifest["seed"], torch.float32))
+    if fingerprint(weights, torch.float32) != expected:
+        raise ValueError(f"the weights rebuilt for {artifact.path} are not the ones it was exported from; re-export it")
+    progress(f"llama.cpp: writing the weights once as an f32 GGUF into the cache {path}")
+    return write_gguf(config, weights, path, expected, progress)
+
+
+def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int):
+    """reset(batch, total) and step(ids, start) -> last-position logits (1, vocab) on llama.cpp."""
+    import numpy as np
+    from llama_cpp import Llama, llama_get_logits_ith
+
+    llm = Llama(model_path=gguf, n_ctx=total, n_batch=max(prompt_len, 1), n_ubatch=max(prompt_len, 1),
+                n_threads=threads, n_threads_batch=threads, use_mmap=True, logits_all=False, verbose=False)
+
+    def reset(batch: int, _total: int) -> None:
+        llm.reset()
+
+    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+        if llm.n_tokens != start:
+            raise RuntimeError(f"llama.cpp context holds {llm.n_tokens} tokens, step starts at {start}")
+        llm.eval(ids[0].tolist())
+        # the C API's logits of the batch's last token (with logits_all off, llama-cpp-python keeps none)
+        logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        return torch.from_numpy(logits.copy()).unsqueeze(0)
+
+    return reset, step

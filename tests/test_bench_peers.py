@@ -1,0 +1,216 @@
+"""Peers in `moedeploy bench`: the GGUF that llama.cpp reads, interleaved rounds, and the checks before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moedeploy.models import MoEDecoder, preset
+from moedeploy.models.weights import ModuleWeights
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+def _rotate_half_split(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    """Rotary as Hugging Face's Llama computes it, written out: feature i turns with i + d/2."""
+    d = x.shape[-1]
+    out = x.clone()
+    for i in range(d // 2):
+        angle = pos * base ** (-2 * i / d)
+        c, s = np.cos(angle), np.sin(angle)
+        out[..., i] = x[..., i] * c - x[..., i + d // 2] * s
+        out[..., i + d // 2] = x[..., i + d // 2] * c + x[..., i] * s
+    return out
+
+
+def _rotate_neighbours(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    """Rotary as llama.cpp's llama architecture computes it (GPT-J style): feature 2i turns with 2i + 1."""
+    d = x.shape[-1]
+    out = x.clone()
+    for i in range(d // 2):
+        angle = pos * base ** (-2 * i / d)
+        c, s = np.cos(angle), np.sin(angle)
+        out[..., 2 * i] = x[..., 2 * i] * c - x[..., 2 * i + 1] * s
+        out[..., 2 * i + 1] = x[..., 2 * i + 1] * c + x[..., 2 * i] * s
+    return out
+
+
+def test_reordered_rows_make_neighbour_rotary_give_the_same_attention_scores() -> None:
+    from moedeploy.bench.gguf import rotary_rows_for_llama_cpp
+
+    torch.manual_seed(0)
+    heads, d, hidden, base = 3, 8, 10, 10000.0
+    wq, wk = torch.randn(heads * d, hidden, dtype=torch.float64), torch.randn(heads * d, hidden, dtype=torch.float64)
+    x_q, x_k = torch.randn(hidden, dtype=torch.float64), torch.randn(hidden, dtype=torch.float64)
+    pq, pk = 7, 3
+    ours_q = _rotate_half_split((wq @ x_q).reshape(heads, d), pq, base)
+    ours_k = _rotate_half_split((wk @ x_k).reshape(heads, d), pk, base)
+    theirs_q = _rotate_neighbours((rotary_rows_for_llama_cpp(wq, heads) @ x_q).reshape(heads, d), pq, base)
+    theirs_k = _rotate_neighbours((rotary_rows_for_llama_cpp(wk, heads) @ x_k).reshape(heads, d), pk, base)
+    torch.testing.assert_close((theirs_q * theirs_k).sum(-1), (ours_q * ours_k).sum(-1), rtol=1e-12, atol=1e-12)
+    # and the order itself, by hand: head 1's row 2 is its row 1, its row 3 is its row 1 + d/2
+    reordered = rotary_rows_for_llama_cpp(wq, heads)
+    assert torch.equal(reordered[d + 2], wq[d + 1]) and torch.equal(reordered[d + 3], wq[d + 1 + d // 2])
+    # without the reorder the scores differ: the test can tell
+    plain_q = _rotate_neighbours((wq @ x_q).reshape(heads, d), pq, base)
+    plain_k = _rotate_neighbours((wk @ x_k).reshape(heads, d), pk, base)
+    assert not torch.allclose((plain_q * plain_k).sum(-1), (ours_q * ours_k).sum(-1))
+
+
+def test_gguf_holds_every_weight_and_the_hyperparameters_llama_cpp_reads(tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    from moedeploy.bench.gguf import recorded_fingerprint, rotary_rows_for_llama_cpp, write_gguf
+
+    config = preset("tiny")
+    torch.manual_seed(0)
+    model = MoEDecoder(config).eval()
+    path = write_gguf(config, ModuleWeights(model), tmp_path / "m.gguf", "f" * 64)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]  # no temp file left
+    assert recorded_fingerprint(path) == "f" * 64
+    reader = GGUFReader(path)
+    fields = {name: reader.get_field(name).contents() for name in (
+        "general.architecture", "llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
+        "llama.attention.head_count", "llama.attention.head_count_kv", "llama.expert_count", "llama.expert_used_count",
+        "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon", "llama.context_length")}
+    assert fields == pytest.approx({
+        "general.architecture": "llama", "llama.block_count": config.n_layers, "llama.embedding_length": config.hidden_size,
+        "llama.feed_forward_length": config.expert_hidden, "llama.attention.head_count": config.n_heads,
+        "llama.attention.head_count_kv": config.n_kv_heads, "llama.expert_count": config.n_experts,
+        "llama.expert_used_count": config.top_k, "llama.rope.freq_base": config.rope_theta,
+        "llama.attention.layer_norm_rms_epsilon": config.norm_eps, "llama.context_length": config.max_positions})
+    assert len(reader.get_field("tokenizer.ggml.tokens").contents()) == config.vocab_size
+    tensors = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    state = model.state_dict()
+    assert len(tensors) == 3 + 10 * config.n_layers
+    torch.testing.assert_close(tensors["token_embd.weight"], state["embed.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(tensors["output.weight"], state["lm_head.weight"], rtol=0, atol=0)
+    layer = config.n_layers - 1
+    torch.testing.assert_close(tensors[f"blk.{layer}.attn_q.weight"],
+                               rotary_rows_for_llama_cpp(state[f"layers.{layer}.attn.wq.weight"], config.n_heads), rtol=0, atol=0)
+    torch.testing.assert_close(tensors[f"blk.{layer}.attn_k.weight"],
+                               rotary_rows_for_llama_cpp(state[f"layers.{layer}.attn.wk.weight"], config.n_kv_heads), rtol=0, atol=0)
+    for theirs, ours in (("attn_v", "attn.wv.weight"), ("ffn_gate_inp", "ffn.router.weight"), ("ffn_gate_exps", "ffn.w_gate"),
+                         ("ffn_up_exps", "ffn.w_up"), ("ffn_down_exps", "ffn.w_down"), ("ffn_norm", "ffn_norm.weight")):
+        torch.testing.assert_close(tensors[f"blk.{layer}.{theirs}.weight"], state[f"layers.{layer}.{ours}"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"qkv_bias": True}, "qkv_bias"),
+    ({"sliding_window": 16}, "sliding_window"),
+    ({"scoring": "sigmoid", "score_bias": True}, "scoring, score_bias"),
+    ({"family": "qwen3_moe"}, "family 'qwen3_moe'"),
+])
+def test_llama_cpp_refuses_what_its_llama_architecture_would_compute_differently(change: dict, named: str) -> None:
+    from moedeploy.bench.peers import check_config
+
+    config = dataclasses.replace(preset("tiny"), **change)
+    with pytest.raises(ValueError, match=rf"Mixtral-shaped decoders only, and this one has (options )?{named}"):
+        check_config("llama.cpp", config, batch=1)
+    with pytest.raises(ValueError, match="--batch 1"):
+        check_config("llama.cpp", preset("tiny"), batch=2)
+    check_config("llama.cpp", preset("tiny"), batch=1)  # the plain Mixtral shape passes
+
+
+def _result(backend: str, rates: list[float], prefills: list[float], peak: float, tokens: list) -> dict:
+    return {"backend": backend, "prefill_ms": float(np.median(prefills)), "prefill_ms_all": prefills,
+            "decode_tokens_per_s": float(np.median(rates)), "decode_tokens_per_s_all": rates,
+            "token_latency_p50_ms": 10.0, "token_latency_p99_ms": 12.0, "peak_rss_mb": peak,
+            "load_peak_rss_mb": peak / 2, "load_s": 0.5, "tokens": tokens}
+
+
+def test_rounds_pool_every_timed_run_and_keep_the_highest_peak() -> None:
+    from moedeploy.bench.api import merge_rounds
+
+    merged = merge_rounds([_result("ort", [10.0, 30.0], [5.0, 9.0], 300.0, [[1, 2]]),
+                           _result("ort", [20.0, 40.0, 50.0], [6.0, 7.0, 8.0], 320.0, [[1, 2]])])
+    assert merged["decode_tokens_per_s_all"] == [10.0, 30.0, 20.0, 40.0, 50.0]
+    assert merged["decode_tokens_per_s"] == 30.0 and merged["prefill_ms"] == 7.0
+    assert merged["peak_rss_mb"] == 320.0 and merged["load_peak_rss_mb"] == 160.0
+    differ = merge_rounds([_result("ort", [1.0], [1.0], 1.0, [[1, 2]]), _result("ort", [1.0], [1.0], 1.0, [[1, 3]])])
+    assert differ == {"backend": "ort", "error": "its rounds generated different greedy tokens"}
+    failed = merge_rounds([_result("ort", [1.0], [1.0], 1.0, [[1]]), {"backend": "ort", "error": "boom"}])
+    assert failed == {"backend": "ort", "error": "boom"}
+
+
+FAKE_MACHINE = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "onnxruntime": "x",
+                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0}
+
+
+def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp made absent (find_spec answers None); the workers are replaced by their results."""
+    from typer.testing import CliRunner
+
+    import moedeploy.bench.api as api
+    from moedeploy.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
+    order = []
+
+    def worker(settings):
+        order.append(settings.backend)
+        return _result(settings.backend, [100.0], [5.0], 300.0, [[1, 2, 3]])
+
+    monkeypatch.setattr(api, "run_in_subprocess", worker)
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(app, ["bench", "tiny", "--backend", "torch,ort", "--peers", "--rounds", "2",
+                                    "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    assert order == ["torch", "ort", "torch", "ort"]
+    report = json.loads(out.read_text())
+    assert report["peers_skipped"] == {"llama.cpp": "backend 'llama.cpp' needs llama_cpp, which is not installed: "
+                                                    "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)"}
+    assert "--peers: llama.cpp left out: backend 'llama.cpp' needs llama_cpp" in done.stderr
+    assert report["settings"]["rounds"] == 2
+    assert report["raw"][0]["decode_tokens_per_s_all"] == [100.0, 100.0]
+    assert "min / median / max over 2 runs (2 rounds of 1):" in done.stdout
+
+
+def test_naming_an_absent_peer_fails_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moedeploy.bench.api as api
+    from moedeploy.bench.api import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "describe", lambda *_: pytest.fail("timing started before the backends were checked"))
+    with pytest.raises(ValueError, match=r"backend 'llama.cpp' needs llama_cpp, which is not installed: pip install"):
+        bench("tiny", ["ort", "llama.cpp"])
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        bench("tiny", ["ort"], rounds=0)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
+    """llama.cpp's own forward pass on our GGUF against our eager decoder: logits and greedy tokens."""
+    from moedeploy.bench.gguf import write_gguf
+    from moedeploy.bench.peers import llama_cpp_stepper
+
+    config = preset("tiny")
+    torch.manual_seed(0)
+    model = MoEDecoder(config).eval()
+    path = write_gguf(config, ModuleWeights(model), tmp_path / "m.gguf", "0" * 64)
+    prompt = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    reset, step = llama_cpp_stepper(str(path), threads=2, total=40, prompt_len=12)
+    reset(1, 40)
+    theirs = step(prompt, 0)
+    with torch.inference_mode():
+        ours = model(prompt, model.new_cache(1, 40), 0)[:, -1]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    expected = model.generate(prompt, max_new_tokens=16)[0, 12:].tolist()
+    tokens, token = [], theirs.argmax(-1, keepdim=True)
+    for i in range(16):
+        tokens.append(int(token))
+        if i < 15:
+            token = step(token, 12 + i).argmax(-1, keepdim=True)
+    assert tokens == expected
