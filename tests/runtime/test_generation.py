@@ -71,6 +71,25 @@ def test_step_logits_follow_the_cache(store, decoder, prompt) -> None:
         ort_decoder.step(prompt[:, :1], 3)
 
 
+def test_last_position_logits_are_the_full_graphs_last_row(store, decoder, prompt, eager_greedy) -> None:
+    """logits="last" (the LM head on the last position only): the eager model's last row, at every step."""
+    last = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], logits="last")
+    assert last.lowering["logits_last"] == 1
+    last.reset(2)
+    first = last.step(prompt[:, :4], 0)
+    second = last.step(prompt[:, 4:], 4)
+    assert first.shape == second.shape == (2, 1, 256)
+    with torch.no_grad():
+        full = decoder(prompt)
+    torch.testing.assert_close(first[:, 0], full[:, 3], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second[:, 0], full[:, -1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(last.generate(prompt, max_new_tokens=NEW_TOKENS), eager_greedy)
+    from moedeploy.runtime.ort import create_session
+
+    with pytest.raises(ValueError, match="applies to decoder artifacts"):
+        create_session(store.block("rmsnorm"), logits="last")
+
+
 def test_too_long_generation_is_refused(store, prompt) -> None:
     ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"])
     with pytest.raises(ValueError, match="max_positions 256"):

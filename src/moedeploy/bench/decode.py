@@ -106,7 +106,8 @@ def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "a
                  ) -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.runtime.generation import OrtDecoder
 
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe)
+    # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and llama.cpp
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last")
     return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
 
 

@@ -14,7 +14,7 @@ from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.runtime.lowering import AttentionLowering, MoELowering
+from moedeploy.runtime.lowering import AttentionLowering, LogitsLowering, MoELowering
 from moedeploy.runtime.ort import create_session
 
 
@@ -85,10 +85,13 @@ class OrtDecoder(KVDecoder):
         moe_lowering: MoELowering = "auto",
         threads: int | None = None,
         attention_lowering: AttentionLowering = "graph",
+        logits: LogitsLowering = "all",
     ) -> None:
+        """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
+        that generation reads; the LM head then skips the prompt's other positions."""
         super().__init__(artifact)
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
-                                      attention_lowering=attention_lowering)
+                                      attention_lowering=attention_lowering, logits=logits)
 
     @property
     def lowering(self) -> dict[str, int]:

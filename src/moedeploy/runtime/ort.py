@@ -20,6 +20,7 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime.lowering import (
     LOWERING_VERSION,
     AttentionLowering,
+    LogitsLowering,
     MoELowering,
     lower_for_ort,
 )
@@ -95,9 +96,10 @@ def create_session(
     threads: int | None = None,
     profile: bool = False,
     attention_lowering: AttentionLowering = "graph",
+    logits: LogitsLowering = "all",
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
-    lowered for its first provider."""
+    lowered for its first provider. logits="last": a decoder's LM head on the last position only."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -110,7 +112,7 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
-    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering)
+    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits)
     options = session_options(threads, profile)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
@@ -124,7 +126,8 @@ def create_session(
 
 
 def lowered_model(
-    artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph"
+    artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
+    logits: LogitsLowering = "all",
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
@@ -138,8 +141,11 @@ def lowered_model(
     """
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
-        lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering)
+        lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
+                                        logits)
         return lowered.SerializeToString(), counts
+    if logits != "all":
+        raise ValueError(f"logits={logits!r} applies to decoder artifacts; {artifact.path} holds a {artifact.kind!r}")
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)
         return str(path), counts
