@@ -36,6 +36,16 @@ def test_small_preset_decode_step_bytes_by_hand() -> None:
     assert decode_step_flops(c, batch=2) == 2 * decode_step_flops(c, batch=1)
 
 
+def test_weight_bytes_of_the_tiny_preset_by_hand() -> None:
+    from moedeploy.bench.roofline import weight_bytes
+
+    c = preset("tiny")  # vocab 256, hidden 64, 2 layers, 4 heads / 2 KV heads of 16, 4 experts of 96
+    embed_and_head = 2 * 256 * 64
+    attention = 64 * 64 + 2 * (64 * 32) + 64 * 64
+    layer = attention + 2 * 64 + 4 * 64 + 4 * 3 * 64 * 96  # + norms, router, experts
+    assert weight_bytes(c) == 4 * (embed_and_head + 2 * layer + 64)
+
+
 def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) -> None:
     """The real command on a cache that already holds the tiny preset: the session's export of it
     (the same `export("decoder", preset_name="tiny")`), copied where bench looks. Exporting into an
@@ -59,6 +69,9 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
             row = metrics[(backend, metric)]
             assert row["unit"] == unit and row["value"] > 0
     assert report["greedy_tokens_agree"] is True  # same weights, same greedy tokens (GroupQueryAttention too)
+    for raw in report["raw"]:  # the backend's own memory: its peak over the worker's baseline before loading
+        assert 50 < raw["baseline_rss_mb"] < raw["peak_rss_mb"]
+        assert raw["backend_rss_mb"] == max(raw["peak_rss_mb"], raw["load_peak_rss_mb"]) - raw["baseline_rss_mb"]
     assert "ort_vs_torch" in report["ratios"]
     for raw in report["raw"]:  # the spread is min / median / max of every timed run
         for key in ("decode_tokens_per_s", "prefill_ms"):
@@ -249,7 +262,7 @@ def _torch_result() -> dict:
     return {"backend": "torch", "prefill_ms": 48.0, "prefill_ms_all": [42.0, 50.0, 48.0],
             "decode_tokens_per_s": 100.0, "decode_tokens_per_s_all": [90.0, 110.0, 100.0],
             "token_latency_p50_ms": 10.0, "token_latency_p99_ms": 12.0, "peak_rss_mb": 300.0,
-            "load_peak_rss_mb": 250.0, "load_s": 0.5, "tokens": [[1, 2, 3]]}
+            "load_peak_rss_mb": 250.0, "load_s": 0.5, "baseline_rss_mb": 200.0, "backend_rss_mb": 100.0, "tokens": [[1, 2, 3]]}
 
 
 def test_a_failed_backend_exits_1_and_the_spread_is_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from moedeploy.bench.checks import BACKENDS, require_backends, require_engine, r
 from moedeploy.bench.decode import Settings, run_in_subprocess
 from moedeploy.bench.machine import describe
 from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
-from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
+from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weight_bytes
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
 from moedeploy.export.artifact import parse_dtype
@@ -257,6 +257,7 @@ def bench(
     step_flops = decode_step_flops(config, batch, context)
     floor_s = max(step_bytes / (machine["bandwidth_gbs"] * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
     bound_tps = batch / floor_s
+    model_bytes = weight_bytes(config, parse_dtype(artifact.dtype).itemsize)
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 
@@ -266,8 +267,11 @@ def bench(
             results.append({"backend": r["backend"], "metric": "error", "value": r["error"], "unit": ""})
             continue
         for metric, unit in (("prefill_ms", "ms"), ("decode_tokens_per_s", "tokens/s"), ("token_latency_p50_ms", "ms"),
-                             ("token_latency_p99_ms", "ms"), ("peak_rss_mb", "MB"), ("load_peak_rss_mb", "MB")):
+                             ("token_latency_p99_ms", "ms"), ("peak_rss_mb", "MB"), ("load_peak_rss_mb", "MB"),
+                             ("backend_rss_mb", "MB")):
             results.append({"backend": r["backend"], "metric": metric, "value": round(r[metric], 3), "unit": unit})
+        results.append({"backend": r["backend"], "metric": "backend_rss_vs_weights",
+                        "value": round(r["backend_rss_mb"] * 2**20 / model_bytes, 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_bandwidth_bound",
                         "value": round(r["decode_tokens_per_s"] / bound_tps, 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_prefill_gemm_bound",
@@ -284,7 +288,8 @@ def bench(
                      "new_tokens": new_tokens, "threads": threads, "repeat": repeat, "rounds": rounds},
         "roofline": {"decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
                      "kv_cache_bytes_per_token": config.kv_cache_bytes_per_token(parse_dtype(artifact.dtype).itemsize),
-                     "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2)},
+                     "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2),
+                     "weight_bytes": model_bytes},
         "results": results,
         "spread": {name: {key: s.as_dict() for key, s in figures.items()} for name, figures in spread.items()},
         "warnings": warnings,
@@ -316,8 +321,9 @@ def merge_rounds(runs: list[dict]) -> dict:
         merged[key] = statistics.median(merged[f"{key}_all"])
     for key in ("token_latency_p50_ms", "token_latency_p99_ms", "load_s"):
         merged[key] = statistics.median(r[key] for r in runs)
-    for key in ("peak_rss_mb", "load_peak_rss_mb"):
+    for key in ("peak_rss_mb", "load_peak_rss_mb", "backend_rss_mb"):
         merged[key] = max(r[key] for r in runs)
+    merged["baseline_rss_mb"] = min(r["baseline_rss_mb"] for r in runs)
     return merged
 
 

@@ -52,6 +52,16 @@ def decode_step_bytes(c: DecoderConfig, batch: int = 1, context: int = 0, bytes_
     return (weights + kv_cache) * bytes_per_param
 
 
+def weight_bytes(c: DecoderConfig, bytes_per_param: int = 4) -> int:
+    """Every weight of the model once (a tied LM head is the embedding), counted on the meta device."""
+    import torch
+
+    from moedeploy.models.decoder import MoEDecoder
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in MoEDecoder(c).parameters()) * bytes_per_param
+
+
 def decode_step_flops(c: DecoderConfig, batch: int = 1, context: int = 0) -> int:
     matmuls = batch * (sum(_attention_params(c) + _ffn_params(c, i, c.top_k) for i in range(c.n_layers))
                        + c.hidden_size * c.vocab_size)
