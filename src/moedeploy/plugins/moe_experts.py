@@ -142,18 +142,23 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
         initializers.append(sliced)
         return sliced
 
+    # which experts any token routes to, for all experts at once (a few nodes per layer, not per
+    # expert): from the mask, not ReduceMax of the weights, which a NaN row would make NaN
+    routed = add("Cast", [add("Greater", [dense, zero])], to=FLOAT)  # (N, E)
+    taken = add("Greater", [add("ReduceMax", [routed, add.ints([0])], keepdims=0), zero])  # (E,) bool
+    split = ir.node("Split", [taken], {"axis": 0, "num_outputs": n_experts}, num_outputs=n_experts,
+                    name=f"{prefix}/Split_{len(add.nodes)}")
+    add.nodes.append(split)
+    for e, value in enumerate(split.outputs):
+        value.name = f"{split.name}:{e}"  # expert e's If condition, one element
     outs = []
     for e in range(n_experts):
-        w_e = add("Gather", [dense, add.ints([e])], axis=1)  # (N, 1)
-        # any token routed here: from the mask, not ReduceMax(w_e), which a NaN row would make NaN
-        routed = add("Cast", [add("Greater", [w_e, zero])], to=FLOAT)
-        taken = add("Greater", [add("ReduceMax", [routed], keepdims=0), zero])
         fc1 = (weight(fused, e),) if fused is not None else (weight(w_gate, e), weight(w_up, e))
-        branch = _expert_branch(f"{prefix}/expert{e}", flat_x, w_e, zeros, fc1, weight(w_down, e),
+        branch = _expert_branch(f"{prefix}/expert{e}", flat_x, dense, e, zeros, fc1, weight(w_down, e),
                                 (weight(b_gate, e), weight(b_up, e), weight(b_down, e)), hidden, node)
         skip = _Builder(f"{prefix}/expert{e}_skipped")
         none = skip("Identity", [zeros])
-        outs.append(add("If", [taken], then_branch=branch,
+        outs.append(add("If", [split.outputs[e]], then_branch=branch,
                         else_branch=ir.Graph([], [none], nodes=skip.nodes, name=skip.prefix)))
     y = add("Sum", outs) if len(outs) > 1 else outs[0]
     # NaN rows where eager gives NaN: a non-finite input, or a routing that is not finite (the
@@ -168,13 +173,14 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
 
 
 def _expert_branch(
-    prefix: str, flat_x: ir.Value, w_e: ir.Value, zeros: ir.Value, fc1: tuple, w_down: ir.Value,
+    prefix: str, flat_x: ir.Value, dense: ir.Value, expert: int, zeros: ir.Value, fc1: tuple, w_down: ir.Value,
     biases: tuple, hidden: int, node: ir.Node,
 ) -> ir.Graph:
     """The taken branch: expert e on the tokens routed to it, scattered into an (N, H) zero tensor."""
     act = node_activation(node)
     add = _Builder(prefix)
     zero = add.scalar(0.0)
+    w_e = add("Gather", [dense, add.ints([expert])], axis=1)  # (N, 1): its routing weights
     routed = add("Squeeze", [add("Greater", [w_e, zero]), add.ints([1])])  # (N,) bool
     rows = add("Reshape", [add("NonZero", [routed]), add.ints([-1])])  # (M,)
     xs = add("Gather", [flat_x, rows], axis=0)  # (M, H)
