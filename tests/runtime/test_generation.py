@@ -86,8 +86,20 @@ def test_last_position_logits_are_the_full_graphs_last_row(store, decoder, promp
     assert torch.equal(last.generate(prompt, max_new_tokens=NEW_TOKENS), eager_greedy)
     from moedeploy.runtime.ort import create_session
 
-    with pytest.raises(ValueError, match="applies to decoder artifacts"):
+    with pytest.raises(ValueError, match="apply to decoder artifacts"):
         create_session(store.block("rmsnorm"), logits="last")
+
+
+def test_skip_rmsnorm_lowering_computes_the_eager_logits(store, decoder, prompt, eager_greedy) -> None:
+    """norm_lowering="skip": every residual Add + RMSNorm pair on SkipSimplifiedLayerNormalization
+    (all but layer 0's first norm, which reads the embedding), the sum passed on to the next residual."""
+    fused = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], norm_lowering="skip")
+    assert (fused.lowering["rmsnorm_skip"], fused.lowering["rmsnorm_native"]) == (4, 1)  # 2 layers x 2 + final
+    fused.reset(2)
+    with torch.no_grad():
+        full = decoder(prompt)
+    torch.testing.assert_close(fused.step(prompt, 0), full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused.generate(prompt, max_new_tokens=NEW_TOKENS), eager_greedy)
 
 
 def test_too_long_generation_is_refused(store, prompt) -> None:

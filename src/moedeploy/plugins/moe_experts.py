@@ -170,6 +170,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
     name = node.outputs[0].name
     ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
+    y.shape, y.type = node.outputs[0].shape, node.outputs[0].type  # x's: later lowerings match on it
 
 
 def _expert_branch(

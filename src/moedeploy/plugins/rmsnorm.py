@@ -69,6 +69,42 @@ def function_proto() -> onnx.FunctionProto:
 ORT_NATIVE_DTYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
 
 
+def residual_add(node):
+    """The Add whose sum this RMSNorm normalises, when it adds two same-shaped graph values (a
+    residual stream plus a sublayer's output): the pair SkipSimplifiedLayerNormalization fuses.
+    None when the input comes from anything else, or the shapes are not both known and equal."""
+    add = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+        return None
+    a, b = add.inputs
+    if a is None or b is None or a.const_value is not None or b.const_value is not None:
+        return None
+    if a.shape is None or b.shape is None or len(a.shape) != 3 or list(a.shape) != list(b.shape):
+        return None
+    return add
+
+
+def lower_to_skip(graph, node, add) -> None:
+    """Replace `add` and the RMSNorm after it by one com.microsoft::SkipSimplifiedLayerNormalization
+    (ONNX Runtime's fused residual add + RMSNorm): its 4th output is the sum, which every other
+    consumer of the Add (the next residual) reads instead."""
+    import onnx_ir as ir
+
+    eps = node.attributes["epsilon"].as_float() if "epsilon" in node.attributes else 1e-5
+    fused = ir.node("SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], node.inputs[1]],
+                    {"epsilon": eps}, domain="com.microsoft", num_outputs=4, name=f"{node.name}/skip")
+    normed, _mean, _inv_std, total = fused.outputs
+    names = node.outputs[0].name, add.outputs[0].name
+    graph.insert_before(add, fused)
+    add.outputs[0].replace_all_uses_with(total, replace_graph_outputs=True)
+    node.outputs[0].replace_all_uses_with(normed, replace_graph_outputs=True)
+    graph.remove([node, add], safe=True)
+    normed.name, total.name = names  # downstream tools (layer-wise compare) look values up by name
+    normed.shape, normed.type = node.outputs[0].shape, node.outputs[0].type
+    total.shape, total.type = add.outputs[0].shape, add.outputs[0].type  # the next fusion matches on it
+    _mean.name, _inv_std.name = f"{fused.name}:mean", f"{fused.name}:inv_std"
+
+
 def lower_to_native(graph, node) -> None:
     """Replace one moe::RMSNorm node by ONNX RMSNormalization-23, in place (onnx_ir graph)."""
     import onnx_ir as ir

@@ -14,7 +14,7 @@ from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.runtime.lowering import AttentionLowering, LogitsLowering, MoELowering
+from moedeploy.runtime.lowering import AttentionLowering, LogitsLowering, MoELowering, NormLowering
 from moedeploy.runtime.ort import create_session
 
 
@@ -86,12 +86,15 @@ class OrtDecoder(KVDecoder):
         threads: int | None = None,
         attention_lowering: AttentionLowering = "graph",
         logits: LogitsLowering = "all",
+        norm_lowering: NormLowering = "native",
     ) -> None:
         """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
-        that generation reads; the LM head then skips the prompt's other positions."""
+        that generation reads; the LM head then skips the prompt's other positions.
+        norm_lowering="skip": residual Add + RMSNorm on SkipSimplifiedLayerNormalization."""
         super().__init__(artifact)
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
-                                      attention_lowering=attention_lowering, logits=logits)
+                                      attention_lowering=attention_lowering, logits=logits,
+                                      norm_lowering=norm_lowering)
 
     @property
     def lowering(self) -> dict[str, int]:

@@ -9,7 +9,11 @@
                    node's routing computed on graph ops before it ("routed": sigmoid scores,
                    selection biases, groups, scaling, sparsemixer). Otherwise the node stays
                    and ONNX Runtime inlines its dense standard-op function body
-  moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype
+  moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype; on
+                   request (norm_lowering="skip"), fp32 on CPU, the residual Add before it and the
+                   norm -> com.microsoft::SkipSimplifiedLayerNormalization, whose 4th output is
+                   the sum the next residual reads. Not the default: two A/B runs on the small
+                   preset's decode gave +3.1% and -0.5% (benchmarks/README.md)
   logits        on request (logits="last", what generation needs), the LM head runs on the last
                 position only: its input is sliced to (B, 1, H), so a prefill of S tokens does not
                 multiply S x H by the H x V head (at S = 128 on the small preset, about 40% of
@@ -40,6 +44,9 @@ MoELowering = Literal["auto", "contrib", "experts", "function"]
 AttentionLowering = Literal["graph", "gqa"]
 #: all: logits for every position (the artifact's output); last: the last position's only
 LogitsLowering = Literal["all", "last"]
+#: native: RMSNorm on ONNX RMSNormalization; skip: a residual Add and the RMSNorm after it on
+#: com.microsoft::SkipSimplifiedLayerNormalization (fp32, CPU)
+NormLowering = Literal["native", "skip"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
@@ -50,6 +57,7 @@ LOWERING_VERSION = 7
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
+NORM_LOWERINGS = ("native", "skip")
 
 
 class LoweringError(ValueError):
@@ -59,10 +67,12 @@ class LoweringError(ValueError):
 def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
     config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
-    logits: LogitsLowering = "all",
+    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native",
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced."""
+    if norm_lowering not in NORM_LOWERINGS:
+        raise LoweringError(f"invalid norm lowering {norm_lowering!r}; choose one of {NORM_LOWERINGS}")
     if logits not in LOGITS_LOWERINGS:
         raise LoweringError(f"invalid logits lowering {logits!r}; choose one of {LOGITS_LOWERINGS}")
     if moe_lowering not in MOE_LOWERINGS:
@@ -73,7 +83,7 @@ def lower_for_ort(
     graph = ir_model.graph
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
-              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0}
+              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0}
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph)
     if config is not None:
@@ -101,7 +111,11 @@ def lower_for_ort(
             else:
                 counts["moe_function"] += 1
         elif node.domain == rmsnorm.DOMAIN and node.op_type == rmsnorm.OP_TYPE:
-            if _elem_type(node.inputs[0]) in rmsnorm.ORT_NATIVE_DTYPES:
+            add = rmsnorm.residual_add(node) if norm_lowering == "skip" and provider == "CPUExecutionProvider" else None
+            if add is not None and _elem_type(node.inputs[0]) == onnx.TensorProto.FLOAT:
+                rmsnorm.lower_to_skip(graph, node, add)
+                counts["rmsnorm_skip"] += 1
+            elif _elem_type(node.inputs[0]) in rmsnorm.ORT_NATIVE_DTYPES:
                 rmsnorm.lower_to_native(graph, node)
                 counts["rmsnorm_native"] += 1
             else:

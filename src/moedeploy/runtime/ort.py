@@ -22,6 +22,7 @@ from moedeploy.runtime.lowering import (
     AttentionLowering,
     LogitsLowering,
     MoELowering,
+    NormLowering,
     lower_for_ort,
 )
 from moedeploy.utils.io import atomic_write_json, normalise_modes
@@ -97,6 +98,7 @@ def create_session(
     profile: bool = False,
     attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all",
+    norm_lowering: NormLowering = "native",
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
     lowered for its first provider. logits="last": a decoder's LM head on the last position only."""
@@ -112,7 +114,7 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
-    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits)
+    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering)
     options = session_options(threads, profile)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
@@ -127,7 +129,7 @@ def create_session(
 
 def lowered_model(
     artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
-    logits: LogitsLowering = "all",
+    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native",
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
@@ -142,10 +144,11 @@ def lowered_model(
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
-                                        logits)
+                                        logits, norm_lowering)
         return lowered.SerializeToString(), counts
-    if logits != "all":
-        raise ValueError(f"logits={logits!r} applies to decoder artifacts; {artifact.path} holds a {artifact.kind!r}")
+    if logits != "all" or norm_lowering != "native":
+        raise ValueError(f"logits={logits!r} and norm_lowering={norm_lowering!r} apply to decoder artifacts; "
+                         f"{artifact.path} holds a {artifact.kind!r}")
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)
         return str(path), counts
