@@ -72,6 +72,11 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
     for raw in report["raw"]:  # the backend's own memory: its peak over the worker's baseline before loading
         assert 50 < raw["baseline_rss_mb"] < raw["peak_rss_mb"]
         assert raw["backend_rss_mb"] == max(raw["peak_rss_mb"], raw["load_peak_rss_mb"]) - raw["baseline_rss_mb"]
+        # the bound against the bandwidth this worker measured: tokens/s = bytes/step over GB/s
+        bound = 1 / max(report["roofline"]["decode_step_bytes"] / (raw["bandwidth_gbs"] * 1e9),
+                        report["roofline"]["decode_step_flops"] / (report["machine"]["gemm_gflops"] * 1e9))
+        assert metrics[(raw["backend"], "fraction_of_own_bandwidth_bound")]["value"] == pytest.approx(
+            raw["decode_tokens_per_s"] / bound, abs=1e-3)
     assert "ort_vs_torch" in report["ratios"]
     for raw in report["raw"]:  # the spread is min / median / max of every timed run
         for key in ("decode_tokens_per_s", "prefill_ms"):
@@ -262,7 +267,7 @@ def _torch_result() -> dict:
     return {"backend": "torch", "prefill_ms": 48.0, "prefill_ms_all": [42.0, 50.0, 48.0],
             "decode_tokens_per_s": 100.0, "decode_tokens_per_s_all": [90.0, 110.0, 100.0],
             "token_latency_p50_ms": 10.0, "token_latency_p99_ms": 12.0, "peak_rss_mb": 300.0,
-            "load_peak_rss_mb": 250.0, "load_s": 0.5, "baseline_rss_mb": 200.0, "backend_rss_mb": 100.0, "tokens": [[1, 2, 3]]}
+            "load_peak_rss_mb": 250.0, "load_s": 0.5, "baseline_rss_mb": 200.0, "backend_rss_mb": 100.0, "bandwidth_gbs": 10.0, "tokens": [[1, 2, 3]]}
 
 
 def test_a_failed_backend_exits_1_and_the_spread_is_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

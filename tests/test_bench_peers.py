@@ -122,7 +122,7 @@ def _result(backend: str, rates: list[float], prefills: list[float], peak: float
     return {"backend": backend, "prefill_ms": float(np.median(prefills)), "prefill_ms_all": prefills,
             "decode_tokens_per_s": float(np.median(rates)), "decode_tokens_per_s_all": rates,
             "token_latency_p50_ms": 10.0, "token_latency_p99_ms": 12.0, "peak_rss_mb": peak,
-            "load_peak_rss_mb": peak / 2, "load_s": 0.5, "baseline_rss_mb": 100.0,
+            "load_peak_rss_mb": peak / 2, "load_s": 0.5, "baseline_rss_mb": 100.0, "bandwidth_gbs": 10.0,
             "backend_rss_mb": peak - 100.0, "tokens": tokens}
 
 

@@ -537,9 +537,12 @@ def bench_cmd(
         table.add_row(r["backend"], f"{r['prefill_ms']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
                       f"{r['token_latency_p99_ms']:.2f}", f"{r['peak_rss_mb']:.0f}",
                       f"{r['backend_rss_mb']:.0f} {r['backend_rss_mb'] * 2**20 / roof['weight_bytes']:.2f}x",
-                      f"{r['decode_tokens_per_s'] / roof['decode_bound_tokens_per_s']:.0%}")
+                      f"{r['decode_tokens_per_s'] / r['decode_bound_tokens_per_s']:.0%}")
     out.print(table)
     if baselines := [r["baseline_rss_mb"] for r in report["raw"] if "error" not in r]:
+        measured = ", ".join(f"{r['backend']} {r['bandwidth_gbs']:.1f}" for r in report["raw"] if "error" not in r)
+        out.print(f"of bound: decode against bytes per step / the bandwidth each worker measured right after its "
+                  f"timed runs (GB/s: {measured})", highlight=False)
         out.print(f"own MB: a backend's peak RSS above its worker's baseline before loading (Python, torch: "
                   f"{min(baselines):.0f} MB), and that as a multiple of the weights' {roof['weight_bytes'] / 2**20:.0f} MB",
                   highlight=False)

@@ -186,6 +186,12 @@ def run(settings: Settings) -> dict:
         rates.append(settings.batch * len(latencies) / sum(latencies) if latencies else 0.0)
         all_latencies += [t * 1e3 for t in latencies]
     ordered = sorted(all_latencies) or [0.0]
+    peak = _peak_rss_mb()  # before the bandwidth probe's buffer
+    # the memory bandwidth of this moment, right after the timed runs in the same process: on a
+    # shared machine it drifts between backends' turns, and the fraction of the bound uses this one
+    from moedeploy.bench.machine import measure_bandwidth_gbs
+
+    bandwidth = measure_bandwidth_gbs(settings.threads)
     return {
         "backend": settings.backend,
         "prefill_ms": statistics.median(prefills),
@@ -194,7 +200,8 @@ def run(settings: Settings) -> dict:
         "decode_tokens_per_s_all": rates,
         "token_latency_p50_ms": ordered[len(ordered) // 2],
         "token_latency_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-        "peak_rss_mb": (peak := _peak_rss_mb()),
+        "peak_rss_mb": peak,
+        "bandwidth_gbs": bandwidth,
         "baseline_rss_mb": baseline,
         "backend_rss_mb": max(peak, load_peak) - baseline,
         "load_peak_rss_mb": load_peak,
