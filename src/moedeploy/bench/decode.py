@@ -144,7 +144,19 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
 
 
 def run(settings: Settings) -> dict:
-    """The measurement itself (called inside the worker process)."""
+    """The measurement itself (called inside the worker process), then the memory bandwidth of
+    that moment: on a shared machine it drifts between backends' turns, and the fraction of the
+    bound uses this one. The backend is gone by then (ONNX Runtime's spinning thread pool would
+    take a core from the probe), and its peak memory read (the probe's buffer would raise it)."""
+    from moedeploy.bench.machine import measure_bandwidth_gbs
+
+    result = _timed(settings)
+    gc.unfreeze()
+    gc.collect()
+    return result | {"bandwidth_gbs": measure_bandwidth_gbs(settings.threads)}
+
+
+def _timed(settings: Settings) -> dict:
     from moedeploy.export.artifact import Artifact
 
     torch.set_num_threads(settings.threads)
@@ -186,12 +198,6 @@ def run(settings: Settings) -> dict:
         rates.append(settings.batch * len(latencies) / sum(latencies) if latencies else 0.0)
         all_latencies += [t * 1e3 for t in latencies]
     ordered = sorted(all_latencies) or [0.0]
-    peak = _peak_rss_mb()  # before the bandwidth probe's buffer
-    # the memory bandwidth of this moment, right after the timed runs in the same process: on a
-    # shared machine it drifts between backends' turns, and the fraction of the bound uses this one
-    from moedeploy.bench.machine import measure_bandwidth_gbs
-
-    bandwidth = measure_bandwidth_gbs(settings.threads)
     return {
         "backend": settings.backend,
         "prefill_ms": statistics.median(prefills),
@@ -200,8 +206,7 @@ def run(settings: Settings) -> dict:
         "decode_tokens_per_s_all": rates,
         "token_latency_p50_ms": ordered[len(ordered) // 2],
         "token_latency_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-        "peak_rss_mb": peak,
-        "bandwidth_gbs": bandwidth,
+        "peak_rss_mb": (peak := _peak_rss_mb()),
         "baseline_rss_mb": baseline,
         "backend_rss_mb": max(peak, load_peak) - baseline,
         "load_peak_rss_mb": load_peak,
