@@ -76,6 +76,39 @@ def test_lowered_greedy_tokens_are_transformers(exported) -> None:
     assert torch.equal(OrtDecoder(artifact, attention_lowering="gqa").generate(ids, max_new_tokens=16), expected)
 
 
+@torch.no_grad()
+def test_inplace_cache_matches_transformers_and_is_appended_where_it_lies(exported) -> None:
+    """kv_cache="inplace": one buffer per layer and tensor, bound as past and present; the
+    logits and greedy tokens are transformers', and the cache the copying graph returns is
+    what the buffers hold, at the same addresses as before the steps."""
+    hf, artifact = exported
+    inplace = OrtDecoder(artifact, attention_lowering="gqa", kv_cache="inplace")
+    ids = prompt(hf.config.vocab_size, batch=2, length=13, seed=9)
+    inplace.reset(2, capacity=20)
+    addresses = [buffer.data_ptr() for buffer in inplace._buffers]
+    first = inplace.step(ids[:, :8], 0)
+    got = torch.cat([first, inplace.step(ids[:, 8:], 8)], dim=1)
+    torch.testing.assert_close(got, hf(ids).logits, atol=1e-4, rtol=0)
+    assert [buffer.data_ptr() for buffer in inplace._buffers] == addresses
+    copying = OrtDecoder(artifact, attention_lowering="gqa")
+    _two_steps(copying, ids, 8)
+    for buffer, present in zip(inplace._buffers, copying._past, strict=True):
+        assert buffer.shape()[2] == 20 and present.shape[2] == 13
+        np.testing.assert_array_equal(buffer.numpy()[:, :, :13], present)
+    with pytest.raises(ValueError, match="21 positions exceed the cache's capacity of 20"):
+        inplace.step(ids[:, :8], 13)
+    with pytest.raises(ValueError, match="cache holds 13 positions"):
+        inplace.step(ids[:, :1], 12)
+    expected = hf.generate(ids[:1], max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(inplace.generate(ids[:1], max_new_tokens=16), expected)
+
+
+def test_inplace_cache_needs_group_query_attention(exported) -> None:
+    _, artifact = exported
+    with pytest.raises(LoweringError, match="kv_cache='inplace' needs a decoder's attention on GroupQueryAttention"):
+        OrtDecoder(artifact, kv_cache="inplace")
+
+
 def test_the_fused_node_is_what_runs(exported) -> None:
     hf, artifact = exported
     session = create_session(artifact, ["CPUExecutionProvider"], profile=True, attention_lowering="gqa")

@@ -112,9 +112,11 @@ def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "a
                  ) -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.runtime.generation import OrtDecoder
 
-    # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and llama.cpp
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last")
-    return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
+    # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and
+    # llama.cpp. With GroupQueryAttention the cache is appended to in place (IO-bound buffers)
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last",
+                         kv_cache="inplace" if attention == "gqa" else "copy")
+    return lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1]
 
 
 def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], Step]:

@@ -8,13 +8,21 @@ logits agree; only `step` differs: it feeds the graph the KV cache it returned l
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import torch
 
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.runtime.lowering import AttentionLowering, LogitsLowering, MoELowering, NormLowering
+from moedeploy.runtime.gqa import PAST_LENGTH
+from moedeploy.runtime.lowering import (
+    AttentionLowering,
+    KVCache,
+    LogitsLowering,
+    MoELowering,
+    NormLowering,
+)
 from moedeploy.runtime.ort import create_session
 
 
@@ -87,18 +95,59 @@ class OrtDecoder(KVDecoder):
         attention_lowering: AttentionLowering = "graph",
         logits: LogitsLowering = "all",
         norm_lowering: NormLowering = "native",
+        kv_cache: KVCache = "copy",
     ) -> None:
         """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
         that generation reads; the LM head then skips the prompt's other positions.
-        norm_lowering="skip": residual Add + RMSNorm on SkipSimplifiedLayerNormalization."""
+        norm_lowering="skip": residual Add + RMSNorm on SkipSimplifiedLayerNormalization.
+        kv_cache="inplace" (with attention_lowering="gqa"): each layer's cache is one buffer of
+        `capacity` positions, allocated by `reset` and bound as both past and present with ONNX
+        Runtime's IO binding; GroupQueryAttention appends to it, so no step copies the cache."""
         super().__init__(artifact)
+        self.kv_cache = kv_cache
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
                                       attention_lowering=attention_lowering, logits=logits,
-                                      norm_lowering=norm_lowering)
+                                      norm_lowering=norm_lowering, kv_cache=kv_cache)
+        self._binding: ort.IOBinding | None = None
+        self._length = self._capacity = 0
 
     @property
     def lowering(self) -> dict[str, int]:
         return self.lowered.lowering
+
+    def reset(self, batch: int, capacity: int | None = None) -> None:
+        """An empty cache for a new batch; in place, buffers for `capacity` positions (default
+        the model's max_positions)."""
+        if self.kv_cache == "copy":
+            return super().reset(batch)
+        capacity = capacity or self.max_positions
+        binding = self.lowered.session.io_binding()
+        binding.bind_output("logits")  # first, so it is get_outputs()[0] (rebinding keeps its place)
+        self._buffers = []
+        for name, shape in zip(self.past_names, past_shapes(self.config, batch, capacity) * self.n_layers, strict=True):
+            buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.np_dtype))
+            binding.bind_ortvalue_input(name, buffer)
+            binding.bind_ortvalue_output("present." + name.removeprefix("past_key_values."), buffer)
+            self._buffers.append(buffer)
+        self._binding, self._length, self._capacity = binding, 0, capacity
+        return None
+
+    def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        if self.kv_cache == "copy":
+            return super().step(ids, start_pos)
+        if self._binding is None:
+            raise ValueError("call reset(batch) before the first step")
+        if start_pos != self._length:
+            raise ValueError(f"step at position {start_pos} but the cache holds {self._length} positions")
+        if start_pos + ids.shape[1] > self._capacity:
+            raise ValueError(f"{start_pos + ids.shape[1]} positions exceed the cache's capacity of {self._capacity}; "
+                             "reset with a larger capacity")
+        self._binding.bind_output("logits")  # unallocated again: its shape follows the step's tokens
+        self._binding.bind_cpu_input("input_ids", ids.cpu().numpy().astype(np.int64))
+        self._binding.bind_cpu_input(PAST_LENGTH, np.array(start_pos, dtype=np.int64))
+        self.lowered.session.run_with_iobinding(self._binding)
+        self._length += ids.shape[1]
+        return torch.from_numpy(self._binding.get_outputs()[0].numpy())
 
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.lowered.run(feed)

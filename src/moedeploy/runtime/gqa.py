@@ -18,6 +18,11 @@ attention (full or partial rotary, default or YaRN frequencies) with no sinks, n
 attention, no q/k norm or clamp and no sliding window. Anything else keeps its traced
 graph. The graph's interface is unchanged (past in, present out), so the same KV-cache
 handling runs either graph; `compare` checks the lowered graph against eager PyTorch.
+
+With shared_cache (OrtDecoder(kv_cache="inplace")), each layer's past and present are one
+preallocated buffer bound to both, which GroupQueryAttention appends to in place, so no step
+copies the cache; the cached length then comes from a `past_sequence_length` input, and the
+lowering refuses a graph in which anything else reads the buffers' sequence length.
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ class _Lengths:
     """seqlens_k and total_sequence_length for every layer's node, built once from the graph's
     inputs: the cache holds P positions, S tokens arrive, every row has P + S after the step."""
 
-    def __init__(self, graph: ir.Graph, input_ids: ir.Value, past_key: ir.Value) -> None:
+    def __init__(self, graph: ir.Graph, input_ids: ir.Value, past_key: ir.Value,
+                 past_length: ir.Value | None = None) -> None:
+        """past_length: a graph input holding P (a shared cache buffer's length is its capacity)."""
         self.nodes: list[ir.Node] = []
 
         def add(op: str, inputs: list, **attrs) -> ir.Value:
@@ -89,7 +96,7 @@ class _Lengths:
 
         ids_shape = add("Shape", [input_ids])
         seq = add("Gather", [ids_shape, const(1)], axis=0)
-        past = add("Gather", [add("Shape", [past_key]), const(2)], axis=0)
+        past = past_length if past_length is not None else add("Gather", [add("Shape", [past_key]), const(2)], axis=0)
         total = add("Cast", [add("Add", [past, seq])], to=ir.DataType.INT32)  # scalar
         batch = add("Slice", [ids_shape, add("Constant", [], value=ir.tensor([0], dtype=ir.DataType.INT64)),
                               add("Constant", [], value=ir.tensor([1], dtype=ir.DataType.INT64))])
@@ -102,8 +109,17 @@ class _Lengths:
         graph.insert_before(graph.node(0), self.nodes)
 
 
-def lower_attention(graph: ir.Graph, config: DecoderConfig) -> int:
-    """Replace every qualifying layer's attention core by GroupQueryAttention; returns how many."""
+#: the graph input a shared-buffer cache adds: how many positions the buffers hold so far
+PAST_LENGTH = "past_sequence_length"
+
+
+def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool = False) -> int:
+    """Replace every qualifying layer's attention core by GroupQueryAttention; returns how many.
+
+    shared_cache: the past and present of each layer are to be one preallocated buffer of
+    capacity positions (bound to both with ONNX Runtime's IO binding), which GroupQueryAttention
+    appends to in place; the graph then takes the cached length as the scalar input
+    `past_sequence_length` (int64), since the buffer's shape no longer says it."""
     if eligible(config) is not None:
         return 0
     inputs = {v.name: v for v in graph.inputs}
@@ -128,7 +144,11 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig) -> int:
             continue
         (q, k, v, past_k, past_v), (attn_out, present_k, present_v) = found
         if lengths is None:
-            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"])
+            past_length = None
+            if shared_cache:
+                past_length = ir.Value(name=PAST_LENGTH, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64))
+                graph.inputs.append(past_length)
+            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"], past_length)
         gqa = ir.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, cos_cache, sin_cache,
@@ -151,6 +171,28 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig) -> int:
     if lowered:
         graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
     return lowered
+
+
+def cache_read_only_by_gqa(graph: ir.Graph) -> str | None:
+    """Why a shared-buffer cache would be read wrongly (a node other than GroupQueryAttention
+    reads a past input, say its shape, which is now the capacity), or None when it is safe."""
+    for value in graph.inputs:
+        if value.name.startswith("past_key_values."):
+            for use in value.uses():
+                if use.node.op_type == "GroupQueryAttention" and use.idx in (3, 4):
+                    continue
+                if use.node.op_type == "Shape" and not _shape_reads_axis(use.node, 2, rank=4):
+                    continue  # the batch size, say: the same in a shared buffer
+                return f"{use.node.op_type} node {use.node.name!r} reads {value.name}"
+    return None
+
+
+def _shape_reads_axis(node: ir.Node, axis: int, rank: int) -> bool:
+    """Whether a Shape node's [start, end) slice of the dims includes `axis`."""
+    start = node.attributes["start"].as_int() if "start" in node.attributes else 0
+    end = node.attributes["end"].as_int() if "end" in node.attributes else rank
+    start, end = (max(0, min(rank, d + rank if d < 0 else d)) for d in (start, end))
+    return start <= axis < end
 
 
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

@@ -22,7 +22,9 @@
                 (rotary, KV concat, ONNX Attention) -> com.microsoft::GroupQueryAttention,
                 where the decoder's config and the traced subgraph qualify (runtime/gqa.py).
                 Not the default: on the 2-core CPU it was measured on, decode and prefill
-                were no faster (benchmarks/README.md), so the traced graph stays
+                were no faster (benchmarks/README.md), so the traced graph stays. With it,
+                kv_cache="inplace": one IO-bound buffer per layer's past and present, appended
+                to in place (OrtDecoder(kv_cache="inplace"), bench backend ort-gqa)
 
 The artifact on disk is never changed: lowering works on an in-memory copy.
 """
@@ -47,6 +49,9 @@ LogitsLowering = Literal["all", "last"]
 #: native: RMSNorm on ONNX RMSNormalization; skip: a residual Add and the RMSNorm after it on
 #: com.microsoft::SkipSimplifiedLayerNormalization (fp32, CPU)
 NormLowering = Literal["native", "skip"]
+#: copy: past in, a new present out (the artifact's interface); inplace: with attention on
+#: GroupQueryAttention, each layer's past and present are one preallocated buffer it appends to
+KVCache = Literal["copy", "inplace"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
@@ -67,10 +72,15 @@ class LoweringError(ValueError):
 def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
     config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
-    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native",
+    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced."""
+    if kv_cache not in ("copy", "inplace"):
+        raise LoweringError(f"invalid kv_cache {kv_cache!r}; choose copy or inplace")
+    if kv_cache == "inplace" and (attention_lowering != "gqa" or config is None):
+        raise LoweringError("kv_cache='inplace' needs a decoder's attention on GroupQueryAttention "
+                            "(attention_lowering='gqa'), which appends to the cache in place")
     if norm_lowering not in NORM_LOWERINGS:
         raise LoweringError(f"invalid norm lowering {norm_lowering!r}; choose one of {NORM_LOWERINGS}")
     if logits not in LOGITS_LOWERINGS:
@@ -87,7 +97,8 @@ def lower_for_ort(
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph)
     if config is not None:
-        counts["attention_gqa"] = lowered = _lower_attention(graph, config, provider, attention_lowering)
+        counts["attention_gqa"] = lowered = _lower_attention(graph, config, provider, attention_lowering,
+                                                             kv_cache == "inplace")
         counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
         is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
@@ -123,6 +134,8 @@ def lower_for_ort(
     # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
     # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
+    if kv_cache == "inplace" and (why := gqa.cache_read_only_by_gqa(graph)):
+        raise LoweringError(f"kv_cache='inplace' would be read wrongly: {why}; use kv_cache='copy'")
     return ir.to_proto(ir_model), counts
 
 
@@ -160,13 +173,14 @@ def _int64s(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
     return value
 
 
-def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering) -> int:
+def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering,
+                     shared_cache: bool = False) -> int:
     """How many layers now run GroupQueryAttention: none, or with `gqa` all of them."""
     if how == "graph":
         return 0
     why = "it is wired for ONNX Runtime's CPU provider only" if provider != "CPUExecutionProvider" else None
     why = why or gqa.eligible(config)
-    lowered = 0 if why else gqa.lower_attention(graph, config)
+    lowered = 0 if why else gqa.lower_attention(graph, config, shared_cache)
     if lowered != config.n_layers:
         why = why or "the traced attention of some layers is not the subgraph it computes"
         raise LoweringError(f"com.microsoft::GroupQueryAttention cannot take this decoder's attention ({why}); "

@@ -20,6 +20,7 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime.lowering import (
     LOWERING_VERSION,
     AttentionLowering,
+    KVCache,
     LogitsLowering,
     MoELowering,
     NormLowering,
@@ -99,6 +100,7 @@ def create_session(
     attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all",
     norm_lowering: NormLowering = "native",
+    kv_cache: KVCache = "copy",
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
     lowered for its first provider. logits="last": a decoder's LM head on the last position only."""
@@ -114,7 +116,8 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
-    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering)
+    model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
+                                  kv_cache)
     options = session_options(threads, profile)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
@@ -129,7 +132,7 @@ def create_session(
 
 def lowered_model(
     artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
-    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native",
+    logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
@@ -144,10 +147,10 @@ def lowered_model(
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
-                                        logits, norm_lowering)
+                                        logits, norm_lowering, kv_cache)
         return lowered.SerializeToString(), counts
-    if logits != "all" or norm_lowering != "native":
-        raise ValueError(f"logits={logits!r} and norm_lowering={norm_lowering!r} apply to decoder artifacts; "
+    if logits != "all" or norm_lowering != "native" or kv_cache != "copy":
+        raise ValueError(f"logits={logits!r}, norm_lowering={norm_lowering!r} and kv_cache={kv_cache!r} apply to decoder artifacts; "
                          f"{artifact.path} holds a {artifact.kind!r}")
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)
