@@ -17,28 +17,28 @@ from moedeploy.models.weights import ModuleWeights
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-def _rotate_half_split(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
-    """Rotary as Hugging Face's Llama computes it, written out: feature i turns with i + d/2."""
+def _rotate(x: torch.Tensor, pos: int, base: float, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """Rotary written out: pair i, features (a, b), turns by pos * base^(-2i/d)."""
     d = x.shape[-1]
     out = x.clone()
-    for i in range(d // 2):
+    for i, (a, b) in enumerate(pairs):
         angle = pos * base ** (-2 * i / d)
         c, s = np.cos(angle), np.sin(angle)
-        out[..., i] = x[..., i] * c - x[..., i + d // 2] * s
-        out[..., i + d // 2] = x[..., i + d // 2] * c + x[..., i] * s
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., b] * c + x[..., a] * s
     return out
+
+
+def _rotate_half_split(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    """As Hugging Face's Llama computes it: feature i turns with i + d/2."""
+    d = x.shape[-1]
+    return _rotate(x, pos, base, [(i, i + d // 2) for i in range(d // 2)])
 
 
 def _rotate_neighbours(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
-    """Rotary as llama.cpp's llama architecture computes it (GPT-J style): feature 2i turns with 2i + 1."""
+    """As llama.cpp's llama architecture computes it (GPT-J style): feature 2i turns with 2i + 1."""
     d = x.shape[-1]
-    out = x.clone()
-    for i in range(d // 2):
-        angle = pos * base ** (-2 * i / d)
-        c, s = np.cos(angle), np.sin(angle)
-        out[..., 2 * i] = x[..., 2 * i] * c - x[..., 2 * i + 1] * s
-        out[..., 2 * i + 1] = x[..., 2 * i + 1] * c + x[..., 2 * i] * s
-    return out
+    return _rotate(x, pos, base, [(2 * i, 2 * i + 1) for i in range(d // 2)])
 
 
 def test_reordered_rows_make_neighbour_rotary_give_the_same_attention_scores() -> None:
