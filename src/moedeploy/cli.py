@@ -492,7 +492,8 @@ def check_cmd(
 def bench_cmd(
     target: str = typer.Argument(..., help="A decoder artifact folder; a checkpoint folder (config.json + safetensors: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, GLM-4-MoE, MiniMax-M2, or moedeploy's own), exported once (fp32) into the cache and reused only while its weights fingerprint and config still match; or a preset (tiny, small), exported once into the cache. The cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
-                                "(ort with attention on com.microsoft::GroupQueryAttention), ort-contrib (ort with "
+                                "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
+                                "ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
                                 "written once into the cache; needs `pip install 'moedeploy[peers]'`)."),
     peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp) on the "

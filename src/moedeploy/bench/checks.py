@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moedeploy.export.artifact import Artifact
 
-#: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention;
+#: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention and the
+#: KV cache appended to in place (OrtDecoder(kv_cache="inplace"));
 #: ort-contrib: with every MoE on com.microsoft::MoE (the default lowering before the per-expert
 #: one): so one run shows what each lowering buys on this machine
 #: llama.cpp: a peer engine on the same weights (moedeploy.bench.peers)
