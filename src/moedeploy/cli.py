@@ -307,12 +307,15 @@ def given(ctx: typer.Context, param: str) -> bool:
 
 
 def _split_backends(value: str) -> list[str]:
+    from moedeploy.runtime.runners import BACKENDS
+
+    choices = ", ".join(BACKENDS[1:])  # not torch: the reference every backend is compared with
     backends = [b.strip() for b in value.split(",") if b.strip()]
     if not backends:
-        raise UserError("--backend needs at least one of: ort, trt")
+        raise UserError(f"--backend needs at least one of: {choices}")
     for b in backends:
-        if b not in ("ort", "trt"):
-            raise UserError(f"unknown backend {b!r} in --backend; choose from: ort, trt")
+        if b not in BACKENDS[1:]:
+            raise UserError(f"unknown backend {b!r} in --backend; choose from: {choices}")
     return backends
 
 
@@ -345,7 +348,10 @@ def _print_report(report: dict) -> None:
 @handle_errors
 def compare_cmd(
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
-    backend: str = typer.Option("ort", "--backend", help="Comma-separated backends to check against eager PyTorch: ort, trt."),
+    backend: str = typer.Option("ort", "--backend", help="Comma-separated backends to check against eager PyTorch: ort "
+                                "(the default lowering), ort-contrib (every MoE on com.microsoft::MoE), ort-gqa (a "
+                                "decoder's attention on GroupQueryAttention), ort-skipnorm (residual + RMSNorm on "
+                                "SkipSimplifiedLayerNormalization), trt."),
     atol: float = typer.Option(None, "--atol", help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
     rtol: float = typer.Option(None, "--rtol", help="Relative tolerance for every output (default: the manifest's, by dtype)."),
     iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),

@@ -154,6 +154,21 @@ def test_layerwise_on_a_correct_decoder_localises_nothing(compared_decoder):
     assert all(m["layer"] == ".".join(m["module"].split(".")[:2]) for m in layerwise["modules"] if m["module"].startswith("layers."))
 
 
+def test_every_ort_lowering_of_the_decoder_passes_compare(artifacts, tmp_path):
+    """ort-contrib, ort-gqa and ort-skipnorm: each lowering checked against eager PyTorch, the
+    report naming the path that ran."""
+    decoder = fresh_copy(artifacts.decoder(), tmp_path / "decoder")
+    report = compare(decoder, ["ort-contrib", "ort-gqa", "ort-skipnorm"], iterations=2)
+    assert report["passed"] is True
+    paths = {c["backend"]: c["path"] for c in report["comparisons"]}
+    assert set(paths) == {"onnxrt-contrib", "onnxrt-gqa", "onnxrt-skipnorm"}
+    assert "2 moe::MoE on com.microsoft::MoE" in paths["onnxrt-contrib"]
+    assert "2 attention on com.microsoft::GroupQueryAttention" in paths["onnxrt-gqa"]
+    assert "4 residual Add + moe::RMSNorm on SkipSimplifiedLayerNormalization" in paths["onnxrt-skipnorm"]
+    with pytest.raises(ValueError, match="--backend ort-gqa lowers a decoder's attention"):
+        compare(artifacts.block("moe"), ["ort", "ort-gqa"])
+
+
 def test_unknown_backend_is_rejected(artifacts):
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         compare(artifacts.block("moe"), ["cuda"])

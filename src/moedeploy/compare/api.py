@@ -28,7 +28,13 @@ from moedeploy.export.reference import load_reference
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint, layered_decoder
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
-from moedeploy.runtime.runners import BACKENDS, TorchRunner, lowering_text, make_runner
+from moedeploy.runtime.runners import (
+    BACKENDS,
+    DECODER_ONLY,
+    TorchRunner,
+    lowering_text,
+    make_runner,
+)
 from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
 
 REPORT_DIR = "report"
@@ -65,8 +71,9 @@ def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
     session). Saying so before any work replaces a Polygraphy traceback in `compare` and 15
     failed rows in `moedeploy all`.
     """
-    if "ort" in backends and (reason := dtype_unsupported(dtype, default_providers()[0])):
-        return (f"{reason}, so {dtype} graphs do not run on --backend ort on this machine; "
+    on_ort = [b for b in backends if b.startswith("ort")]
+    if on_ort and (reason := dtype_unsupported(dtype, default_providers()[0])):
+        return (f"{reason}, so {dtype} graphs do not run on --backend {on_ort[0]} on this machine; "
                 "compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
     return None
 
@@ -167,7 +174,10 @@ def compare(
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     unknown = [b for b in backends if b not in BACKENDS or b == "torch"]
     if unknown:
-        raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from ort, trt")
+        raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from {', '.join(BACKENDS[1:])}")
+    if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in DECODER_ONLY]):
+        raise ValueError(f"--backend {decoder_only[0]} lowers a decoder's attention or residual norms; "
+                         f"{artifact.path} holds a {artifact.kind!r}: compare it with ort, ort-contrib or trt")
     if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
         raise ValueError("--atol and --rtol must be >= 0")
     if reason := not_runnable_here(artifact.dtype, backends):
@@ -191,7 +201,10 @@ def compare(
     )
     with polygraphy_silenced():
         run_results = Comparator.run(runners, data_loader=loader)
-        accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func)
+        # every backend against the eager reference (Polygraphy's default compares neighbours:
+        # with two backends the second would be checked against the first, not against eager)
+        accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func,
+                                               comparisons=[(0, i) for i in range(1, len(runners))])
 
     results_by_runner = dict(run_results.items())
     comparisons = []

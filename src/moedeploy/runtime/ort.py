@@ -149,8 +149,8 @@ def lowered_model(
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
                                         logits, norm_lowering, kv_cache)
         return lowered.SerializeToString(), counts
-    if logits != "all" or norm_lowering != "native" or kv_cache != "copy":
-        raise ValueError(f"logits={logits!r}, norm_lowering={norm_lowering!r} and kv_cache={kv_cache!r} apply to decoder artifacts; "
+    if logits != "all" or norm_lowering != "native" or kv_cache != "copy" or attention_lowering != "graph":
+        raise ValueError(f"the attention, logits, norm and KV-cache lowerings apply to decoder artifacts; "
                          f"{artifact.path} holds a {artifact.kind!r}")
     try:
         path, counts = lowered_model_path(artifact, provider, moe_lowering)

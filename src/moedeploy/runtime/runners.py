@@ -22,7 +22,18 @@ from moedeploy.export.artifact import Artifact, to_numpy
 from moedeploy.export.decoder import past_names
 from moedeploy.export.reference import load_reference
 
-BACKENDS = ("torch", "ort", "trt")
+#: ort-contrib / ort-gqa / ort-skipnorm: ONNX Runtime on another lowering than the default (every
+#: MoE on com.microsoft::MoE; a decoder's attention on GroupQueryAttention; residual + RMSNorm on
+#: SkipSimplifiedLayerNormalization), so `compare` checks each lowering against eager PyTorch
+ORT_LOWERINGS: dict[str, dict[str, str]] = {
+    "ort": {},
+    "ort-contrib": {"moe_lowering": "contrib"},
+    "ort-gqa": {"attention_lowering": "gqa"},
+    "ort-skipnorm": {"norm_lowering": "skip"},
+}
+BACKENDS = ("torch", *ORT_LOWERINGS, "trt")
+#: lowerings of a decoder's attention and residual norms: nothing to lower in a block
+DECODER_ONLY = ("ort-gqa", "ort-skipnorm")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 
 
@@ -74,7 +85,8 @@ class TorchRunner(BaseRunner):
         return OrderedDict((name, to_numpy(t)) for name, t in zip(self.artifact.output_names(), tensors, strict=True))
 
 
-def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt"):
+def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt",
+               attention_lowering: str = "graph", norm_lowering: str = "native"):
     """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation).
 
     The runner's `lowering` dict is filled when the session is made: what the custom ops were
@@ -87,7 +99,8 @@ def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | No
     lowering: dict[str, int] = {}
 
     def session():
-        lowered = create_session(artifact, moe_lowering=moe_lowering, threads=threads)
+        lowered = create_session(artifact, moe_lowering=moe_lowering, threads=threads,
+                                 attention_lowering=attention_lowering, norm_lowering=norm_lowering)
         lowering.clear()
         lowering.update(lowered.lowering)
         return lowered.session
@@ -110,6 +123,8 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
         parts.append(f"{lowering['moe_function']} moe::MoE on the standard-op function body")
     if lowering.get("rmsnorm_native"):
         parts.append(f"{lowering['rmsnorm_native']} moe::RMSNorm on RMSNormalization-23")
+    if lowering.get("rmsnorm_skip"):
+        parts.append(f"{lowering['rmsnorm_skip']} residual Add + moe::RMSNorm on SkipSimplifiedLayerNormalization")
     if lowering.get("rmsnorm_function"):
         parts.append(f"{lowering['rmsnorm_function']} moe::RMSNorm on the function body")
     if lowering.get("attention_gqa"):
@@ -123,8 +138,8 @@ def make_runner(backend: str, artifact: Artifact) -> BaseRunner:
     """The runner for one backend name (torch, ort, trt)."""
     if backend == "torch":
         return TorchRunner(artifact)
-    if backend == "ort":
-        return ort_runner(artifact)
+    if backend in ORT_LOWERINGS:  # onnxrt, onnxrt-gqa, ...: the report's name for each
+        return ort_runner(artifact, name="onnxrt" + backend.removeprefix("ort"), **ORT_LOWERINGS[backend])
     if backend == "trt":
         from moedeploy.runtime.tensorrt import trt_runner
 
