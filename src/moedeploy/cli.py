@@ -543,7 +543,7 @@ def bench_cmd(
             continue
         table.add_row(r["backend"], f"{r['prefill_ms']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
                       f"{r['token_latency_p99_ms']:.2f}", f"{r['peak_rss_mb']:.0f}",
-                      f"{r['backend_rss_mb']:.0f} {r['backend_rss_mb'] * 2**20 / roof['weight_bytes']:.2f}x",
+                      f"{r['backend_rss_mb']:.0f} {r['backend_rss_vs_weights']:.2f}x",
                       f"{r['decode_tokens_per_s'] / r['decode_bound_tokens_per_s']:.0%}")
     out.print(table)
     if baselines := [r["baseline_rss_mb"] for r in report["raw"] if "error" not in r]:

@@ -255,8 +255,12 @@ def bench(
     context = prompt_len + new_tokens // 2  # the average decode step's history
     step_bytes = decode_step_bytes(config, batch, context)
     step_flops = decode_step_flops(config, batch, context)
-    floor_s = max(step_bytes / (machine["bandwidth_gbs"] * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
-    bound_tps = batch / floor_s
+
+    def decode_bound(bandwidth_gbs: float) -> float:
+        """Tokens/s when a step takes its bytes at this bandwidth or its flops at the GEMM rate."""
+        return batch / max(step_bytes / (bandwidth_gbs * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
+
+    bound_tps = decode_bound(machine["bandwidth_gbs"])
     model_bytes = weight_bytes(config, parse_dtype(artifact.dtype).itemsize)
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
@@ -270,13 +274,13 @@ def bench(
                              ("token_latency_p99_ms", "ms"), ("peak_rss_mb", "MB"), ("load_peak_rss_mb", "MB"),
                              ("backend_rss_mb", "MB")):
             results.append({"backend": r["backend"], "metric": metric, "value": round(r[metric], 3), "unit": unit})
+        r["backend_rss_vs_weights"] = r["backend_rss_mb"] * 2**20 / model_bytes
         results.append({"backend": r["backend"], "metric": "backend_rss_vs_weights",
-                        "value": round(r["backend_rss_mb"] * 2**20 / model_bytes, 3), "unit": ""})
+                        "value": round(r["backend_rss_vs_weights"], 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_bandwidth_bound",
                         "value": round(r["decode_tokens_per_s"] / bound_tps, 3), "unit": ""})
         # against the bandwidth its own worker measured right after timing (the machine's drifts)
-        own_bound = batch / max(step_bytes / (r["bandwidth_gbs"] * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
-        r["decode_bound_tokens_per_s"] = own_bound
+        r["decode_bound_tokens_per_s"] = own_bound = decode_bound(r["bandwidth_gbs"])
         results.append({"backend": r["backend"], "metric": "fraction_of_own_bandwidth_bound",
                         "value": round(r["decode_tokens_per_s"] / own_bound, 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_prefill_gemm_bound",
@@ -315,8 +319,9 @@ def merge_rounds(runs: list[dict]) -> dict:
     away), and an error if two rounds generated different tokens."""
     import statistics
 
-    if len(runs) == 1 or (failed := [r for r in runs if "error" in r]):
-        return runs[0] if len(runs) == 1 else failed[0]
+    failed = [r for r in runs if "error" in r]
+    if failed or len(runs) == 1:
+        return (failed or runs)[0]
     first = runs[0]
     if any(r["tokens"] != first["tokens"] for r in runs):
         return {"backend": first["backend"], "error": "its rounds generated different greedy tokens"}

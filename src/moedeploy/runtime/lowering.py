@@ -63,6 +63,7 @@ MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
 NORM_LOWERINGS = ("native", "skip")
+KV_CACHES = ("copy", "inplace")
 
 
 class LoweringError(ValueError):
@@ -76,19 +77,16 @@ def lower_for_ort(
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced."""
-    if kv_cache not in ("copy", "inplace"):
-        raise LoweringError(f"invalid kv_cache {kv_cache!r}; choose copy or inplace")
+    for what, value, choices in (("MoE lowering", moe_lowering, MOE_LOWERINGS),
+                                 ("attention lowering", attention_lowering, ATTENTION_LOWERINGS),
+                                 ("logits lowering", logits, LOGITS_LOWERINGS),
+                                 ("norm lowering", norm_lowering, NORM_LOWERINGS),
+                                 ("kv_cache", kv_cache, KV_CACHES)):
+        if value not in choices:
+            raise LoweringError(f"invalid {what} {value!r}; choose one of {choices}")
     if kv_cache == "inplace" and (attention_lowering != "gqa" or config is None):
         raise LoweringError("kv_cache='inplace' needs a decoder's attention on GroupQueryAttention "
                             "(attention_lowering='gqa'), which appends to the cache in place")
-    if norm_lowering not in NORM_LOWERINGS:
-        raise LoweringError(f"invalid norm lowering {norm_lowering!r}; choose one of {NORM_LOWERINGS}")
-    if logits not in LOGITS_LOWERINGS:
-        raise LoweringError(f"invalid logits lowering {logits!r}; choose one of {LOGITS_LOWERINGS}")
-    if moe_lowering not in MOE_LOWERINGS:
-        raise LoweringError(f"invalid MoE lowering {moe_lowering!r}; choose one of {MOE_LOWERINGS}")
-    if attention_lowering not in ATTENTION_LOWERINGS:
-        raise LoweringError(f"invalid attention lowering {attention_lowering!r}; choose one of {ATTENTION_LOWERINGS}")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
