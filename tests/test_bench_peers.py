@@ -118,6 +118,19 @@ def test_llama_cpp_refuses_what_its_llama_architecture_would_compute_differently
     check_config("llama.cpp", preset("tiny"), batch=1)  # the plain Mixtral shape passes
 
 
+def test_a_peer_added_by_peers_is_left_out_for_a_model_it_cannot_run() -> None:
+    """--peers on a Qwen3-MoE: llama.cpp is dropped with the reason; named in --backend, it is an error."""
+    from moedeploy.bench.api import check_peers
+
+    qwen = dataclasses.replace(preset("tiny"), family="qwen3_moe", qk_norm="head")
+    backends, optional = ["ort", "llama.cpp"], {"llama.cpp": ""}
+    check_peers(qwen, backends, 1, optional)
+    assert backends == ["ort"]
+    assert optional["llama.cpp"].startswith("llama.cpp is benchmarked on Mixtral-shaped decoders only")
+    with pytest.raises(ValueError, match="Mixtral-shaped decoders only"):
+        check_peers(qwen, ["ort", "llama.cpp"], 1)
+
+
 def _result(backend: str, rates: list[float], prefills: list[float], peak: float, tokens: list) -> dict:
     return {"backend": backend, "prefill_ms": float(np.median(prefills)), "prefill_ms_all": prefills,
             "decode_tokens_per_s": float(np.median(rates)), "decode_tokens_per_s_all": rates,

@@ -101,6 +101,7 @@ def test_inplace_cache_matches_transformers_and_is_appended_where_it_lies(export
         inplace.step(ids[:, :1], 12)
     expected = hf.generate(ids[:1], max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(inplace.generate(ids[:1], max_new_tokens=16), expected)
+    assert inplace._capacity == 13 + 16  # what the generation reaches, not max_positions
 
 
 def test_inplace_cache_needs_group_query_attention(exported) -> None:

@@ -102,16 +102,25 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
         raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
 
 
-def check_peers(config: DecoderConfig, backends: list[str], batch: int) -> None:
-    for peer in PEERS:
-        if peer in backends:
+def check_peers(config: DecoderConfig, backends: list[str], batch: int, optional: dict[str, str] | None = None) -> None:
+    """Every peer in `backends` computes this model at this batch, or a one-line error. A peer
+    `--peers` added (named in `optional`) is instead dropped from `backends`, and why is put in
+    `optional` beside the peers that are not installed."""
+    for peer in [p for p in PEERS if p in backends]:
+        try:
             check_config(peer, config, batch)
+        except ValueError as e:
+            if optional is None or peer not in optional:
+                raise
+            backends.remove(peer)
+            optional[peer] = str(e)
 
 
 def with_peers(backends: list[str]) -> tuple[list[str], dict[str, str]]:
-    """`--peers`: the backends plus every peer installed here, and why each other peer is left out."""
-    skipped = {peer: reason for peer in PEERS if peer not in backends and (reason := missing(peer))}
-    return backends + [p for p in PEERS if p not in backends and p not in skipped], skipped
+    """`--peers`: the backends plus every peer installed here, and for each peer not asked for by
+    name, why it is left out ('' while none is known: `check_peers` fills in a model it cannot run)."""
+    skipped = {peer: missing(peer) or "" for peer in PEERS if peer not in backends}
+    return backends + [p for p in skipped if not skipped[p]], skipped
 
 
 def trusted_cache(folder: Path, weights_sha256: str, config: DecoderConfig) -> tuple[Artifact | None, str]:
@@ -139,7 +148,7 @@ def trusted_cache(folder: Path, weights_sha256: str, config: DecoderConfig) -> t
 
 
 def prepare_checkpoint(target: str, backends: list[str], batch: int, prompt_len: int, new_tokens: int,
-                       progress: Progress) -> tuple[Artifact, bool]:
+                       progress: Progress, optional_peers: dict[str, str] | None = None) -> tuple[Artifact, bool]:
     """A checkpoint folder's fp32 export in the cache, and whether it was written now.
 
     The cache is used only when its manifest records this checkpoint's weights fingerprint
@@ -148,7 +157,7 @@ def prepare_checkpoint(target: str, backends: list[str], batch: int, prompt_len:
     """
     weights = CheckpointWeights(target)  # an unsupported family or a damaged folder fails here, in one line
     check_positions(weights.config, prompt_len, new_tokens)
-    check_peers(weights.config, backends, batch)
+    check_peers(weights.config, backends, batch, optional_peers)
     progress(f"fingerprinting the weights of {target}")
     weights_sha256 = fingerprint(weights, torch.float32, progress)
     folder = checkpoint_folder(weights_sha256)
@@ -175,18 +184,18 @@ def prepare_checkpoint(target: str, backends: list[str], batch: int, prompt_len:
 
 
 def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_tokens: int,
-            progress: Progress) -> tuple[Artifact, bool | None]:
+            progress: Progress, optional_peers: dict[str, str] | None = None) -> tuple[Artifact, bool | None]:
     """The artifact to time, and for a preset or a checkpoint whether its cached export was written
     now (None: the user's artifact folder).
 
     A preset or a checkpoint is exported only after every check that needs no export has passed.
     """
     if is_checkpoint(target):
-        return prepare_checkpoint(target, backends, batch, prompt_len, new_tokens, progress)
+        return prepare_checkpoint(target, backends, batch, prompt_len, new_tokens, progress, optional_peers)
     artifact = existing_artifact(target)
     config = config_of(artifact) if artifact else preset(target)
     check_positions(config, prompt_len, new_tokens)
-    check_peers(config, backends, batch)
+    check_peers(config, backends, batch, optional_peers)
     if "trt" in backends:
         require_engine(artifact, target)
     if {"ort", "ort-gqa", "ort-contrib"} & set(backends):
@@ -233,7 +242,8 @@ def bench(
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
-    artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress)
+    artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress, skipped_peers if peers else None)
+    skipped_peers = {peer: why for peer, why in skipped_peers.items() if why}  # the others run
     config = config_of(artifact)
     peer_model = gguf_file(artifact, cache_dir() / "bench", progress) if "llama.cpp" in backends else None
     progress("measuring the machine (memory bandwidth, GEMM rate)")

@@ -67,6 +67,10 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) 
         weights = ModuleWeights(build_decoder(source.get("preset"), None, artifact.manifest["seed"], torch.float32))
     if fingerprint(weights, torch.float32) != expected:
         raise ValueError(f"the weights rebuilt for {artifact.path} are not the ones it was exported from; re-export it")
+    from moedeploy.bench.roofline import weight_bytes
+    from moedeploy.utils.io import require_free_space
+
+    require_free_space(path, weight_bytes(config))  # f32: the GGUF is the weights plus a small header
     progress(f"llama.cpp: writing the weights once as an f32 GGUF into the cache {path}")
     return write_gguf(config, weights, path, expected, progress)
 

@@ -49,8 +49,9 @@ class KVDecoder:
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError
 
-    def reset(self, batch: int) -> None:
-        """Empty KV cache (past length 0) for a new batch of prompts."""
+    def reset(self, batch: int, capacity: int | None = None) -> None:
+        """Empty KV cache (past length 0) for a new batch of prompts. `capacity`: the positions the
+        generation will reach, for a runtime that preallocates its cache (the copying one grows)."""
         key, value = (np.zeros(shape, dtype=self.np_dtype) for shape in past_shapes(self.config, batch, 0))
         self._past = [key, value] * self.n_layers
 
@@ -77,7 +78,8 @@ class KVDecoder:
         """Same arguments and result as MoEDecoder.generate: (B, S + new) token ids, or
         (S + new,) for a 1-D prompt; input_ids may be a torch tensor, NumPy array or list."""
         prompt = as_prompt(input_ids, self.vocab_size)
-        self.reset(prompt.ids.shape[0])
+        # a preallocated cache holds what this generation reaches, not max_positions (which can be 128k)
+        self.reset(prompt.ids.shape[0], min(prompt.ids.shape[1] + max(max_new_tokens, 0), self.max_positions))
         tokens = generate(self.step, prompt.ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
                           seed, eos_token_id)
         return prompt.result(tokens)
@@ -119,7 +121,7 @@ class OrtDecoder(KVDecoder):
         """An empty cache for a new batch; in place, buffers for `capacity` positions (default
         the model's max_positions)."""
         if self.kv_cache == "copy":
-            return super().reset(batch)
+            return super().reset(batch, capacity)
         capacity = capacity or self.max_positions
         binding = self.lowered.session.io_binding()
         binding.bind_output("logits")  # first, so it is get_outputs()[0] (rebinding keeps its place)
