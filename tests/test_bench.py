@@ -257,6 +257,31 @@ def test_busy_warning_above_ten_percent_only() -> None:
     assert "(max - min) / median over 3 runs, above 10%" in warning and "busy" in warning
 
 
+def test_last_level_cache_is_the_largest_level_in_sysfs(tmp_path: Path) -> None:
+    from moedeploy.bench.machine import last_level_cache_bytes
+
+    for index, level, size in (("index0", "1", "48K"), ("index1", "1", "32K"), ("index2", "2", "2048K"),
+                               ("index3", "3", "266240K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(level + "\n")
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 266240 * 1024  # 260 MiB, the L3
+    (tmp_path / "index3" / "size").write_text("garbled\n")
+    assert last_level_cache_bytes(tmp_path) == 2048 * 1024  # an unreadable level is left out
+    assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
+def test_cache_warning_only_when_the_cache_holds_a_quarter_of_a_step() -> None:
+    from moedeploy.bench.api import cache_holds_step_warning
+
+    assert cache_holds_step_warning(None, 189e6) is None
+    assert cache_holds_step_warning(8, 189e6) is None  # 8 MiB of 189 MB: 4%
+    assert cache_holds_step_warning(45, 189e6) is None  # 47.2 MB: 24.96%, under a quarter
+    half = cache_holds_step_warning(90, 189e6)  # 94.4 MB: 50%
+    assert half is not None and "(90 MB) holds 50% of a decode step's 189 MB" in half and "over 100%" in half
+    assert "holds 100% of" in cache_holds_step_warning(260, 189e6)  # more than the step: all of it
+
+
 # --- what the command prints and its exit code, around one measured backend and one that failed
 
 FAKE_MACHINE = {"cpu": "test cpu", "cores": 2, "threads": 2, "python": "3", "torch": "x", "onnxruntime": "x",

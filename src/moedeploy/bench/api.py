@@ -299,6 +299,8 @@ def bench(
     ok = [r for r in raw if "error" not in r]
     spread = {r["backend"]: spreads(r) for r in ok}
     warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat * rounds))]
+    if cache_note := cache_holds_step_warning(machine.get("last_level_cache_mb"), step_bytes):
+        warnings.append(cache_note)
     # hf runs transformers' Mixtral with its own random weights: only the others share weights
     agree = len({str(r["tokens"]) for r in ok if r["backend"] != "hf"}) <= 1
     report = {
@@ -362,3 +364,18 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
                     "peak_rss_ratio": round(r["peak_rss_mb"] / b["peak_rss_mb"], 3),
                 }
     return ratios
+
+
+#: A last-level cache at least this share of a decode step's bytes can keep the weights every
+#: step re-reads (the LM head, attention) between tokens.
+CACHE_SHARE_WARNED = 0.25
+
+
+def cache_holds_step_warning(cache_mb: float | None, step_bytes: float) -> str | None:
+    """Why "of bound" may exceed 100% on this CPU: the DRAM-bandwidth bound assumes every weight
+    of a step comes from DRAM, which a cache this large relative to the step does not."""
+    if not cache_mb or cache_mb * 2**20 < CACHE_SHARE_WARNED * step_bytes:
+        return None
+    return (f"this CPU's last-level cache ({cache_mb:.0f} MB) holds {min(cache_mb * 2**20 / step_bytes, 1):.0%} of a "
+            f"decode step's {step_bytes / 1e6:.0f} MB; weights re-read every step can come from it, so decode can "
+            "pass the DRAM-bandwidth bound ('of bound' over 100%); compare backends with each other here")
