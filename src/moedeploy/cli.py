@@ -246,6 +246,9 @@ def export_cmd(
     max_seq_len: int = typer.Option(None, "--max-seq-len", help="Decoder: positions (cache + new tokens) the TensorRT profile covers; default min(max_positions, 4096).", show_default=False),
     force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
     golden: bool = typer.Option(True, "--golden/--no-golden", help="Decoder: run eager PyTorch on the golden inputs and store its outputs (--no-golden skips that pass over the weights; `compare` still runs eager)."),
+    quantize_as: str = typer.Option(None, "--quantize", help="Decoder: int8 or int4 weight-only for the Linear and expert weights (router, norms, embeddings stay in --dtype), as ONNX DequantizeLinear.", show_default=False),
+    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it)."),
+    symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: symmetric codes (llama.cpp's q8_0/q4_0), or a zero point per block."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
@@ -254,6 +257,9 @@ def export_cmd(
     A decoder keeps its weights in model.onnx.data, streamed from the checkpoint one tensor
     at a time: memory does not grow with the model, so any size exports (the disk must
     hold the weights in the chosen --dtype; that is checked before any work).
+    --quantize int8|int4 stores the Linear and expert weights as blocked codes, one scale
+    and zero point per --block-size values, read through ONNX DequantizeLinear; the golden
+    outputs are then eager PyTorch's on the dequantized weights, what the artifact computes.
     An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
 
     \b
@@ -262,8 +268,10 @@ def export_cmd(
       moedeploy export rmsnorm --out artifacts/rmsnorm --dtype fp16
       moedeploy export decoder --preset small --out artifacts/decoder
       moedeploy export decoder --checkpoint ./mixtral-tiny --out artifacts/mixtral
+      moedeploy export decoder --preset small --quantize int4 --out artifacts/q4
     """
     from moedeploy.export import BLOCKS, DECODER, export, parse_dtype
+    from moedeploy.export.quantize import parse_scheme
     from moedeploy.models import PRESETS
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
@@ -287,17 +295,25 @@ def export_cmd(
         if not uses_batchnorm and given(ctx, option):
             flag = "--calibration-batches" if option == "calibration_batches" else "--fold-bn/--no-fold-bn"
             raise UserError(f"{flag} applies to blocks with BatchNorm only; {target!r} has none, so drop it")
+    for option, flag in (("block_size", "--block-size"), ("symmetric", "--symmetric/--asymmetric")):
+        if quantize_as is None and given(ctx, option):
+            raise UserError(f"{flag} applies with --quantize int8|int4 only")
+    if quantize_as is not None and target != DECODER:
+        raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
+    quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
     check_writable(out_dir)
 
     with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
             fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
-            max_seq_len=max_seq_len, golden=golden,
+            max_seq_len=max_seq_len, golden=golden, quantization=quantization,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
-    out.print(f"[green]exported[/green] {target} ({dtype}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]", highlight=False)
+    precision = dtype if quantize_as is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}"
+    out.print(f"[green]exported[/green] {target} ({precision}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]",
+              highlight=False)
 
 
 def given(ctx: typer.Context, param: str) -> bool:

@@ -24,9 +24,9 @@ from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
-from moedeploy.export.reference import load_reference
+from moedeploy.export.reference import eager_decoder, load_reference
 from moedeploy.models.checkpoint import CheckpointWeights
-from moedeploy.models.weights import fingerprint, layered_decoder
+from moedeploy.models.weights import fingerprint
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
 from moedeploy.runtime.runners import (
     BACKENDS,
@@ -118,7 +118,7 @@ def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expecte
             f"--checkpoint {checkpoint} holds other weights than {artifact.path} was exported from "
             "(its weights_sha256 fingerprint differs); pass the checkpoint the artifact was made from"
         )
-    return DecoderWithPast(layered_decoder(weights, dtype)).eval()
+    return DecoderWithPast(eager_decoder(weights, artifact.manifest, dtype)).eval()
 
 
 def handed_out_once(first: nn.Module, rebuild: Callable[[], nn.Module]) -> Callable[[], nn.Module]:

@@ -54,16 +54,19 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.reference import build_decoder, save_reference_weights
+from moedeploy.export.quantize import quantized_names
+from moedeploy.export.reference import build_decoder, eager_decoder, save_reference_weights
 from moedeploy.export.streaming import (
     DATA_ALIGNMENT,
+    quantize_weights,
     save_graph,
     trace_decoder,
     weight_summary,
     write_weights,
 )
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
-from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
+from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint
 from moedeploy.plugins import moe
 from moedeploy.utils.io import (
     atomic_directory,
@@ -110,6 +113,7 @@ def export(
     progress: Progress | None = None,
     max_seq_len: int | None = None,
     golden: bool = True,
+    quantization: QuantScheme | None = None,
 ) -> Artifact:
     """Export `target` (a block name or "decoder") to the artifact folder `out`.
 
@@ -117,7 +121,8 @@ def export(
     replaces any other folder too. The decoder's shape comes from `preset_name` (default
     "tiny") or from `checkpoint`, never both: an option that would be ignored is refused.
     max_seq_len (decoder only): positions, cache plus new tokens, that the TensorRT profile in
-    the manifest covers; default min(max_positions, 4096).
+    the manifest covers; default min(max_positions, 4096). quantization (decoder only): its
+    Linear and expert weights weight-only int8/int4 (export/quantize.py).
     """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
@@ -133,11 +138,13 @@ def export(
             raise ValueError(f"--preset applies to the decoder only; block {target!r} has one fixed shape")
         if max_seq_len is not None:
             raise ValueError("--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)")
+        if quantization is not None:
+            raise ValueError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     check_replaceable(out, is_artifact_folder, force)
     if target == DECODER:
         return export_decoder(
             out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
-            progress=progress, max_seq_len=max_seq_len, golden=golden,
+            progress=progress, max_seq_len=max_seq_len, golden=golden, quantization=quantization,
         )
     if not golden:
         raise ValueError("--no-golden applies to the decoder only")
@@ -229,6 +236,7 @@ def export_decoder(
     progress: Progress | None = None,
     max_seq_len: int | None = None,
     golden: bool = True,
+    quantization: QuantScheme | None = None,
 ) -> Artifact:
     """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
     `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions.
@@ -236,7 +244,9 @@ def export_decoder(
     The weights are streamed (export/streaming.py): the graph is traced over empty tensors
     and each weight goes from the checkpoint's shards to model.onnx.data on its own, so
     memory does not grow with the model. Golden outputs come from the eager model run one
-    layer at a time over the checkpoint; `golden=False` skips them (and that pass).
+    layer at a time over the checkpoint; `golden=False` skips them (and that pass). With
+    `quantization`, the golden outputs are the eager model's on the dequantized weights: what
+    the artifact computes, checked by `compare` with the usual tolerances.
     """
     progress = progress or _noop
     torch_dtype = parse_dtype(dtype)
@@ -258,11 +268,21 @@ def export_decoder(
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())
     source["weights_sha256"] = fingerprint(weights, torch_dtype, progress)
+    quantized: dict[str, Any] | None = None
+    if quantization is not None:
+        progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}")
+        counts = quantize_weights(traced, weights, quantization)
+        quantized = {"bits": quantization.bits, "block_size": quantization.block_size,
+                     "symmetric": quantization.symmetric, "weights": counts,
+                     "tensors": sorted(quantized_names(traced.recipes))}
 
     golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)
     if golden:
-        reference = weights_reference(weights, torch_dtype, progress)
+        # the in-memory model of a preset, or the checkpoint's model run one layer at a time (its
+        # weights read per layer, so memory stays one layer's); dequantized as the artifact reads them
+        module = weights.module if isinstance(weights, ModuleWeights) else None
+        reference = eager_decoder(weights, {"quantization": quantized}, torch_dtype, module, progress)
         eager = "running eager PyTorch on them" + ("" if checkpoint is None else ", one layer at a time")
         progress(f"making golden inputs and {eager}")
         ids, past = decoder_feed(reference, batch=2, past_len=6, seq=4, generator=generator)  # a real KV cache
@@ -298,17 +318,11 @@ def export_decoder(
         manifest["kv_cache"] = kv_cache_summary(config, torch_dtype.itemsize)
         manifest["golden_outputs"] = golden
         manifest["weights_layout"] = weight_summary(traced)
+        if quantized is not None:
+            manifest["quantization"] = quantized
         return manifest
 
     return _write_artifact(out, write_model, manifest_for, golden_in, golden_out, progress, force=force)
-
-
-def weights_reference(weights: WeightSource, dtype: torch.dtype, progress: Progress) -> torch.nn.Module:
-    """The eager decoder for golden outputs: the in-memory model of a preset, or the checkpoint's
-    model run one layer at a time (its weights read per layer), so memory stays one layer's."""
-    if isinstance(weights, ModuleWeights):
-        return weights.module
-    return layered_decoder(weights, dtype, progress)
 
 
 def _manifest(

@@ -7,6 +7,8 @@ pure function of both) or the checkpoint folder, so a 500 MB model is not stored
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype
+from moedeploy.export.quantize import reference_weights
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
 
@@ -43,6 +46,21 @@ def build_decoder(preset_name: str | None, checkpoint: str | Path | None, seed: 
     return decoder.eval().to(dtype)
 
 
+def eager_decoder(weights: WeightSource, manifest: dict, dtype: torch.dtype, module: nn.Module | None = None,
+                  progress: Callable[[str], None] | None = None) -> nn.Module:
+    """The eager decoder over `weights` as the artifact computes with them (dequantized when it
+    is quantized): `module` itself when it holds them whole and nothing is quantized, else a
+    dequantized copy of it, else the weights loaded one layer at a time (a checkpoint may
+    barely fit in memory)."""
+    reference = reference_weights(weights, manifest, dtype)
+    if module is None:
+        return layered_decoder(reference, dtype, progress)
+    if reference is not weights:  # a preset: small, so a dequantized copy
+        module = copy.deepcopy(module)
+        module.load_state_dict({name: reference.tensor(name) for name in reference.names()})
+    return module
+
+
 def load_reference(artifact: Artifact) -> nn.Module:
     """The eager module behind `artifact`, eval mode, in the artifact's dtype.
 
@@ -62,7 +80,7 @@ def load_reference(artifact: Artifact) -> nn.Module:
             )
         if checkpoint is not None:
             weights: WeightSource = CheckpointWeights(checkpoint)
-            decoder = layered_decoder(weights, dtype)  # a checkpoint may barely fit: one layer at a time
+            decoder = None
         else:
             decoder = build_decoder(source.get("preset"), None, artifact.manifest["seed"], dtype)
             weights = ModuleWeights(decoder)
@@ -74,7 +92,7 @@ def load_reference(artifact: Artifact) -> nn.Module:
                 "(its weights fingerprint differs: the checkpoint changed, or another moedeploy version "
                 "made the artifact); re-export it"
             )
-        return DecoderWithPast(decoder).eval()
+        return DecoderWithPast(eager_decoder(weights, artifact.manifest, dtype, decoder)).eval()
     from moedeploy.export.blocks import build_block, get_block
 
     module = build_block(get_block(config["block"]), artifact.manifest["seed"])

@@ -29,6 +29,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from moedeploy.export import quantize
 from moedeploy.export.decoder import (
     WRAPPER_PREFIX,
     DecoderWithPast,
@@ -44,6 +45,7 @@ from moedeploy.export.onnx_export import (
     name_custom_nodes,
     normalize_dim_sums,
 )
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.weights import WeightSource, chunks, tensor_bytes, transposed_chunks
 from moedeploy.plugins import moe
@@ -51,7 +53,8 @@ from moedeploy.utils.progress import size_text, throttled
 
 DATA_ALIGNMENT = 1 << 16
 PENDING = "<not written yet>"
-Recipe = tuple[Literal["copy", "transpose", "interleave"], tuple[str, ...]]
+#: (how, from which of our tensors); the quantized parts: (part, (layout, *tensors)), export/quantize.py
+Recipe = tuple[Literal["copy", "transpose", "interleave", "codes", "scale", "zero_point"], tuple[str, ...]]
 Progress = Callable[[str], None]
 
 
@@ -61,6 +64,7 @@ class TracedDecoder:
 
     model: ir.Model
     recipes: dict[str, Recipe]  # initializer name -> (how, from which of our tensor names)
+    quantization: QuantScheme | None = None  # the scheme of the quantized parts' recipes
 
 
 def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -187,10 +191,15 @@ def _fuse_gate_up(graph: ir.Graph, node: ir.Node, gate: str, up: str, recipes: d
     recipes[fused.name] = ("interleave", (gate, up))
 
 
-def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype,
+                  scheme: QuantScheme | None = None) -> Iterator[torch.Tensor]:
     """The initializer's values in order, in bounded pieces (one expert at most)."""
     how, names = recipe
-    if how == "copy":
+    if how in quantize.PARTS:
+        if scheme is None:
+            raise ValueError(f"a quantized part ({how}) needs its quantization scheme")
+        yield from quantize.part_chunks(how, names[0], names[1:], source, dtype, scheme)
+    elif how == "copy":
         yield from chunks(source, names[0], dtype)
     elif how == "transpose":
         yield from transposed_chunks(source, names[0], dtype)
@@ -212,7 +221,7 @@ def _nbytes(value: ir.Value) -> int:
     count = 1
     for d in value.shape:
         count *= int(d)
-    return int(count * value.dtype.itemsize)
+    return -(-count * value.dtype.bitwidth // 8)  # 4-bit values two to a byte, an odd one padded
 
 
 def write_weights(
@@ -236,7 +245,7 @@ def write_weights(
             offset = -(-f.tell() // DATA_ALIGNMENT) * DATA_ALIGNMENT
             f.seek(offset)
             length = 0
-            for piece in recipe_chunks(traced.recipes[name], source, dtype):
+            for piece in recipe_chunks(traced.recipes[name], source, dtype, traced.quantization):
                 length += f.write(tensor_bytes(piece))
             if length != _nbytes(value):
                 raise ExportError(f"weight {name}: wrote {length} bytes, the graph's shape needs {_nbytes(value)}")
@@ -262,6 +271,14 @@ def save_graph(traced: TracedDecoder, model_file: Path) -> onnx.ModelProto:
     except onnx.checker.ValidationError as e:
         raise ExportError(f"exported graph fails the ONNX checker: {str(e).splitlines()[0]}") from e
     return proto
+
+
+def quantize_weights(traced: TracedDecoder, source: WeightSource, scheme: QuantScheme) -> dict[str, int]:
+    """Make the traced graph read its Linear and expert weights through DequantizeLinear, their
+    parts streamed by recipes like every weight (export/quantize.py); returns counts."""
+    counts = quantize.rewrite_graph(traced.model.graph, traced.recipes, source, scheme, _register)
+    traced.quantization = scheme
+    return counts
 
 
 def weight_summary(traced: TracedDecoder) -> dict[str, Any]:

@@ -29,13 +29,15 @@ from moedeploy.plugins.moe import (
     node_routing,
     routing_probe,
 )
+from moedeploy.runtime import quantized
 
 FLOAT = ir.DataType.FLOAT
 
 
 def experts_eligible(node: ir.Node, provider: str) -> bool:
     """fp32 on the CPU provider, SwiGLU experts, and weights that are constant initializers
-    (so each expert's slice can be an initializer of its own)."""
+    (so each expert's slice can be an initializer of its own), or quantized ones (blocked
+    DequantizeLinear over constants: each expert's codes go to MatMulNBits)."""
     if provider != "CPUExecutionProvider" or node.inputs[0].dtype != FLOAT:
         return False
     if node_activation(node).activation != "swiglu":
@@ -44,7 +46,8 @@ def experts_eligible(node: ir.Node, provider: str) -> bool:
     fused = interleaved_source(w_gate, w_up)
     stacked = [fused, w_down] if fused is not None else [w_gate, w_up, w_down]
     biases = [b for b in node.inputs[5:8] if b is not None and not is_zero(b)]
-    return all(_constant(v) is not None for v in stacked + biases)
+    return (all(_constant(v) is not None or quantized.blocked_source(v) is not None for v in stacked)
+            and all(_constant(b) is not None for b in biases))
 
 
 def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
@@ -108,8 +111,8 @@ class _Builder:
         self.nodes: list[ir.Node] = []
         self.prefix = prefix
 
-    def __call__(self, op: str, inputs: list, **attrs) -> ir.Value:
-        node = ir.node(op, inputs, attrs, name=f"{self.prefix}/{op}_{len(self.nodes)}")
+    def __call__(self, op: str, inputs: list, domain: str = "", **attrs) -> ir.Value:
+        node = ir.node(op, inputs, attrs, domain=domain, name=f"{self.prefix}/{op}_{len(self.nodes)}")
         self.nodes.append(node)
         for i, value in enumerate(node.outputs):
             value.name = f"{node.name}:{i}"
@@ -135,9 +138,11 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
     fused = interleaved_source(w_gate, w_up)
     initializers: list[ir.Value] = []
 
-    def weight(value: ir.Value | None, expert: int) -> ir.Value | None:
+    def weight(value: ir.Value | None, expert: int) -> ir.Value | quantized.NBitsWeight | None:
         if value is None or is_zero(value):
             return None
+        if (blocked := quantized.blocked_source(value)) is not None:
+            return quantized.nbits_weight(graph, blocked, expert)
         sliced = expert_slice(value, expert)
         initializers.append(sliced)
         return sliced
@@ -185,12 +190,17 @@ def _expert_branch(
     routed = add("Squeeze", [add("Greater", [w_e, zero]), add.ints([1])])  # (N,) bool
     rows = add("Reshape", [add("NonZero", [routed]), add.ints([-1])])  # (M,)
     xs = add("Gather", [flat_x, rows], axis=0)  # (M, H)
+    def linear(x: ir.Value, w) -> ir.Value:  # x @ w^T: Gemm on a float weight, MatMulNBits on codes
+        if isinstance(w, quantized.NBitsWeight):
+            return w.matmul(add, x, 0)
+        return add("Gemm", [x, w], transB=1)
+
     if len(fc1) == 1:  # the interleaved (2I, H) weight: one Gemm, then the even and odd columns
-        both = add("Gemm", [xs, fc1[0]], transB=1)
+        both = linear(xs, fc1[0])
         g = add("Slice", [both, add.ints([0]), add.ints([2 * hidden]), add.ints([1]), add.ints([2])])
         u = add("Slice", [both, add.ints([1]), add.ints([2 * hidden]), add.ints([1]), add.ints([2])])
     else:
-        g, u = add("Gemm", [xs, fc1[0]], transB=1), add("Gemm", [xs, fc1[1]], transB=1)
+        g, u = linear(xs, fc1[0]), linear(xs, fc1[1])
     b_gate, b_up, b_down = biases
     if b_gate is not None:
         g = add("Add", [g, b_gate])
@@ -205,7 +215,9 @@ def _expert_branch(
     if act.activation_beta != 0.0:
         u = add("Add", [u, add.scalar(act.activation_beta)])
     h = add("Mul", [gated, u])
-    y = add("Gemm", [h, w_down], transB=1) if b_down is None else add("Gemm", [h, w_down, b_down], transB=1)
+    y = linear(h, w_down)
+    if b_down is not None:
+        y = add("Add", [y, b_down])
     y = add("Mul", [y, add("Gather", [w_e, rows], axis=0)])  # times each token's routing weight
     out = add("ScatterND", [zeros, add("Unsqueeze", [rows, add.ints([1])]), y])
     return ir.Graph([], [out], nodes=add.nodes, name=prefix)

@@ -9,6 +9,10 @@
                    node's routing computed on graph ops before it ("routed": sigmoid scores,
                    selection biases, groups, scaling, sparsemixer). Otherwise the node stays
                    and ONNX Runtime inlines its dense standard-op function body
+                   Quantized experts (DequantizeLinear over blocked codes) the same way, each
+                   expert's matmuls on com.microsoft::MatMulNBits over the artifact's bytes
+  quantized     a MatMul by a quantized Linear weight (Transpose of DequantizeLinear over
+  Linears       blocked codes) -> com.microsoft::MatMulNBits on the same bytes (runtime/quantized.py)
   moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype; on
                    request (norm_lowering="skip"), fp32 on CPU, the residual Add before it and the
                    norm -> com.microsoft::SkipSimplifiedLayerNormalization, whose 4th output is
@@ -39,7 +43,7 @@ import onnx_ir.passes.common
 
 from moedeploy.models.config import DecoderConfig
 from moedeploy.plugins import moe, moe_experts, rmsnorm
-from moedeploy.runtime import gqa
+from moedeploy.runtime import gqa, quantized
 
 MoELowering = Literal["auto", "contrib", "experts", "function"]
 #: graph: attention as traced; gqa: every layer on GroupQueryAttention, or an error saying why not
@@ -57,8 +61,9 @@ KVCache = Literal["copy", "inplace"]
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
-#: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count).
-LOWERING_VERSION = 7
+#: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
+#: 8: quantized weights on MatMulNBits).
+LOWERING_VERSION = 8
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
@@ -74,9 +79,11 @@ def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
     config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
+    weights_dir: str | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
-    artifact's config, without which attention is left as traced."""
+    artifact's config, without which attention is left as traced. `weights_dir`: where the
+    model's external data lives (read only for the few bytes a lowering must repack)."""
     for what, value, choices in (("MoE lowering", moe_lowering, MOE_LOWERINGS),
                                  ("attention lowering", attention_lowering, ATTENTION_LOWERINGS),
                                  ("logits lowering", logits, LOGITS_LOWERINGS),
@@ -89,9 +96,11 @@ def lower_for_ort(
                             "(attention_lowering='gqa'), which appends to the cache in place")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
+    if weights_dir is not None:
+        ir.external_data.set_base_dir(graph, weights_dir)
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
-              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0}
+              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0}
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph)
     if config is not None:
@@ -129,6 +138,7 @@ def lower_for_ort(
                 counts["rmsnorm_native"] += 1
             else:
                 counts["rmsnorm_function"] += 1
+    counts["matmul_nbits"] = quantized.lower_linears(graph, provider)
     # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
     # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
@@ -150,7 +160,9 @@ def _last_position_logits(graph: ir.Graph) -> int:
     while node is not None and node.op_type in ("Add", "Div", "Mul") and len(node.inputs) == 2 \
             and node.inputs[1] is not None and node.inputs[1].const_value is not None:
         node = node.inputs[0].producer()
-    if node is None or node.op_type != "MatMul" or node.inputs[1].const_value is None:
+    constant = node is not None and (node.inputs[1].const_value is not None
+                                     or quantized.transposed_blocked_source(node.inputs[1]) is not None)
+    if node is None or node.op_type != "MatMul" or not constant:
         raise LoweringError("logits='last' needs a decoder graph whose logits output is an LM-head MatMul; "
                             "use logits='all'")
     hidden = node.inputs[0]

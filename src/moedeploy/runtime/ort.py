@@ -147,7 +147,7 @@ def lowered_model(
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
-                                        logits, norm_lowering, kv_cache)
+                                        logits, norm_lowering, kv_cache, weights_dir=str(artifact.path))
         return lowered.SerializeToString(), counts
     if logits != "all" or norm_lowering != "native" or kv_cache != "copy" or attention_lowering != "graph":
         raise ValueError(f"the attention, logits, norm and KV-cache lowerings apply to decoder artifacts; "

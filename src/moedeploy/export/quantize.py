@@ -1,0 +1,196 @@
+"""Weight-only int8/int4 in the decoder artifact, as standard ONNX DequantizeLinear.
+
+Which weights: every Linear's (attention and dense projections, shared experts, the LM head)
+and the stacked expert weights. The router, norms, embeddings and biases stay in the
+artifact's dtype: they are small, and the router's choices are the most sensitive to error.
+
+How they are written (`models/blockquant.py` has the formulas): a weight W (N, K), as
+nn.Linear stores it, becomes three initializers, codes (N, K) uint8 or uint4, scale
+(N, K / block) in the artifact's dtype and zero_point (N, K / block) in the codes' type, and
+the graph reads them through DequantizeLinear(axis=1, block_size) and a Transpose into the
+MatMul that took W^T. Expert stacks (E, out, in) the same way along their last axis, the
+interleaved gate/up stack included, into the moe::MoE node. So plain ONNX Runtime and
+TensorRT's parser read the artifact with standard ops, and the ONNX Runtime lowering hands
+the very same bytes to com.microsoft::MatMulNBits (runtime/quantized.py).
+
+Streaming: each part is written one row block or one expert at a time, quantized as it is
+read, so a checkpoint is never held whole in float (or twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import onnx_ir as ir
+import torch
+
+from moedeploy.models.blockquant import QuantScheme, pack, quantize
+from moedeploy.models.weights import WeightSource, chunks
+
+#: recipe kinds of the quantized parts (export/streaming.py): (part, (layout, *our tensor names))
+PARTS = ("codes", "scale", "zero_point")
+#: Linear weights that stay unquantized, by a part of their name
+KEPT_LINEARS = ("router",)
+
+
+class QuantizeError(ValueError):
+    """A weight the requested scheme cannot quantize."""
+
+
+def parse_scheme(quantize_as: str, block_size: int = 32, symmetric: bool = True) -> QuantScheme:
+    """`--quantize int8|int4` with its block size and symmetry, checked."""
+    if quantize_as not in ("int8", "int4"):
+        raise QuantizeError(f"--quantize {quantize_as!r}: choose int8 or int4")
+    try:
+        return QuantScheme(int(quantize_as[3:]), block_size, symmetric)
+    except ValueError as e:
+        raise QuantizeError(f"--block-size: {e}") from None
+
+
+def quantized_target(how: str, names: tuple[str, ...], source: WeightSource) -> str | None:
+    """Which layout a weight initializer made by recipe (how, names) is quantized in, if it is:
+    "rows" (a weight of ours as stored, blocks along its last axis) or "interleave"."""
+    if how == "transpose" and not any(kept in names[0] for kept in KEPT_LINEARS):
+        return "rows"
+    if how == "interleave":
+        return "interleave"
+    if how == "copy" and len(source.shape(names[0])) == 3 and names[0].endswith(("w_gate", "w_up", "w_down")):
+        return "rows"
+    return None
+
+
+def float_chunks(layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The weight in our (…, out, in) layout, in the artifact's dtype, a row block or an expert at a time."""
+    if layout == "rows":
+        yield from chunks(source, names[0], dtype)
+    else:  # gate and up rows alternating, one expert at a time
+        for gate, up in zip(source.experts(names[0]), source.experts(names[1]), strict=True):
+            yield torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1]).to(dtype)
+
+
+def part_chunks(part: str, layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype,
+                scheme: QuantScheme) -> Iterator[torch.Tensor]:
+    """One part's bytes in order: codes packed per row (K is even), scales in the artifact's dtype,
+    zero points packed as ONNX packs a 4-bit tensor (flattened, across chunk boundaries)."""
+    pending: torch.Tensor | None = None  # a zero point waiting for its byte's high nibble
+    for weight in float_chunks(layout, names, source, dtype):
+        q = quantize(weight, scheme)
+        if part == "codes":
+            yield q.packed_codes()
+        elif part == "scale":
+            yield q.scale.to(dtype)
+        elif scheme.bits == 8:
+            yield q.zero_point
+        else:
+            values = q.zero_point.flatten() if pending is None else torch.cat([pending, q.zero_point.flatten()])
+            even = values.numel() // 2 * 2
+            pending = values[even:] if even < values.numel() else None
+            yield pack(values[:even], 4)
+    if pending is not None:
+        yield pack(pending, 4)
+
+
+def dequantized(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """What the artifact's DequantizeLinear gives for `weight`: its scale rounded to the weight's
+    dtype as stored, the product rounded back to it."""
+    q = quantize(weight, scheme)
+    q.scale = q.scale.to(weight.dtype).float()
+    return q.dequantize().to(weight.dtype)
+
+
+def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: QuantScheme,
+                  register: Callable[[ir.Graph, ir.Value], None]) -> dict[str, int]:
+    """Replace every quantized weight initializer by DequantizeLinear over its three parts, and
+    their recipes; returns counts by layout. `register(graph, value)` adds an initializer to be
+    written later. Raises QuantizeError naming a weight whose input dimension the block size
+    does not divide."""
+    codes_type = ir.DataType.UINT4 if scheme.bits == 4 else ir.DataType.UINT8
+    counts = {"linear": 0, "experts": 0}
+    first = next(iter(graph))
+    for name, (how, names) in list(recipes.items()):
+        layout = quantized_target(how, names, source)
+        if layout is None:
+            continue
+        value = graph.initializers[name]
+        shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
+        if shape[-1] % scheme.block_size:
+            raise QuantizeError(
+                f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of --block-size "
+                f"{scheme.block_size}; choose a power of two that divides it (16, 32, 64, ...)")
+        blocks = [*shape[:-1], shape[-1] // scheme.block_size]
+        parts = []
+        for part, dtype, part_shape in (("codes", codes_type, shape), ("scale", value.dtype, blocks),
+                                        ("zero_point", codes_type, blocks)):
+            v = ir.Value(name=f"{name}.{part}", shape=ir.Shape(part_shape), type=ir.TensorType(dtype))
+            register(graph, v)
+            recipes[v.name] = (part, (layout, *names))
+            parts.append(v)
+        dq = ir.node("DequantizeLinear", parts, {"axis": len(shape) - 1, "block_size": scheme.block_size},
+                     name=f"{name}/DequantizeLinear")
+        out = dq.outputs[0]
+        out.name, out.shape, out.type = f"{name}.dequantized", ir.Shape(shape), value.type
+        new_nodes = [dq]
+        if how == "transpose":  # the MatMul takes W^T
+            tr = ir.node("Transpose", [out], {"perm": [1, 0]}, name=f"{name}/Transpose")
+            tr.outputs[0].name, tr.outputs[0].shape, tr.outputs[0].type = f"{name}.dequantized.T", value.shape, value.type
+            new_nodes.append(tr)
+            out = tr.outputs[0]
+        graph.insert_before(first, new_nodes)
+        ir.convenience.replace_all_uses_with(value, out)
+        consumer = next(iter(out.uses())).node  # the module that reads the weight owns its dequantization
+        for new in new_nodes:  # (the exporter's scope metadata: layer-wise compare, the attention lowering)
+            new.metadata_props.update(consumer.metadata_props)
+        graph.initializers.pop(name)
+        del recipes[name]
+        counts["linear" if how == "transpose" else "experts"] += 1
+    return counts
+
+
+class DequantizedWeights:
+    """A WeightSource whose quantized tensors read as the artifact's DequantizeLinear gives them:
+    the eager reference of a quantized artifact (golden outputs, compare)."""
+
+    def __init__(self, source: WeightSource, scheme: QuantScheme, quantized: set[str], dtype: torch.dtype) -> None:
+        """dtype: the artifact's, which the export quantized the weights in."""
+        self.source, self.scheme, self.quantized, self.dtype = source, scheme, quantized, dtype
+        self.config = source.config
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self.source.tensor(name)
+        return dequantized(t.to(self.dtype), self.scheme) if name in self.quantized else t
+
+    def experts(self, name: str) -> Iterator[torch.Tensor]:
+        for t in self.source.experts(name):
+            yield dequantized(t.to(self.dtype), self.scheme) if name in self.quantized else t
+
+    def block(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if name not in self.quantized:
+            return self.source.block(name, index)
+        rows = self.source.block(name, index[:1])  # whole rows: blocks run along them
+        return dequantized(rows.to(self.dtype), self.scheme)[(slice(None), *index[1:])]
+
+
+def quantized_names(recipes: dict) -> set[str]:
+    """Our tensor names that the rewritten graph reads quantized."""
+    return {n for how, (layout, *names) in ((h, r) for h, r in recipes.values() if h in PARTS) for n in names}
+
+
+def scheme_of(manifest: dict) -> QuantScheme | None:
+    """The quantization an artifact's manifest records, if any."""
+    q = manifest.get("quantization")
+    return None if not q else QuantScheme(q["bits"], q["block_size"], q["symmetric"])
+
+
+def reference_weights(weights: WeightSource, manifest: dict, dtype: torch.dtype) -> WeightSource:
+    """The weights an artifact's eager reference runs on: as they are, or as its
+    DequantizeLinear nodes give them when the manifest records a quantization."""
+    scheme = scheme_of(manifest)
+    if scheme is None:
+        return weights
+    return DequantizedWeights(weights, scheme, set(manifest["quantization"]["tensors"]), dtype)

@@ -1,0 +1,170 @@
+"""Quantized weights (DequantizeLinear over blocked codes, export/quantize.py) lowered to ONNX
+Runtime's com.microsoft::MatMulNBits, which reads the artifact's bytes as they are.
+
+A quantized artifact computes y = x @ DequantizeLinear(codes, scale, zero_point)^T with
+standard ops: correct everywhere, but it dequantizes every weight to float on every run.
+MatMulNBits multiplies by the blocked codes directly. Its B is (N, K / block, block * bits /
+8) uint8 codes along K, scales (N, K / block), zero points packed per row: the artifact's
+codes and scales are exactly those bytes (one expert's slice of a stack too), so the new
+initializers are views into the same data file at the same offsets, nothing copied. Only
+4-bit zero points with an odd number of blocks per row differ (ONNX packs a tensor's
+nibbles flattened, MatMulNBits per row): those few bytes are repacked in memory.
+
+accuracy_level 0 computes in float (the dequantized weights' products, to rounding);
+4 quantizes the activations to int8 per block for integer dot products (faster, less exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from moedeploy.models.blockquant import pack, unpack
+
+DOMAIN = "com.microsoft"
+OP_TYPE = "MatMulNBits"
+CODE_BITS = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
+#: providers and activation dtypes ONNX Runtime has a MatMulNBits kernel for
+KERNELS = {"CPUExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16},
+           "CUDAExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16}}
+ACCURACY_LEVELS = (0, 4)
+
+
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A constant weight (..., N, K) given as DequantizeLinear over blocked codes along K."""
+
+    codes: ir.Value
+    scale: ir.Value
+    zero_point: ir.Value
+    bits: int
+    block_size: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NBitsWeight:
+    """One (N, K) weight's MatMulNBits inputs and attributes."""
+
+    b: ir.Value
+    scales: ir.Value
+    zero_points: ir.Value
+    n: int
+    k: int
+    bits: int
+    block_size: int
+
+    def matmul(self, add, x: ir.Value, accuracy_level: int) -> ir.Value:
+        """x (..., K) @ W^T through MatMulNBits, appended with `add(op, inputs, **attrs)`."""
+        return add(OP_TYPE, [x, self.b, self.scales, self.zero_points], domain=DOMAIN, K=self.k, N=self.n,
+                   bits=self.bits, block_size=self.block_size, accuracy_level=accuracy_level)
+
+
+def blocked_source(value: ir.Value | None) -> BlockedWeight | None:
+    """The blocked DequantizeLinear over constant initializers that `value` is, if it is one."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+        return None
+    codes, scale, zero_point = node.inputs
+    if any(v is None or v.const_value is None or v.shape is None for v in (codes, scale, zero_point)):
+        return None
+    if codes.dtype not in CODE_BITS or zero_point.dtype != codes.dtype:
+        return None
+    shape = tuple(int(d) for d in codes.shape)
+    axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 1
+    block = node.attributes["block_size"].as_int() if "block_size" in node.attributes else 0
+    if axis not in (len(shape) - 1, -1) or block < 16 or shape[-1] % block:
+        return None
+    return BlockedWeight(codes, scale, zero_point, CODE_BITS[codes.dtype], block, shape)
+
+
+def transposed_blocked_source(value: ir.Value | None) -> BlockedWeight | None:
+    """W^T given as Transpose(perm 1, 0) of a blocked 2-D DequantizeLinear (a Linear's weight)."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+    w = blocked_source(node.inputs[0])
+    return w if w is not None and len(w.shape) == 2 and list(perm or [1, 0]) == [1, 0] else None
+
+
+def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -> NBitsWeight:
+    """MatMulNBits inputs for the 2-D weight, or for expert `expert` of an (E, N, K) stack:
+    views of the artifact's codes and scales, registered as initializers of `graph`."""
+    n, k = w.shape[-2:]
+    blocks = k // w.block_size
+    tag = "" if expert is None else f".expert{expert}"
+    index = 0 if expert is None else expert
+    b = _view(graph, w.codes, index, ir.DataType.UINT8, [n, blocks, w.block_size * w.bits // 8], f"{tag}.nbits_b")
+    scales = _view(graph, w.scale, index, w.scale.dtype, [n, blocks], f"{tag}.nbits_scales")
+    zero_shape = [n, -(-blocks * w.bits // 8)]
+    if w.bits == 8 or blocks % 2 == 0:  # per-row packing is the flattened packing: the same bytes
+        zero_points = _view(graph, w.zero_point, index, ir.DataType.UINT8, zero_shape, f"{tag}.nbits_zero_points")
+    else:
+        zero_points = _repacked_zero_points(graph, w, index, n, blocks, tag)
+    return NBitsWeight(b, scales, zero_points, n, k, w.bits, w.block_size)
+
+
+def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shape: list[int], suffix: str) -> ir.Value:
+    """Part `index` (of equal parts along the first axis; the whole for a 2-D weight's 0) of a
+    constant's bytes, seen as `dtype` with `shape`: an external view, or an in-memory slice."""
+    tensor = value.const_value
+    assert tensor is not None
+    length = int(np.prod(shape)) * dtype.itemsize
+    name = f"{value.name}{suffix}"
+    if isinstance(tensor, ir.ExternalTensor):
+        view: ir.TensorProtocol = ir.ExternalTensor(
+            tensor.location, (tensor.offset or 0) + index * int(length), int(length), dtype, shape=ir.Shape(shape),
+            name=name, base_dir=tensor.base_dir)
+    else:
+        raw = tensor.tobytes()[index * int(length):(index + 1) * int(length)]
+        view = ir.tensor(np.frombuffer(raw, dtype=dtype.numpy()).reshape(shape), name=name)
+    out = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=view)
+    graph.register_initializer(out)
+    return out
+
+
+def _repacked_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, n: int, blocks: int, tag: str) -> ir.Value:
+    """4-bit zero points repacked per row (an odd number of blocks per row): N * (blocks + 1) / 2 bytes."""
+    import torch
+
+    flat = np.frombuffer(w.zero_point.const_value.tobytes(), dtype=np.uint8)
+    values = unpack(torch.from_numpy(flat.copy()), 4, flat.size * 2)[index * n * blocks:(index + 1) * n * blocks]
+    rows = pack(values.reshape(n, blocks), 4).numpy()
+    name = f"{w.zero_point.name}{tag}.nbits_zero_points"
+    out = ir.Value(name=name, shape=ir.Shape(list(rows.shape)), type=ir.TensorType(ir.DataType.UINT8),
+                   const_value=ir.tensor(rows, name=name))
+    graph.register_initializer(out)
+    return out
+
+
+def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> int:
+    """Every MatMul by a quantized Linear weight -> MatMulNBits on the artifact's bytes; returns how many."""
+    lowered = 0
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        w = transposed_blocked_source(node.inputs[1])
+        if w is None or w.scale.dtype not in KERNELS.get(provider, ()):  # the scales' dtype is the activations'
+            continue
+        nodes: list[ir.Node] = []
+        y = nbits_weight(graph, w).matmul(_appender(nodes, node.name), node.inputs[0], accuracy_level)
+        name = node.outputs[0].name
+        y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, [node.outputs[0]], [y])
+        y.name = name  # the graph's outputs (logits) and layer-wise compare look values up by name
+        lowered += 1
+    return lowered
+
+
+def _appender(nodes: list[ir.Node], prefix: str):
+    """`add(op, inputs, domain=..., **attrs)`: appends a node to `nodes`, returns its output."""
+
+    def add(op: str, inputs: list, domain: str = "", **attrs) -> ir.Value:
+        new = ir.node(op, inputs, attrs, domain=domain, name=f"{prefix}/{op}_{len(nodes)}")
+        nodes.append(new)
+        return new.outputs[0]
+
+    return add

@@ -1,0 +1,184 @@
+"""Weight-only int8/int4 export of a sharded Hugging Face Mixtral checkpoint, against transformers'
+own model with the same weights quantized and dequantized by hand (blockquant, itself checked
+against llama.cpp's quantizers and ONNX's reference DequantizeLinear): the portable artifact on
+plain ONNX Runtime (standard DequantizeLinear), its MatMulNBits lowering on every attention path,
+greedy tokens, and the bytes on disk against the arithmetic of the format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moedeploy.export import export
+from moedeploy.export.artifact import MODEL_DATA_FILE, Artifact
+from moedeploy.models.blockquant import QuantScheme, quantize
+from moedeploy.runtime.generation import OrtDecoder
+from moedeploy.runtime.ort import create_session
+
+from ..models.helpers import tiny_mixtral
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# hidden 64 = 2 blocks of 32 per row; the experts' 96 = 3 (an odd count: 4-bit zero points repacked)
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+SCHEMES = {"int8": QuantScheme(8, 32), "int4": QuantScheme(4, 32), "int4-asym-16": QuantScheme(4, 16, False)}
+QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lm_head.weight",
+             "experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt") / "mixtral"
+    tiny_mixtral(seed=5, **SHAPE).save_pretrained(folder, max_shard_size="60KB")  # several shards
+    return folder
+
+
+@pytest.fixture(scope="module")
+def artifacts(checkpoint, tmp_path_factory) -> dict[str, Artifact]:
+    root = tmp_path_factory.mktemp("quantized")
+    return {name: export("decoder", root / name, checkpoint=checkpoint, quantization=scheme)
+            for name, scheme in SCHEMES.items()}
+
+
+def hf_dequantized(checkpoint: Path, scheme: QuantScheme):
+    """transformers' Mixtral from the checkpoint, its Linear and expert weights replaced by their
+    dequantized values (router, norms and embeddings as they are)."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
+                                               experts_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(QUANTIZED):  # (out, in) weights, blocks along in: gate_up's row order is irrelevant
+                p.copy_(quantize(p, scheme).dequantize())
+    return model
+
+
+def prompt(n: int = 9) -> torch.Tensor:
+    return torch.randint(0, SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_portable_artifact_on_plain_onnxruntime_equals_transformers_dequantized(name, artifacts, checkpoint) -> None:
+    """No lowering: ONNX Runtime runs the DequantizeLinear nodes and the custom ops' function bodies."""
+    from moedeploy.export.decoder import past_names, past_shapes
+
+    artifact = artifacts[name]
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 2 * 4 + 1 + 2 * 2  # q, k, v, o per layer, the LM head, gate/up and down per layer
+    session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
+    ids = prompt()
+    feed = {"input_ids": ids.numpy()}
+    shapes = past_shapes(artifact_config(artifact), 2, 0)
+    feed |= {n: np.zeros(s, np.float32) for n, s in zip(past_names(2), shapes * 2, strict=True)}
+    logits = session.run(["logits"], feed)[0]
+    with torch.no_grad():
+        expected = hf_dequantized(checkpoint, SCHEMES[name])(ids).logits.numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def artifact_config(artifact: Artifact):
+    from moedeploy.models.config import DecoderConfig
+
+    return DecoderConfig.from_manifest(artifact.manifest["config"])
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("attention", ["graph", "gqa"])
+def test_matmul_nbits_lowering_generates_transformers_tokens(name, attention, artifacts, checkpoint) -> None:
+    artifact = artifacts[name]
+    decoder = OrtDecoder(artifact, threads=2, attention_lowering=attention, logits="last",
+                         kv_cache="inplace" if attention == "gqa" else "copy")
+    # every Linear (4 per layer and the LM head) on MatMulNBits, every expert's matmuls in its If
+    assert decoder.lowering["matmul_nbits"] == 9 and decoder.lowering["moe_experts"] == 2
+    hf = hf_dequantized(checkpoint, SCHEMES[name])
+    ids = prompt()
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                               pad_token_id=SHAPE["vocab_size"] - 1)
+        first = hf(ids).logits[:, -1]
+    np.testing.assert_array_equal(decoder.generate(ids, max_new_tokens=16).numpy(), expected.numpy())
+    decoder.reset(2, ids.shape[1])
+    np.testing.assert_allclose(decoder.step(ids, 0)[:, -1].numpy(), first.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_compare_passes_every_lowering_against_the_dequantized_eager_model(artifacts) -> None:
+    from moedeploy.cli import app
+
+    result = CliRunner().invoke(app, ["compare", str(artifacts["int4"].path), "--backend", "ort,ort-gqa,ort-contrib"])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+
+
+def test_quantized_bytes_are_the_formats_arithmetic(artifacts) -> None:
+    """codes bits/8 per weight, one fp32 scale and one zero point (bits/8 byte) per block, for the
+    quantized tensors; the rest in fp32. Hand-counted for SHAPE."""
+    h, i, e, v, layers = 64, 96, 4, 96, 2
+    linear = layers * (h * h + 2 * (h // 2) * h + h * h) + v * h  # q, k, v (2 KV heads of 16), o; LM head
+    experts = layers * e * (2 * i * h + h * i)
+    quantized = linear + experts
+    kept = v * h + layers * (e * h + 2 * h) + h  # embedding, router, two norms per layer, final norm
+    for name, scheme in SCHEMES.items():
+        blocks = quantized // scheme.block_size
+        ideal = quantized * scheme.bits / 8 + blocks * 4 + blocks * scheme.bits / 8 + kept * 4
+        model = onnx.load(str(artifacts[name].model_path), load_external_data=False)
+        stored = sum(int(next(e.value for e in t.external_data if e.key == "length")) for t in model.graph.initializer
+                     if t.data_location == onnx.TensorProto.EXTERNAL)
+        # the 4-bit zero points of an odd number of values round up to a byte: a few bytes at most
+        assert ideal <= stored <= ideal + 16, (name, stored, ideal)
+        assert (artifacts[name].path / MODEL_DATA_FILE).stat().st_size < stored + 128 * 2**16  # + alignment
+
+
+def test_the_manifest_records_the_scheme_and_the_tensors(artifacts) -> None:
+    q = artifacts["int4-asym-16"].manifest["quantization"]
+    assert (q["bits"], q["block_size"], q["symmetric"]) == (4, 16, False)
+    assert q["weights"] == {"linear": 9, "experts": 4}
+    assert "layers.0.ffn.router.weight" not in q["tensors"] and "embed.weight" not in q["tensors"]
+    assert {"lm_head.weight", "layers.1.attn.wq.weight", "layers.0.ffn.w_gate", "layers.0.ffn.w_down"} <= set(q["tensors"])
+
+
+def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None:
+    from moedeploy.cli import app
+
+    runner = CliRunner()
+    cases = [
+        (["export", "decoder", "--quantize", "int3"], "--quantize 'int3': choose int8 or int4"),
+        (["export", "decoder", "--quantize", "int4", "--block-size", "24"], "must be a power of two"),
+        (["export", "decoder", "--block-size", "64"], "--block-size applies with --quantize int8|int4 only"),
+        (["export", "rmsnorm", "--quantize", "int8"], "--quantize applies to the decoder only"),
+        (["export", "decoder", "--quantize", "int4", "--block-size", "128"],
+         "weight layers.0.attn.wq.weight: its input dimension 64 is not a multiple of --block-size 128"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "out"
+        result = runner.invoke(app, [*args, "--out", str(out)])
+        assert result.exit_code == 1, result.output
+        assert message in result.output and "Traceback" not in result.output
+        assert not out.exists()  # nothing half-written
+
+
+def test_an_unquantized_session_is_unchanged_by_the_lowering(tmp_path) -> None:
+    """The fp32 artifact lowers exactly as before: no MatMulNBits."""
+    artifact = export("decoder", tmp_path / "fp32", preset_name="tiny")
+    assert create_session(artifact).lowering["matmul_nbits"] == 0
+
+
+def test_bench_times_a_quantized_artifact_beside_its_dequantized_eager_twin(artifacts) -> None:
+    """bench's torch backend on a quantized artifact runs the dequantized weights: the same greedy tokens."""
+    from moedeploy.bench.api import bench
+
+    artifact = artifacts["int4"]
+    report = bench(str(artifact.path), ["torch", "ort"], prompt_len=8, new_tokens=4, repeat=1)
+    assert not [r for r in report["raw"] if "error" in r], report["raw"]
+    assert report["greedy_tokens_agree"]
+    data = (artifact.path / MODEL_DATA_FILE).stat().st_size
+    assert report["roofline"]["weight_bytes"] == data  # the memory ratio is against the quantized file
