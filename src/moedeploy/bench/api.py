@@ -16,7 +16,7 @@ from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weight_bytes
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
-from moedeploy.export.artifact import parse_dtype
+from moedeploy.export.artifact import MODEL_DATA_FILE, parse_dtype
 from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
@@ -195,6 +195,13 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
     artifact = existing_artifact(target)
     config = config_of(artifact) if artifact else preset(target)
     check_positions(config, prompt_len, new_tokens)
+    if artifact is not None and artifact.manifest.get("quantization") and "llama.cpp" in backends:
+        why = ("backend 'llama.cpp' runs the unquantized weights (an f32 GGUF), not this quantized artifact's; "
+               "compare quantized formats with `python benchmarks/quantized.py`")
+        if optional_peers is None or "llama.cpp" not in optional_peers:
+            raise ValueError(why)
+        backends.remove("llama.cpp")
+        optional_peers["llama.cpp"] = why
     check_peers(config, backends, batch, optional_peers)
     if "trt" in backends:
         require_engine(artifact, target)
@@ -272,6 +279,8 @@ def bench(
 
     bound_tps = decode_bound(machine["bandwidth_gbs"])
     model_bytes = weight_bytes(config, parse_dtype(artifact.dtype).itemsize)
+    if artifact.manifest.get("quantization"):  # its codes, scales and zero points: the weight file's bytes
+        model_bytes = (artifact.path / MODEL_DATA_FILE).stat().st_size
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 

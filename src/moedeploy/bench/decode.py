@@ -64,12 +64,15 @@ def _peak_rss_mb() -> float:
 
 
 def _torch_stepper(artifact, compile_model: bool, checkpoint: str | None = None) -> tuple[Callable[[int, int], None], Step]:
-    from moedeploy.export.reference import build_decoder
+    from moedeploy.export.reference import build_decoder, eager_decoder
+    from moedeploy.models.weights import ModuleWeights
 
     source = artifact.manifest["config"].get("source", {})
     checkpoint = checkpoint or source.get("checkpoint")
     model = build_decoder(None if checkpoint else source.get("preset"), checkpoint, artifact.manifest["seed"],
                           torch.float32)
+    # a quantized artifact's eager twin runs on the weights as its DequantizeLinear nodes give them
+    model = eager_decoder(ModuleWeights(model), artifact.manifest, torch.float32, model)
     forward = torch.compile(model, dynamic=True) if compile_model else model
     state = {}
 
