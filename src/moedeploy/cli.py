@@ -249,6 +249,7 @@ def export_cmd(
     quantize_as: str = typer.Option(None, "--quantize", help="Decoder: int8 or int4 weight-only for the Linear and expert weights (router, norms, embeddings stay in --dtype), as ONNX DequantizeLinear.", show_default=False),
     block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it)."),
     symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: symmetric codes (llama.cpp's q8_0/q4_0), or a zero point per block."),
+    mixed: bool = typer.Option(True, "--mixed/--uniform", help="With --quantize int4: keep the LM head and attention K/V at int8, as llama.cpp's q4_0 does (--uniform: all int4)."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
@@ -295,9 +296,12 @@ def export_cmd(
         if not uses_batchnorm and given(ctx, option):
             flag = "--calibration-batches" if option == "calibration_batches" else "--fold-bn/--no-fold-bn"
             raise UserError(f"{flag} applies to blocks with BatchNorm only; {target!r} has none, so drop it")
-    for option, flag in (("block_size", "--block-size"), ("symmetric", "--symmetric/--asymmetric")):
+    for option, flag in (("block_size", "--block-size"), ("symmetric", "--symmetric/--asymmetric"),
+                         ("mixed", "--mixed/--uniform")):
         if quantize_as is None and given(ctx, option):
             raise UserError(f"{flag} applies with --quantize int8|int4 only")
+    if quantize_as == "int8" and given(ctx, "mixed"):
+        raise UserError("--mixed/--uniform applies with --quantize int4 only (int8 is uniform)")
     if quantize_as is not None and target != DECODER:
         raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
@@ -307,11 +311,12 @@ def export_cmd(
         artifact = export(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
             fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
-            max_seq_len=max_seq_len, golden=golden, quantization=quantization,
+            max_seq_len=max_seq_len, golden=golden, quantization=quantization, mixed=mixed,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
-    precision = dtype if quantize_as is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}"
+    precision = dtype if quantize_as is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}" + (
+        " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "")
     out.print(f"[green]exported[/green] {target} ({precision}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]",
               highlight=False)
 

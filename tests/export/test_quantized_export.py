@@ -30,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 SCHEMES = {"int8": QuantScheme(8, 32), "int4": QuantScheme(4, 32), "int4-asym-16": QuantScheme(4, 16, False)}
+MIXED = {"int4"}  # exported mixed (the default): the LM head and K/V at int8; the others uniform
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lm_head.weight",
              "experts.gate_up_proj", "experts.down_proj")
 
@@ -44,13 +45,14 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def artifacts(checkpoint, tmp_path_factory) -> dict[str, Artifact]:
     root = tmp_path_factory.mktemp("quantized")
-    return {name: export("decoder", root / name, checkpoint=checkpoint, quantization=scheme)
+    return {name: export("decoder", root / name, checkpoint=checkpoint, quantization=scheme, mixed=name in MIXED)
             for name, scheme in SCHEMES.items()}
 
 
-def hf_dequantized(checkpoint: Path, scheme: QuantScheme):
+def hf_dequantized(checkpoint: Path, scheme: QuantScheme, mixed: bool = False):
     """transformers' Mixtral from the checkpoint, its Linear and expert weights replaced by their
-    dequantized values (router, norms and embeddings as they are)."""
+    dequantized values (router, norms and embeddings as they are); mixed int4: the LM head and
+    K/V projections at int8."""
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
@@ -58,7 +60,8 @@ def hf_dequantized(checkpoint: Path, scheme: QuantScheme):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(QUANTIZED):  # (out, in) weights, blocks along in: gate_up's row order is irrelevant
-                p.copy_(quantize(p, scheme).dequantize())
+                eight = mixed and name.endswith(("lm_head.weight", "k_proj.weight", "v_proj.weight"))
+                p.copy_(quantize(p, QuantScheme(8, scheme.block_size, scheme.symmetric) if eight else scheme).dequantize())
     return model
 
 
@@ -82,7 +85,7 @@ def test_portable_artifact_on_plain_onnxruntime_equals_transformers_dequantized(
     feed |= {n: np.zeros(s, np.float32) for n, s in zip(past_names(2), shapes * 2, strict=True)}
     logits = session.run(["logits"], feed)[0]
     with torch.no_grad():
-        expected = hf_dequantized(checkpoint, SCHEMES[name])(ids).logits.numpy()
+        expected = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)(ids).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -100,7 +103,7 @@ def test_matmul_nbits_lowering_generates_transformers_tokens(name, attention, ar
                          kv_cache="inplace" if attention == "gqa" else "copy")
     # every Linear (4 per layer and the LM head) on MatMulNBits, every expert's matmuls in its If
     assert decoder.lowering["matmul_nbits"] == 9 and decoder.lowering["moe_experts"] == 2
-    hf = hf_dequantized(checkpoint, SCHEMES[name])
+    hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
     ids = prompt()
     with torch.no_grad():
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
@@ -127,9 +130,12 @@ def test_quantized_bytes_are_the_formats_arithmetic(artifacts) -> None:
     experts = layers * e * (2 * i * h + h * i)
     quantized = linear + experts
     kept = v * h + layers * (e * h + 2 * h) + h  # embedding, router, two norms per layer, final norm
+    eight_in_mixed = v * h + layers * 2 * (h // 2) * h  # the LM head and K/V
     for name, scheme in SCHEMES.items():
         blocks = quantized // scheme.block_size
         ideal = quantized * scheme.bits / 8 + blocks * 4 + blocks * scheme.bits / 8 + kept * 4
+        if name in MIXED:  # those at 8 bits: 4 more bits per weight, 4 more per block's zero point
+            ideal += eight_in_mixed * 4 / 8 + eight_in_mixed // scheme.block_size * 4 / 8
         model = onnx.load(str(artifacts[name].model_path), load_external_data=False)
         stored = sum(int(next(e.value for e in t.external_data if e.key == "length")) for t in model.graph.initializer
                      if t.data_location == onnx.TensorProto.EXTERNAL)
@@ -138,12 +144,16 @@ def test_quantized_bytes_are_the_formats_arithmetic(artifacts) -> None:
         assert (artifacts[name].path / MODEL_DATA_FILE).stat().st_size < stored + 128 * 2**16  # + alignment
 
 
-def test_the_manifest_records_the_scheme_and_the_tensors(artifacts) -> None:
+def test_the_manifest_records_the_scheme_and_each_tensors_bits(artifacts) -> None:
     q = artifacts["int4-asym-16"].manifest["quantization"]
-    assert (q["bits"], q["block_size"], q["symmetric"]) == (4, 16, False)
+    assert (q["bits"], q["block_size"], q["symmetric"], q["mixed"]) == (4, 16, False, False)
     assert q["weights"] == {"linear": 9, "experts": 4}
     assert "layers.0.ffn.router.weight" not in q["tensors"] and "embed.weight" not in q["tensors"]
-    assert {"lm_head.weight", "layers.1.attn.wq.weight", "layers.0.ffn.w_gate", "layers.0.ffn.w_down"} <= set(q["tensors"])
+    assert {q["tensors"][n] for n in ("lm_head.weight", "layers.1.attn.wq.weight", "layers.0.ffn.w_gate",
+                                      "layers.0.ffn.w_down")} == {4}
+    mixed = artifacts["int4"].manifest["quantization"]
+    assert mixed["mixed"] and mixed["tensors"]["lm_head.weight"] == 8 and mixed["tensors"]["layers.1.attn.wv.weight"] == 8
+    assert mixed["tensors"]["layers.1.attn.wq.weight"] == 4 and mixed["tensors"]["layers.1.ffn.w_up"] == 4
 
 
 def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None:
@@ -154,6 +164,7 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         (["export", "decoder", "--quantize", "int3"], "--quantize 'int3': choose int8 or int4"),
         (["export", "decoder", "--quantize", "int4", "--block-size", "24"], "must be a power of two"),
         (["export", "decoder", "--block-size", "64"], "--block-size applies with --quantize int8|int4 only"),
+        (["export", "decoder", "--quantize", "int8", "--uniform"], "--mixed/--uniform applies with --quantize int4 only"),
         (["export", "rmsnorm", "--quantize", "int8"], "--quantize applies to the decoder only"),
         (["export", "decoder", "--quantize", "int4", "--block-size", "128"],
          "weight layers.0.attn.wq.weight: its input dimension 64 is not a multiple of --block-size 128"),

@@ -54,7 +54,6 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.quantize import quantized_names
 from moedeploy.export.reference import build_decoder, eager_decoder, save_reference_weights
 from moedeploy.export.streaming import (
     DATA_ALIGNMENT,
@@ -114,6 +113,7 @@ def export(
     max_seq_len: int | None = None,
     golden: bool = True,
     quantization: QuantScheme | None = None,
+    mixed: bool = True,
 ) -> Artifact:
     """Export `target` (a block name or "decoder") to the artifact folder `out`.
 
@@ -122,7 +122,8 @@ def export(
     "tiny") or from `checkpoint`, never both: an option that would be ignored is refused.
     max_seq_len (decoder only): positions, cache plus new tokens, that the TensorRT profile in
     the manifest covers; default min(max_positions, 4096). quantization (decoder only): its
-    Linear and expert weights weight-only int8/int4 (export/quantize.py).
+    Linear and expert weights weight-only int8/int4 (export/quantize.py); `mixed` (int4): the LM
+    head and attention K/V at int8, as llama.cpp's q4_0.
     """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
@@ -144,7 +145,7 @@ def export(
     if target == DECODER:
         return export_decoder(
             out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
-            progress=progress, max_seq_len=max_seq_len, golden=golden, quantization=quantization,
+            progress=progress, max_seq_len=max_seq_len, golden=golden, quantization=quantization, mixed=mixed,
         )
     if not golden:
         raise ValueError("--no-golden applies to the decoder only")
@@ -237,6 +238,7 @@ def export_decoder(
     max_seq_len: int | None = None,
     golden: bool = True,
     quantization: QuantScheme | None = None,
+    mixed: bool = True,
 ) -> Artifact:
     """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
     `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions.
@@ -271,10 +273,10 @@ def export_decoder(
     quantized: dict[str, Any] | None = None
     if quantization is not None:
         progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}")
-        counts = quantize_weights(traced, weights, quantization)
+        counts = quantize_weights(traced, weights, quantization, mixed)
         quantized = {"bits": quantization.bits, "block_size": quantization.block_size,
-                     "symmetric": quantization.symmetric, "weights": counts,
-                     "tensors": sorted(quantized_names(traced.recipes))}
+                     "symmetric": quantization.symmetric, "mixed": mixed and quantization.bits == 4, "weights": counts,
+                     "tensors": {name: f.bits for name, f in sorted(traced.quantization.items())}}
 
     golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)

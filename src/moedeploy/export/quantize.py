@@ -3,6 +3,10 @@
 Which weights: every Linear's (attention and dense projections, shared experts, the LM head)
 and the stacked expert weights. The router, norms, embeddings and biases stay in the
 artifact's dtype: they are small, and the router's choices are the most sensitive to error.
+int4 is mixed by default, as llama.cpp's q4_0 is for a MoE model: the LM head and the
+attention's K and V projections stay at int8 (llama.cpp: Q6_K and Q8_0), a few percent of the
+bytes a decode step reads, the tensors whose error the logits feel most; `mixed=False`
+quantizes them to int4 too.
 
 How they are written (`models/blockquant.py` has the formulas): a weight W (N, K), as
 nn.Linear stores it, becomes three initializers, codes (N, K) uint8 or uint4, scale
@@ -31,10 +35,19 @@ from moedeploy.models.weights import WeightSource, chunks
 PARTS = ("codes", "scale", "zero_point")
 #: Linear weights that stay unquantized, by a part of their name
 KEPT_LINEARS = ("router",)
+#: Linear weights a mixed int4 export keeps at int8, by the end of their name
+INT8_IN_MIXED_INT4 = ("lm_head.weight", ".attn.wk.weight", ".attn.wv.weight")
 
 
 class QuantizeError(ValueError):
     """A weight the requested scheme cannot quantize."""
+
+
+def scheme_for(name: str, scheme: QuantScheme, mixed: bool) -> QuantScheme:
+    """The format of our tensor `name` in an export at `scheme` (mixed int4: int8 for a few)."""
+    if mixed and scheme.bits == 4 and name.endswith(INT8_IN_MIXED_INT4):
+        return QuantScheme(8, scheme.block_size, scheme.symmetric)
+    return scheme
 
 
 def parse_scheme(quantize_as: str, block_size: int = 32, symmetric: bool = True) -> QuantScheme:
@@ -99,19 +112,23 @@ def dequantized(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: QuantScheme,
-                  register: Callable[[ir.Graph, ir.Value], None]) -> dict[str, int]:
+                  register: Callable[[ir.Graph, ir.Value], None], mixed: bool = True,
+                  ) -> tuple[dict[str, int], dict[str, QuantScheme]]:
     """Replace every quantized weight initializer by DequantizeLinear over its three parts, and
-    their recipes; returns counts by layout. `register(graph, value)` adds an initializer to be
-    written later. Raises QuantizeError naming a weight whose input dimension the block size
-    does not divide."""
-    codes_type = ir.DataType.UINT4 if scheme.bits == 4 else ir.DataType.UINT8
+    their recipes; returns counts by layout and the format of each quantized tensor of ours.
+    `register(graph, value)` adds an initializer to be written later. Raises QuantizeError
+    naming a weight whose input dimension the block size does not divide."""
     counts = {"linear": 0, "experts": 0}
+    formats: dict[str, QuantScheme] = {}
     first = next(iter(graph))
     for name, (how, names) in list(recipes.items()):
         layout = quantized_target(how, names, source)
         if layout is None:
             continue
         value = graph.initializers[name]
+        tensor_scheme = scheme_for(names[0], scheme, mixed)
+        codes_type = ir.DataType.UINT4 if tensor_scheme.bits == 4 else ir.DataType.UINT8
+        formats.update(dict.fromkeys(names, tensor_scheme))
         shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
         if shape[-1] % scheme.block_size:
             raise QuantizeError(
@@ -125,7 +142,7 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
             register(graph, v)
             recipes[v.name] = (part, (layout, *names))
             parts.append(v)
-        dq = ir.node("DequantizeLinear", parts, {"axis": len(shape) - 1, "block_size": scheme.block_size},
+        dq = ir.node("DequantizeLinear", parts, {"axis": len(shape) - 1, "block_size": tensor_scheme.block_size},
                      name=f"{name}/DequantizeLinear")
         out = dq.outputs[0]
         out.name, out.shape, out.type = f"{name}.dequantized", ir.Shape(shape), value.type
@@ -143,16 +160,16 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
         graph.initializers.pop(name)
         del recipes[name]
         counts["linear" if how == "transpose" else "experts"] += 1
-    return counts
+    return counts, formats
 
 
 class DequantizedWeights:
     """A WeightSource whose quantized tensors read as the artifact's DequantizeLinear gives them:
     the eager reference of a quantized artifact (golden outputs, compare)."""
 
-    def __init__(self, source: WeightSource, scheme: QuantScheme, quantized: set[str], dtype: torch.dtype) -> None:
-        """dtype: the artifact's, which the export quantized the weights in."""
-        self.source, self.scheme, self.quantized, self.dtype = source, scheme, quantized, dtype
+    def __init__(self, source: WeightSource, formats: dict[str, QuantScheme], dtype: torch.dtype) -> None:
+        """formats: each quantized tensor's; dtype: the artifact's, which the export quantized in."""
+        self.source, self.formats, self.dtype = source, formats, dtype
         self.config = source.config
 
     def names(self) -> list[str]:
@@ -163,34 +180,24 @@ class DequantizedWeights:
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self.source.tensor(name)
-        return dequantized(t.to(self.dtype), self.scheme) if name in self.quantized else t
+        return dequantized(t.to(self.dtype), self.formats[name]) if name in self.formats else t
 
     def experts(self, name: str) -> Iterator[torch.Tensor]:
         for t in self.source.experts(name):
-            yield dequantized(t.to(self.dtype), self.scheme) if name in self.quantized else t
+            yield dequantized(t.to(self.dtype), self.formats[name]) if name in self.formats else t
 
     def block(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        if name not in self.quantized:
+        if name not in self.formats:
             return self.source.block(name, index)
         rows = self.source.block(name, index[:1])  # whole rows: blocks run along them
-        return dequantized(rows.to(self.dtype), self.scheme)[(slice(None), *index[1:])]
-
-
-def quantized_names(recipes: dict) -> set[str]:
-    """Our tensor names that the rewritten graph reads quantized."""
-    return {n for how, (layout, *names) in ((h, r) for h, r in recipes.values() if h in PARTS) for n in names}
-
-
-def scheme_of(manifest: dict) -> QuantScheme | None:
-    """The quantization an artifact's manifest records, if any."""
-    q = manifest.get("quantization")
-    return None if not q else QuantScheme(q["bits"], q["block_size"], q["symmetric"])
+        return dequantized(rows.to(self.dtype), self.formats[name])[(slice(None), *index[1:])]
 
 
 def reference_weights(weights: WeightSource, manifest: dict, dtype: torch.dtype) -> WeightSource:
     """The weights an artifact's eager reference runs on: as they are, or as its
     DequantizeLinear nodes give them when the manifest records a quantization."""
-    scheme = scheme_of(manifest)
-    if scheme is None:
+    q = manifest.get("quantization")
+    if not q:
         return weights
-    return DequantizedWeights(weights, scheme, set(manifest["quantization"]["tensors"]), dtype)
+    formats = {name: QuantScheme(bits, q["block_size"], q["symmetric"]) for name, bits in q["tensors"].items()}
+    return DequantizedWeights(weights, formats, dtype)

@@ -64,7 +64,7 @@ class TracedDecoder:
 
     model: ir.Model
     recipes: dict[str, Recipe]  # initializer name -> (how, from which of our tensor names)
-    quantization: QuantScheme | None = None  # the scheme of the quantized parts' recipes
+    quantization: dict[str, QuantScheme] | None = None  # each quantized tensor's format, by our name
 
 
 def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -192,13 +192,13 @@ def _fuse_gate_up(graph: ir.Graph, node: ir.Node, gate: str, up: str, recipes: d
 
 
 def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype,
-                  scheme: QuantScheme | None = None) -> Iterator[torch.Tensor]:
+                  formats: dict[str, QuantScheme] | None = None) -> Iterator[torch.Tensor]:
     """The initializer's values in order, in bounded pieces (one expert at most)."""
     how, names = recipe
     if how in quantize.PARTS:
-        if scheme is None:
-            raise ValueError(f"a quantized part ({how}) needs its quantization scheme")
-        yield from quantize.part_chunks(how, names[0], names[1:], source, dtype, scheme)
+        if formats is None or names[1] not in formats:
+            raise ValueError(f"a quantized part ({how}) of {names[1]} needs its quantization format")
+        yield from quantize.part_chunks(how, names[0], names[1:], source, dtype, formats[names[1]])
     elif how == "copy":
         yield from chunks(source, names[0], dtype)
     elif how == "transpose":
@@ -273,11 +273,12 @@ def save_graph(traced: TracedDecoder, model_file: Path) -> onnx.ModelProto:
     return proto
 
 
-def quantize_weights(traced: TracedDecoder, source: WeightSource, scheme: QuantScheme) -> dict[str, int]:
+def quantize_weights(traced: TracedDecoder, source: WeightSource, scheme: QuantScheme, mixed: bool = True,
+                     ) -> dict[str, int]:
     """Make the traced graph read its Linear and expert weights through DequantizeLinear, their
     parts streamed by recipes like every weight (export/quantize.py); returns counts."""
-    counts = quantize.rewrite_graph(traced.model.graph, traced.recipes, source, scheme, _register)
-    traced.quantization = scheme
+    counts, traced.quantization = quantize.rewrite_graph(traced.model.graph, traced.recipes, source, scheme,
+                                                         _register, mixed)
     return counts
 
 

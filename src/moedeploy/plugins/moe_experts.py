@@ -125,7 +125,7 @@ class _Builder:
         return self("Constant", [], value=ir.tensor(value, dtype=FLOAT))
 
 
-def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
+def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) -> None:
     """Replace one moe::MoE node by the routing probe and one If per expert, in place."""
     x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     n_experts, hidden, dim = (int(d) for d in w_up.shape)
@@ -160,7 +160,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
     for e in range(n_experts):
         fc1 = (weight(fused, e),) if fused is not None else (weight(w_gate, e), weight(w_up, e))
         branch = _expert_branch(f"{prefix}/expert{e}", flat_x, dense, e, zeros, fc1, weight(w_down, e),
-                                (weight(b_gate, e), weight(b_up, e), weight(b_down, e)), hidden, node)
+                                (weight(b_gate, e), weight(b_up, e), weight(b_down, e)), hidden, node, nbits_accuracy)
         skip = _Builder(f"{prefix}/expert{e}_skipped")
         none = skip("Identity", [zeros])
         outs.append(add("If", [split.outputs[e]], then_branch=branch,
@@ -180,7 +180,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node) -> None:
 
 def _expert_branch(
     prefix: str, flat_x: ir.Value, dense: ir.Value, expert: int, zeros: ir.Value, fc1: tuple, w_down: ir.Value,
-    biases: tuple, hidden: int, node: ir.Node,
+    biases: tuple, hidden: int, node: ir.Node, nbits_accuracy: int = 0,
 ) -> ir.Graph:
     """The taken branch: expert e on the tokens routed to it, scattered into an (N, H) zero tensor."""
     act = node_activation(node)
@@ -192,7 +192,7 @@ def _expert_branch(
     xs = add("Gather", [flat_x, rows], axis=0)  # (M, H)
     def linear(x: ir.Value, w) -> ir.Value:  # x @ w^T: Gemm on a float weight, MatMulNBits on codes
         if isinstance(w, quantized.NBitsWeight):
-            return w.matmul(add, x, 0)
+            return w.matmul(add, x, nbits_accuracy)
         return add("Gemm", [x, w], transB=1)
 
     if len(fc1) == 1:  # the interleaved (2I, H) weight: one Gemm, then the even and odd columns

@@ -98,18 +98,21 @@ class OrtDecoder(KVDecoder):
         logits: LogitsLowering = "all",
         norm_lowering: NormLowering = "native",
         kv_cache: KVCache = "copy",
+        nbits_accuracy: int = 0,
     ) -> None:
         """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
         that generation reads; the LM head then skips the prompt's other positions.
         norm_lowering="skip": residual Add + RMSNorm on SkipSimplifiedLayerNormalization.
         kv_cache="inplace" (with attention_lowering="gqa"): each layer's cache is one buffer of
         `capacity` positions, allocated by `reset` and bound as both past and present with ONNX
-        Runtime's IO binding; GroupQueryAttention appends to it, so no step copies the cache."""
+        Runtime's IO binding; GroupQueryAttention appends to it, so no step copies the cache.
+        nbits_accuracy=4 (a quantized artifact): MatMulNBits with int8 activations, faster than
+        the float computation of 0 at an accuracy cost benchmarks/README.md measures."""
         super().__init__(artifact)
         self.kv_cache = kv_cache
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
                                       attention_lowering=attention_lowering, logits=logits,
-                                      norm_lowering=norm_lowering, kv_cache=kv_cache)
+                                      norm_lowering=norm_lowering, kv_cache=kv_cache, nbits_accuracy=nbits_accuracy)
         self._binding: ort.IOBinding | None = None
         self._length = self._capacity = 0
 

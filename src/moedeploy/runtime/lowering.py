@@ -79,11 +79,13 @@ def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
     config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
-    weights_dir: str | None = None,
+    weights_dir: str | None = None, nbits_accuracy: int = 0,
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced. `weights_dir`: where the
-    model's external data lives (read only for the few bytes a lowering must repack)."""
+    model's external data lives (read only for the few bytes a lowering must repack).
+    nbits_accuracy: MatMulNBits' accuracy_level for quantized weights, 0 (float compute: what
+    the artifact's DequantizeLinear graph computes, to rounding) or 4 (int8 activations: faster)."""
     for what, value, choices in (("MoE lowering", moe_lowering, MOE_LOWERINGS),
                                  ("attention lowering", attention_lowering, ATTENTION_LOWERINGS),
                                  ("logits lowering", logits, LOGITS_LOWERINGS),
@@ -91,6 +93,8 @@ def lower_for_ort(
                                  ("kv_cache", kv_cache, KV_CACHES)):
         if value not in choices:
             raise LoweringError(f"invalid {what} {value!r}; choose one of {choices}")
+    if nbits_accuracy not in quantized.ACCURACY_LEVELS:
+        raise LoweringError(f"invalid MatMulNBits accuracy level {nbits_accuracy!r}; choose one of {quantized.ACCURACY_LEVELS}")
     if kv_cache == "inplace" and (attention_lowering != "gqa" or config is None):
         raise LoweringError("kv_cache='inplace' needs a decoder's attention on GroupQueryAttention "
                             "(attention_lowering='gqa'), which appends to the cache in place")
@@ -110,7 +114,7 @@ def lower_for_ort(
     for node in list(graph):
         is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
         if is_moe and moe_lowering in ("auto", "experts") and moe_experts.experts_eligible(node, provider):
-            moe_experts.lower_to_experts(graph, node)
+            moe_experts.lower_to_experts(graph, node, nbits_accuracy)
             counts["moe_experts"] += 1
         elif is_moe and moe_lowering == "experts":
             raise LoweringError(f"the per-expert lowering does not take node {node.name!r} (fp32 SwiGLU "
@@ -138,7 +142,7 @@ def lower_for_ort(
                 counts["rmsnorm_native"] += 1
             else:
                 counts["rmsnorm_function"] += 1
-    counts["matmul_nbits"] = quantized.lower_linears(graph, provider)
+    counts["matmul_nbits"] = quantized.lower_linears(graph, provider, nbits_accuracy)
     # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
     # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)

@@ -101,6 +101,7 @@ def create_session(
     logits: LogitsLowering = "all",
     norm_lowering: NormLowering = "native",
     kv_cache: KVCache = "copy",
+    nbits_accuracy: int = 0,
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
     lowered for its first provider. logits="last": a decoder's LM head on the last position only."""
@@ -117,7 +118,7 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
-                                  kv_cache)
+                                  kv_cache, nbits_accuracy)
     options = session_options(threads, profile)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
@@ -133,6 +134,7 @@ def create_session(
 def lowered_model(
     artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
+    nbits_accuracy: int = 0,
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
@@ -147,7 +149,8 @@ def lowered_model(
     if MODEL_DATA_FILE in artifact.model_files():
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
-                                        logits, norm_lowering, kv_cache, weights_dir=str(artifact.path))
+                                        logits, norm_lowering, kv_cache, weights_dir=str(artifact.path),
+                                        nbits_accuracy=nbits_accuracy)
         return lowered.SerializeToString(), counts
     if logits != "all" or norm_lowering != "native" or kv_cache != "copy" or attention_lowering != "graph":
         raise ValueError(f"the attention, logits, norm and KV-cache lowerings apply to decoder artifacts; "
