@@ -1,0 +1,217 @@
+"""Weight-only int8/int4 beside fp32, and beside llama.cpp's f32/q8_0/q4_0, on the same weights, in
+one interleaved run: decode tokens/s, prefill, the bytes of weights a decode token reads, and the
+accuracy of each against the fp32 eager model.
+
+moedeploy's int8/int4 artifacts are exported from the same preset (`moedeploy export decoder
+--quantize`; int4 mixed, the default: the LM head and attention K/V at int8, as llama.cpp's
+q4_0 keeps its output at Q6_K and K/V at Q8_0 for a MoE model) and run on ONNX Runtime through the MatMulNBits lowering, timed at accuracy level 4
+(int8 activations, as bench runs a quantized artifact; accuracy is reported at 4 and at the
+float level 0, `*_level0` in the JSON); llama.cpp's q8_0/q4_0 are
+made by llama.cpp's own quantizer from the f32 GGUF `bench --peers` writes. Every system runs in
+fresh worker processes, interleaved over --rounds, like `moedeploy bench --rounds`.
+
+Accuracy, on a fixed seeded token stream of --stream tokens (one teacher-forced pass): mean and
+max KL(fp32 || system) of the next-token distributions, top-1 agreement with fp32, the max
+logit error; and greedy agreement: the share of 64 greedy tokens (after a 128-token prompt)
+equal to fp32 eager's. The small preset has random weights, so its logits are near flat and
+top-1 flips easily: this measures the formats against each other, not a trained model's loss.
+
+    python benchmarks/quantized.py small [--backend ort-gqa] [--rounds 3] [--stream 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: llama.cpp's type, bits per weight with its scale, and its output (LM head) tensor's (q4_0 keeps it at Q6_K)
+LLAMA_FORMATS = {"int8": ("q8_0", 8.5, 8.5), "int4": ("q4_0", 4.5, 6.5625)}
+
+
+def quantized_artifact(fp32, scheme, preset_name: str, progress):
+    """The preset's quantized export in the bench cache, reused while it records this scheme and
+    the fp32 artifact's weights fingerprint."""
+    from moedeploy.bench.api import cache_dir
+    from moedeploy.export import Artifact, export
+
+    folder = cache_dir() / "bench" / f"{fp32.path.name}-{scheme.name}b{scheme.block_size}"
+    if (folder / "manifest.json").is_file():
+        try:
+            cached = Artifact.load(folder)
+            q = cached.manifest.get("quantization") or {}
+            same = (q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
+                scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4)
+            if same and cached.manifest["config"]["source"].get("weights_sha256") == \
+                    fp32.manifest["config"]["source"].get("weights_sha256"):
+                return cached
+        except (ValueError, OSError):
+            pass
+    progress(f"exporting the {preset_name!r} decoder as {scheme.name} into {folder}")
+    return export("decoder", folder, preset_name=preset_name, quantization=scheme, force=True)
+
+
+def llama_quantized(f32_gguf: Path, kind: str) -> Path:
+    """llama.cpp's own quantization of the f32 GGUF (llama_model_quantize), cached beside it."""
+    import llama_cpp
+
+    out = f32_gguf.with_name(f32_gguf.name.replace("-f32.gguf", f"-{kind}.gguf"))
+    if out.is_file() and out.stat().st_mtime >= f32_gguf.stat().st_mtime:
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
+    tmp = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {f32_gguf} to {kind}")
+    tmp.replace(out)
+    return out
+
+
+def step_bytes(config, context: int, bits: float | None, head_bits: float | None = None) -> float:
+    """Bytes a decode token reads: the quantized weights (attention, experts) at `bits` per weight
+    (scales and zero points included), the LM head at `head_bits` (default `bits`), the router,
+    norms and KV cache in fp32. (The K/V projections a mixed int4 keeps at int8 are left at
+    `bits`: under 1% of the bytes.)"""
+    from moedeploy.bench.roofline import decode_step_bytes
+
+    total = decode_step_bytes(config, 1, context)
+    if bits is None:
+        return total
+    c = config
+    fp32_part = 4 * (c.n_layers * (c.hidden_size * c.n_experts + 2 * c.hidden_size) + 2 * c.hidden_size)
+    kv = decode_step_bytes(config, 1, context) - decode_step_bytes(config, 1, 0)
+    head = c.hidden_size * c.vocab_size
+    quantized_params = (total - kv - fp32_part) / 4 - head
+    return quantized_params * bits / 8 + head * (head_bits or bits) / 8 + fp32_part + kv
+
+
+def ort_logits(artifact, tokens: torch.Tensor, threads: int, nbits_accuracy: int) -> np.ndarray:
+    from moedeploy.runtime.generation import OrtDecoder
+
+    decoder = OrtDecoder(artifact, threads=threads, nbits_accuracy=nbits_accuracy if artifact.manifest.get("quantization") else 0)
+    decoder.reset(1, tokens.shape[1])
+    return decoder.step(tokens, 0)[0].numpy()
+
+
+def llama_logits(gguf: Path, tokens: torch.Tensor, threads: int) -> np.ndarray:
+    from llama_cpp import Llama
+
+    n = tokens.shape[1]
+    llm = Llama(model_path=str(gguf), n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads, n_threads_batch=threads,
+                logits_all=True, verbose=False)
+    llm.eval(tokens[0].tolist())
+    return np.array(llm.scores[:n], dtype=np.float32)
+
+
+def accuracy(reference: np.ndarray, logits: np.ndarray) -> dict[str, float]:
+    """KL(p_ref || p) per position (mean, max), top-1 agreement, max |logit error|."""
+    ref = torch.from_numpy(reference).double().log_softmax(-1)
+    got = torch.from_numpy(logits).double().log_softmax(-1)
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1": float((reference.argmax(-1) == logits.argmax(-1)).mean()),
+            "max_logit_error": float(np.abs(reference - logits).max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", nargs="?", default="small")
+    parser.add_argument("--backend", default="ort-gqa", help="the ONNX Runtime backend of moedeploy's rows")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--stream", type=int, default=512, help="tokens of the teacher-forced accuracy stream")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from moedeploy.bench.api import cache_dir, merge_rounds, prepare
+    from moedeploy.bench.decode import Settings, run_in_subprocess
+    from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
+    from moedeploy.bench.peers import gguf_file, missing
+    from moedeploy.export.reference import build_decoder
+    from moedeploy.models.blockquant import QuantScheme
+    from moedeploy.models.config import DecoderConfig
+
+    progress = print
+    fp32, _ = prepare(args.preset, [args.backend], 1, 128, 64, progress)
+    config = DecoderConfig.from_manifest(fp32.manifest["config"])
+    schemes = {"int8": QuantScheme(8, args.block_size), "int4": QuantScheme(4, args.block_size)}
+    artifacts = {"fp32": fp32} | {k: quantized_artifact(fp32, s, args.preset, progress) for k, s in schemes.items()}
+    def with_scales(bits: int, block: int) -> float:  # a fp32 scale and a zero point per block
+        return bits + (32 + bits) / block
+
+    bits = {"fp32": None, "int8": (with_scales(8, args.block_size),) * 2,
+            "int4": (with_scales(4, args.block_size), with_scales(8, args.block_size))}  # mixed: the LM head int8
+    systems = {f"moedeploy {k}": (a, args.backend, None, bits[k]) for k, a in artifacts.items()}
+    use_llama = not args.no_llama and missing("llama.cpp") is None
+    if use_llama:
+        f32 = gguf_file(fp32, cache_dir() / "bench", progress)
+        systems["llama.cpp f32"] = (fp32, "llama.cpp", f32, None)
+        for kind, kind_bits, head_bits in LLAMA_FORMATS.values():
+            systems[f"llama.cpp {kind}"] = (fp32, "llama.cpp", llama_quantized(f32, kind), (kind_bits, head_bits))
+
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for round_no in range(1, args.rounds + 1):
+        for name, (artifact, backend, peer_model, _) in systems.items():
+            progress(f"timing {name}, round {round_no}/{args.rounds}")
+            runs[name].append(run_in_subprocess(Settings(str(artifact.path), backend, 1, 128, 64, args.threads,
+                                                         args.repeat, peer_model=str(peer_model) if peer_model else None)))
+    timed = {name: merge_rounds(r) for name, r in runs.items()}
+
+    progress(f"accuracy on a {args.stream}-token stream against fp32 eager PyTorch")
+    stream = torch.randint(0, config.vocab_size, (1, args.stream), generator=torch.Generator().manual_seed(7))
+    eager = build_decoder(args.preset, None, fp32.manifest["seed"], torch.float32)
+    with torch.no_grad():
+        reference = eager(stream, eager.new_cache(1, args.stream), 0)[0].numpy()
+    eager_tokens = next((r["tokens"] for n, r in timed.items() if n == "moedeploy fp32" and "error" not in r), None)
+    rows = []
+    bandwidth = measure_bandwidth_gbs(args.threads)
+    context = 128 + 32
+    for name, (artifact, _, peer_model, b) in systems.items():
+        r = timed[name]
+        if peer_model:
+            acc = accuracy(reference, llama_logits(peer_model, stream, args.threads))
+        else:  # at the accuracy level bench times (4: int8 activations), and at 0 (float compute) beside it
+            acc = accuracy(reference, ort_logits(artifact, stream, args.threads, 4))
+            exact = accuracy(reference, ort_logits(artifact, stream, args.threads, 0))
+            acc |= {f"{k}_level0": v for k, v in exact.items()}
+        if "error" in r:
+            rows.append({"system": name, "error": r["error"], **acc})
+            continue
+        greedy = float(np.mean(np.array(r["tokens"]) == np.array(eager_tokens))) if eager_tokens else float("nan")
+        nbytes = step_bytes(config, context, *(b or (None,)))
+        rows.append({"system": name, "decode_tokens_per_s": r["decode_tokens_per_s"], "prefill_ms": r["prefill_ms"],
+                     "decode_all": r["decode_tokens_per_s_all"], "step_mb": nbytes / 1e6,
+                     "bound_tokens_per_s": bandwidth * 1e9 / nbytes, "greedy_vs_fp32": greedy, **acc})
+    base = {row["system"]: row.get("decode_tokens_per_s") for row in rows}
+    print(f"\n{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s; {args.preset} preset, batch 1, prompt 128, "
+          f"64 new tokens, {args.rounds} rounds x {args.repeat}; accuracy against fp32 eager on {args.stream} tokens")
+    print(f"{'system':20s} {'decode tok/s':>12s} {'x fp32':>7s} {'prefill ms':>10s} {'MB/token':>8s} "
+          f"{'KL mean':>9s} {'KL max':>8s} {'top-1':>6s} {'greedy':>6s}  level 0: KL mean, top-1")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['system']:20s} error: {row['error']}")
+            continue
+        own_fp32 = base.get("llama.cpp f32" if row["system"].startswith("llama") else "moedeploy fp32")
+        print(f"{row['system']:20s} {row['decode_tokens_per_s']:12.1f} {row['decode_tokens_per_s'] / own_fp32:7.2f} "
+              f"{row['prefill_ms']:10.1f} {row['step_mb']:8.1f} {row['kl_mean']:9.5f} {row['kl_max']:8.4f} "
+              f"{row['top1']:6.3f} {row['greedy_vs_fp32']:6.3f}"
+              + (f"  {row['kl_mean_level0']:.5f}, {row['top1_level0']:.3f}" if "kl_mean_level0" in row else ""))
+    for row in rows:
+        if "decode_all" in row:
+            spread = row["decode_all"]
+            print(f"  {row['system']}: decode min / median / max {min(spread):.1f} / {statistics.median(spread):.1f} / "
+                  f"{max(spread):.1f} tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
