@@ -220,3 +220,30 @@ def test_an_unknown_accuracy_level_is_refused(artifacts) -> None:
 
     with pytest.raises(LoweringError, match="invalid MatMulNBits accuracy level 2; choose one of"):
         create_session(artifacts["int8"], nbits_accuracy=2)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_exactly(family, tmp_path) -> None:
+    """A shared expert's projections reach the graph as transB Gemms, not MatMuls: quantized and
+    lowered too (DeepSeek: latent attention's projections, a dense first layer, a shared expert)."""
+    from moedeploy.compare.api import compare
+
+    from ..families.cases import _family_config, make_model, save_checkpoint
+
+    shape = dict(hidden_size=64, num_attention_heads=4, moe_intermediate_size=32, intermediate_size=64,
+                 num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        config = _family_config(family, 2, **shape, num_key_value_heads=2, head_dim=16,
+                                shared_expert_intermediate_size=32, num_experts=4)
+        linears = 2 * (4 + 3) + 1  # q, k, v, o and the shared expert's three per layer; the LM head
+    else:
+        config = _family_config(family, 2, **shape, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1,
+                                first_k_dense_replace=1, n_shared_experts=1)
+        linears = 15  # per layer q_a, q_b, kv_a, o; the dense layer's three, the shared expert's three; the LM head
+    checkpoint = save_checkpoint(make_model(config), tmp_path / "ckpt")
+    artifact = export("decoder", tmp_path / "q4", checkpoint=checkpoint, quantization=QuantScheme(4, 16))
+    assert artifact.manifest["quantization"]["weights"]["linear"] == linears
+    assert create_session(artifact).lowering["matmul_nbits"] == linears
+    report = compare(artifact, ["ort"])
+    assert report["passed"], report["comparisons"][0]["outputs"]["logits"]

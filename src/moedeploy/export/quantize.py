@@ -33,8 +33,9 @@ from moedeploy.models.weights import WeightSource, chunks
 
 #: recipe kinds of the quantized parts (export/streaming.py): (part, (layout, *our tensor names))
 PARTS = ("codes", "scale", "zero_point")
-#: Linear weights that stay unquantized, by a part of their name
-KEPT_LINEARS = ("router",)
+#: Linear weights that stay unquantized, by a part of their name (the routers and a shared
+#: expert's one-row gate: tiny, and what decides the routing)
+KEPT_LINEARS = ("router", "shared_gate")
 #: Linear weights a mixed int4 export keeps at int8, by the end of their name
 INT8_IN_MIXED_INT4 = ("lm_head.weight", ".attn.wk.weight", ".attn.wv.weight")
 
@@ -60,16 +61,30 @@ def parse_scheme(quantize_as: str, block_size: int = 32, symmetric: bool = True)
         raise QuantizeError(f"--block-size: {e}") from None
 
 
-def quantized_target(how: str, names: tuple[str, ...], source: WeightSource) -> str | None:
+def quantized_target(how: str, names: tuple[str, ...], source: WeightSource, value: ir.Value | None = None) -> str | None:
     """Which layout a weight initializer made by recipe (how, names) is quantized in, if it is:
-    "rows" (a weight of ours as stored, blocks along its last axis) or "interleave"."""
-    if how == "transpose" and not any(kept in names[0] for kept in KEPT_LINEARS):
+    "rows" (a weight of ours as stored, blocks along its last axis) or "interleave". A Linear's
+    weight reaches the graph transposed for a MatMul, or as it is for a Gemm with transB (what
+    the exporter emits on a flattened input: a shared expert's projections)."""
+    if any(kept in names[0] for kept in KEPT_LINEARS):
+        return None
+    if how == "transpose":
         return "rows"
     if how == "interleave":
         return "interleave"
     if how == "copy" and len(source.shape(names[0])) == 3 and names[0].endswith(("w_gate", "w_up", "w_down")):
         return "rows"
+    if how == "copy" and value is not None and len(source.shape(names[0])) == 2 and names[0].endswith(".weight") \
+            and value.uses() and all(_is_linear_gemm(use.node, use.idx) for use in value.uses()):
+        return "rows"
     return None
+
+
+def _is_linear_gemm(node: ir.Node, index: int) -> bool:
+    """x @ W^T + c as a Gemm: W its second input with transB, no other scaling or transpose."""
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    return (node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and index == 1 and attrs.get("transB", 0) == 1
+            and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0)
 
 
 def float_chunks(layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype) -> Iterator[torch.Tensor]:
@@ -122,10 +137,10 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
     formats: dict[str, QuantScheme] = {}
     first = next(iter(graph))
     for name, (how, names) in list(recipes.items()):
-        layout = quantized_target(how, names, source)
+        value = graph.initializers[name]
+        layout = quantized_target(how, names, source, value)
         if layout is None:
             continue
-        value = graph.initializers[name]
         tensor_scheme = scheme_for(names[0], scheme, mixed)
         codes_type = ir.DataType.UINT4 if tensor_scheme.bits == 4 else ir.DataType.UINT8
         formats.update(dict.fromkeys(names, tensor_scheme))
@@ -159,7 +174,7 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
             new.metadata_props.update(consumer.metadata_props)
         graph.initializers.pop(name)
         del recipes[name]
-        counts["linear" if how == "transpose" else "experts"] += 1
+        counts["experts" if len(shape) == 3 else "linear"] += 1
     return counts, formats
 
 

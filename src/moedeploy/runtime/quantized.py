@@ -141,22 +141,39 @@ def _repacked_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, n: int,
 
 
 def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> int:
-    """Every MatMul by a quantized Linear weight -> MatMulNBits on the artifact's bytes; returns how many."""
+    """Every MatMul (or transB Gemm) by a quantized Linear weight -> MatMulNBits on the artifact's
+    bytes; returns how many."""
     lowered = 0
     for node in list(graph):
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx"):
             continue
-        w = transposed_blocked_source(node.inputs[1])
+        if node.op_type == "MatMul":  # x @ W^T, W^T a Transpose of the dequantized W
+            w, bias = transposed_blocked_source(node.inputs[1]), None
+        elif node.op_type == "Gemm" and _plain_linear_gemm(node):  # x @ W^T + c, transB on the dequantized W
+            w = blocked_source(node.inputs[1])
+            w = w if w is not None and len(w.shape) == 2 else None
+            bias = node.inputs[2] if len(node.inputs) > 2 else None
+        else:
+            continue
         if w is None or w.scale.dtype not in KERNELS.get(provider, ()):  # the scales' dtype is the activations'
             continue
         nodes: list[ir.Node] = []
-        y = nbits_weight(graph, w).matmul(_appender(nodes, node.name), node.inputs[0], accuracy_level)
+        add = _appender(nodes, node.name)
+        y = nbits_weight(graph, w).matmul(add, node.inputs[0], accuracy_level)
+        if bias is not None:
+            y = add("Add", [y, bias])
         name = node.outputs[0].name
         y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
         ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, [node.outputs[0]], [y])
         y.name = name  # the graph's outputs (logits) and layer-wise compare look values up by name
         lowered += 1
     return lowered
+
+
+def _plain_linear_gemm(node: ir.Node) -> bool:
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+            and attrs.get("beta", 1.0) == 1.0)
 
 
 def _appender(nodes: list[ir.Node], prefix: str):
