@@ -247,3 +247,19 @@ def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_e
     assert create_session(artifact).lowering["matmul_nbits"] == linears
     report = compare(artifact, ["ort"])
     assert report["passed"], report["comparisons"][0]["outputs"]["logits"]
+
+
+@pytest.mark.parametrize(("name", "codes"), [("int8", "UINT8"), ("int4", "UINT4")])
+def test_tensorrt_preflight_says_the_unsigned_codes_do_not_parse_there(name, codes, artifacts) -> None:
+    """TensorRT's DequantizeLinear takes signed codes with a zero point of 0 (its support matrix):
+    `check --target trt` must not call a quantized artifact fine."""
+    from moedeploy.export.preflight import check_tensorrt
+
+    report = check_tensorrt(artifacts[name])
+    assert not report.ok
+    blocked = [f for f in report.blocking if f.op == "DequantizeLinear"]
+    assert len(blocked) == report.op_counts["DequantizeLinear"] == 13
+    assert all("does not parse there" in f.detail for f in blocked)
+    # mixed int4 keeps the LM head and K/V (5 of the 13) at int8
+    assert sum(f"its codes are {codes} with a zero point" in f.detail for f in blocked) == (13 if name == "int8" else 8)
+    assert {f.op for f in report.blocking} == {"DequantizeLinear"}  # the rest of the graph parses

@@ -76,8 +76,18 @@ def _const_int(model: onnx.ModelProto, name: str) -> int | None:
     return None
 
 
-def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, int]) -> str | None:
+def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, int], ops: dict | None = None,
+                 ) -> str | None:
     """The documented restrictions our exported graphs could run into."""
+    if node.op_type == "DequantizeLinear" and ops is not None:
+        # a quantized artifact's codes: TensorRT dequantizes signed INT8/INT4 (or FP8/FP4) with a zero
+        # point of 0, and moedeploy writes unsigned codes with zero points (what MatMulNBits reads)
+        allowed = ops.get("DequantizeLinear", {}).get("types", [])
+        elem = next((i.data_type for i in model.graph.initializer if i.name == node.input[0]), None)
+        name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
+        if name is not None and name not in allowed:
+            return (f"its codes are {name} with a zero point; TensorRT's DequantizeLinear takes "
+                    f"{', '.join(allowed)} with a zero point of 0, so this quantized artifact does not parse there")
     if node.op_type == "Attention":
         if len(node.input) > 3 and node.input[3] and ranks.get(node.input[3], 4) != 4:
             return f"attn_mask has rank {ranks[node.input[3]]}; TensorRT takes only 4-D masks"
@@ -118,6 +128,6 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
         elif not ops.get(node.op_type, {}).get("supported", False):
             why = ops.get(node.op_type, {}).get("restrictions") or "not in the support matrix"
             report.findings.append(NodeFinding(name, label, "unsupported", why))
-        elif (problem := _restriction(model, node, ranks)) is not None:
+        elif (problem := _restriction(model, node, ranks, ops)) is not None:
             report.findings.append(NodeFinding(name, label, "restricted", problem))
     return report

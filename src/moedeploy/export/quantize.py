@@ -13,9 +13,10 @@ nn.Linear stores it, becomes three initializers, codes (N, K) uint8 or uint4, sc
 (N, K / block) in the artifact's dtype and zero_point (N, K / block) in the codes' type, and
 the graph reads them through DequantizeLinear(axis=1, block_size) and a Transpose into the
 MatMul that took W^T. Expert stacks (E, out, in) the same way along their last axis, the
-interleaved gate/up stack included, into the moe::MoE node. So plain ONNX Runtime and
-TensorRT's parser read the artifact with standard ops, and the ONNX Runtime lowering hands
-the very same bytes to com.microsoft::MatMulNBits (runtime/quantized.py).
+interleaved gate/up stack included, into the moe::MoE node. So plain ONNX Runtime reads the
+artifact with standard ops, and the ONNX Runtime lowering hands the very same bytes to
+com.microsoft::MatMulNBits (runtime/quantized.py). TensorRT does not: its DequantizeLinear
+takes signed codes with a zero point of 0 (`check --target trt` says so).
 
 Streaming: each part is written one row block or one expert at a time, quantized as it is
 read, so a checkpoint is never held whole in float (or twice).

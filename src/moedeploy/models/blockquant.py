@@ -5,9 +5,9 @@ A weight (..., N, K), as nn.Linear and our experts store it (out, in), is cut in
 and each value an unsigned code: weight ~ (code - zero_point) * scale.
 
 The codes are unsigned (uint8, uint4) with the zero point stored, because that one layout is
-read as it is by both consumers of a quantized artifact:
-  - ONNX DequantizeLinear (opset 21, blocked: `axis`, `block_size`), which plain ONNX Runtime
-    and TensorRT's parser take: y = (x - zero_point) * scale;
+read as it is by both consumers of a quantized artifact on ONNX Runtime:
+  - ONNX DequantizeLinear (opset 21, blocked: `axis`, `block_size`), the portable graph:
+    y = (x - zero_point) * scale (TensorRT's takes only signed codes with zero point 0);
   - ONNX Runtime's com.microsoft::MatMulNBits, whose B is (N, K / block_size, block_size *
     bits / 8) uint8, codes along K, two 4-bit codes per byte with the lower-index one in the
     low nibble (as ONNX packs uint4), scales (N, K / block_size), and 4-bit zero points packed
@@ -18,7 +18,7 @@ Symmetric schemes are llama.cpp's q8_0 and q4_0, so their accuracy compares like
   int4  scale = max|w| / 8, code = clamp(round(w / scale) + z, 0, 15) with z = 8, or 7 where
         the value of largest magnitude is positive: the full 16 levels with that value exact.
         q4_0 writes the same values as a negative scale times codes 0..15 around 8; here the
-        scale stays positive (TensorRT's Q/DQ takes positive scales) and the zero point moves.
+        scale stays positive and the zero point moves.
 Asymmetric (uint codes, a zero point per block): the block's range widened to include 0 (so 0
 stays exact, as ONNX Runtime's blockwise quantizer does), scale = (max - min) / (2^bits - 1),
 zero_point = round(-min / scale), code = clamp(round(w / scale) + zero_point, 0, 2^bits - 1).
