@@ -102,13 +102,14 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
         raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
 
 
-def check_peers(config: DecoderConfig, backends: list[str], batch: int, optional: dict[str, str] | None = None) -> None:
-    """Every peer in `backends` computes this model at this batch, or a one-line error. A peer
-    `--peers` added (named in `optional`) is instead dropped from `backends`, and why is put in
-    `optional` beside the peers that are not installed."""
+def check_peers(config: DecoderConfig, backends: list[str], batch: int, optional: dict[str, str] | None = None,
+                quantized: bool = False) -> None:
+    """Every peer in `backends` computes this model at this batch (of this artifact, quantized or
+    not), or a one-line error. A peer `--peers` added (named in `optional`) is instead dropped
+    from `backends`, and why is put in `optional` beside the peers that are not installed."""
     for peer in [p for p in PEERS if p in backends]:
         try:
-            check_config(peer, config, batch)
+            check_config(peer, config, batch, quantized)
         except ValueError as e:
             if optional is None or peer not in optional:
                 raise
@@ -195,14 +196,8 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
     artifact = existing_artifact(target)
     config = config_of(artifact) if artifact else preset(target)
     check_positions(config, prompt_len, new_tokens)
-    if artifact is not None and artifact.manifest.get("quantization") and "llama.cpp" in backends:
-        why = ("backend 'llama.cpp' runs the unquantized weights (an f32 GGUF), not this quantized artifact's; "
-               "compare quantized formats with `python benchmarks/quantized.py`")
-        if optional_peers is None or "llama.cpp" not in optional_peers:
-            raise ValueError(why)
-        backends.remove("llama.cpp")
-        optional_peers["llama.cpp"] = why
-    check_peers(config, backends, batch, optional_peers)
+    check_peers(config, backends, batch, optional_peers,
+                quantized=artifact is not None and bool(artifact.manifest.get("quantization")))
     if "trt" in backends:
         require_engine(artifact, target)
     if {"ort", "ort-gqa", "ort-contrib"} & set(backends):

@@ -29,9 +29,13 @@ def missing(peer: str) -> str | None:
     return None
 
 
-def check_config(peer: str, config: DecoderConfig, batch: int) -> None:
-    """The peer computes this model and this batch, or a one-line ValueError."""
+def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool = False) -> None:
+    """The peer computes this model and this batch, or a one-line ValueError. `quantized`: the
+    artifact's weights are int8/int4, which the peer's f32 weights would not be."""
     if peer == "llama.cpp":
+        if quantized:
+            raise ValueError("backend 'llama.cpp' runs the unquantized weights (an f32 GGUF), not this quantized "
+                             "artifact's; compare quantized formats with `python benchmarks/quantized.py`")
         from moedeploy.bench.gguf import require_llama_shaped
 
         require_llama_shaped(config)

@@ -77,13 +77,13 @@ def _const_int(model: onnx.ModelProto, name: str) -> int | None:
 
 
 def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, int], ops: dict | None = None,
-                 ) -> str | None:
+                 initializer_types: dict[str, int] | None = None) -> str | None:
     """The documented restrictions our exported graphs could run into."""
     if node.op_type == "DequantizeLinear" and ops is not None:
         # a quantized artifact's codes: TensorRT dequantizes signed INT8/INT4 (or FP8/FP4) with a zero
         # point of 0, and moedeploy writes unsigned codes with zero points (what MatMulNBits reads)
         allowed = ops.get("DequantizeLinear", {}).get("types", [])
-        elem = next((i.data_type for i in model.graph.initializer if i.name == node.input[0]), None)
+        elem = (initializer_types or {}).get(node.input[0])
         name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
         if name is not None and name not in allowed:
             return (f"its codes are {name} with a zero point; TensorRT's DequantizeLinear takes "
@@ -111,6 +111,7 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
     ops = matrix["operators"]
     report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"])
     ranks = _ranks(model)
+    initializer_types = {i.name: i.data_type for i in model.graph.initializer}
     for node in model.graph.node:
         key = (node.domain, node.op_type)
         label = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
@@ -128,6 +129,6 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
         elif not ops.get(node.op_type, {}).get("supported", False):
             why = ops.get(node.op_type, {}).get("restrictions") or "not in the support matrix"
             report.findings.append(NodeFinding(name, label, "unsupported", why))
-        elif (problem := _restriction(model, node, ranks, ops)) is not None:
+        elif (problem := _restriction(model, node, ranks, ops, initializer_types)) is not None:
             report.findings.append(NodeFinding(name, label, "restricted", problem))
     return report

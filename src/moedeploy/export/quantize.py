@@ -30,7 +30,8 @@ import onnx_ir as ir
 import torch
 
 from moedeploy.models.blockquant import QuantScheme, pack, quantize
-from moedeploy.models.weights import WeightSource, chunks
+from moedeploy.models.weights import WeightSource, chunks, interleaved_chunks
+from moedeploy.runtime.quantized import is_linear_gemm
 
 #: recipe kinds of the quantized parts (export/streaming.py): (part, (layout, *our tensor names))
 PARTS = ("codes", "scale", "zero_point")
@@ -76,25 +77,17 @@ def quantized_target(how: str, names: tuple[str, ...], source: WeightSource, val
     if how == "copy" and len(source.shape(names[0])) == 3 and names[0].endswith(("w_gate", "w_up", "w_down")):
         return "rows"
     if how == "copy" and value is not None and len(source.shape(names[0])) == 2 and names[0].endswith(".weight") \
-            and value.uses() and all(_is_linear_gemm(use.node, use.idx) for use in value.uses()):
+            and value.uses() and all(use.idx == 1 and is_linear_gemm(use.node) for use in value.uses()):
         return "rows"
     return None
-
-
-def _is_linear_gemm(node: ir.Node, index: int) -> bool:
-    """x @ W^T + c as a Gemm: W its second input with transB, no other scaling or transpose."""
-    attrs = {k: a.value for k, a in node.attributes.items()}
-    return (node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and index == 1 and attrs.get("transB", 0) == 1
-            and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0)
 
 
 def float_chunks(layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The weight in our (…, out, in) layout, in the artifact's dtype, a row block or an expert at a time."""
     if layout == "rows":
         yield from chunks(source, names[0], dtype)
-    else:  # gate and up rows alternating, one expert at a time
-        for gate, up in zip(source.experts(names[0]), source.experts(names[1]), strict=True):
-            yield torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1]).to(dtype)
+    else:
+        yield from interleaved_chunks(source, names[0], names[1], dtype)
 
 
 def part_chunks(part: str, layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype,

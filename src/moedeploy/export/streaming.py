@@ -47,7 +47,13 @@ from moedeploy.export.onnx_export import (
 )
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.weights import WeightSource, chunks, tensor_bytes, transposed_chunks
+from moedeploy.models.weights import (
+    WeightSource,
+    chunks,
+    interleaved_chunks,
+    tensor_bytes,
+    transposed_chunks,
+)
 from moedeploy.plugins import moe
 from moedeploy.utils.progress import size_text, throttled
 
@@ -204,8 +210,7 @@ def recipe_chunks(recipe: Recipe, source: WeightSource, dtype: torch.dtype,
     elif how == "transpose":
         yield from transposed_chunks(source, names[0], dtype)
     elif how == "interleave":
-        for gate, up in zip(source.experts(names[0]), source.experts(names[1]), strict=True):
-            yield torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1]).to(dtype).contiguous()
+        yield from interleaved_chunks(source, names[0], names[1], dtype)
     else:
         raise ValueError(f"unknown weight recipe {how!r}")
 

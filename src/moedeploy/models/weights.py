@@ -90,6 +90,12 @@ def chunks(source: WeightSource, name: str, dtype: torch.dtype | None = None) ->
         yield (piece if dtype is None else piece.to(dtype)).contiguous()
 
 
+def interleaved_chunks(source: WeightSource, gate: str, up: str, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The experts' gate and up rows alternating, (2I, H) per expert, one expert at a time."""
+    for g, u in zip(source.experts(gate), source.experts(up), strict=True):
+        yield torch.stack([g, u], dim=1).reshape(2 * g.shape[0], g.shape[1]).to(dtype).contiguous()
+
+
 def transposed_chunks(source: WeightSource, name: str, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """W^T of a 2-D weight, in order, in blocks: its rows are W's columns, read a block at a time."""
     rows, cols = source.shape(name)

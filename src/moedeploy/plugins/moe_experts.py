@@ -18,7 +18,6 @@ PyTorch (`moe.nan_where_not_finite`).
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from moedeploy.plugins.moe import (
@@ -59,18 +58,9 @@ def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
 def expert_slice(value: ir.Value, expert: int) -> ir.Value:
     """Expert `expert`'s slice of a stacked (E, ...) constant, as an initializer of its own:
     a view into the same external data file (offset, length) when the weights live there."""
-    tensor = value.const_value
-    assert tensor is not None and value.shape is not None
-    shape = [int(d) for d in value.shape][1:]
-    name = f"{value.name}.expert{expert}"
-    if isinstance(tensor, ir.ExternalTensor):
-        size = int(np.prod(shape) * tensor.dtype.itemsize)
-        sliced: ir.TensorProtocol = ir.ExternalTensor(
-            tensor.location, (tensor.offset or 0) + expert * size, size, tensor.dtype,
-            shape=ir.Shape(shape), name=name, base_dir=tensor.base_dir)
-    else:
-        sliced = ir.tensor(tensor.numpy()[expert], name=name)
-    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype), const_value=sliced)
+    assert value.const_value is not None and value.shape is not None
+    return quantized.constant_view(value, expert, value.const_value.dtype, [int(d) for d in value.shape][1:],
+                                   f"{value.name}.expert{expert}")
 
 
 def plain_softmax(node: ir.Node) -> bool:

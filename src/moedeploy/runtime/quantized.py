@@ -107,21 +107,27 @@ def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -
     return NBitsWeight(b, scales, zero_points, n, k, w.bits, w.block_size)
 
 
-def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shape: list[int], suffix: str) -> ir.Value:
-    """Part `index` (of equal parts along the first axis; the whole for a 2-D weight's 0) of a
-    constant's bytes, seen as `dtype` with `shape`: an external view, or an in-memory slice."""
+def constant_view(value: ir.Value, index: int, dtype: ir.DataType, shape: list[int], name: str) -> ir.Value:
+    """Part `index` of a constant cut into equal parts along its first axis (an expert of a
+    stack; 0 and the whole for a 2-D weight), its bytes seen as `dtype` with `shape`: a view into
+    the same external data file (offset, length) when the weights live there, else a copy of
+    those bytes. Not registered in any graph."""
     tensor = value.const_value
     assert tensor is not None
-    length = int(np.prod(shape)) * dtype.itemsize
-    name = f"{value.name}{suffix}"
+    length = int(np.prod(shape)) * dtype.bitwidth // 8
     if isinstance(tensor, ir.ExternalTensor):
         view: ir.TensorProtocol = ir.ExternalTensor(
-            tensor.location, (tensor.offset or 0) + index * int(length), int(length), dtype, shape=ir.Shape(shape),
+            tensor.location, (tensor.offset or 0) + index * length, length, dtype, shape=ir.Shape(shape),
             name=name, base_dir=tensor.base_dir)
     else:
-        raw = tensor.tobytes()[index * int(length):(index + 1) * int(length)]
+        raw = tensor.tobytes()[index * length:(index + 1) * length]
         view = ir.tensor(np.frombuffer(raw, dtype=dtype.numpy()).reshape(shape), name=name)
-    out = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=view)
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=view)
+
+
+def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shape: list[int], suffix: str) -> ir.Value:
+    """`constant_view` named `value.name + suffix`, registered as an initializer of `graph`."""
+    out = constant_view(value, index, dtype, shape, f"{value.name}{suffix}")
     graph.register_initializer(out)
     return out
 
@@ -149,7 +155,7 @@ def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> in
             continue
         if node.op_type == "MatMul":  # x @ W^T, W^T a Transpose of the dequantized W
             w, bias = transposed_blocked_source(node.inputs[1]), None
-        elif node.op_type == "Gemm" and _plain_linear_gemm(node):  # x @ W^T + c, transB on the dequantized W
+        elif is_linear_gemm(node):  # x @ W^T + c, transB on the dequantized W
             w = blocked_source(node.inputs[1])
             w = w if w is not None and len(w.shape) == 2 else None
             bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -170,10 +176,12 @@ def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> in
     return lowered
 
 
-def _plain_linear_gemm(node: ir.Node) -> bool:
+def is_linear_gemm(node: ir.Node) -> bool:
+    """x @ W^T + c as a Gemm: transB, no other scaling or transpose (what the exporter emits for
+    a Linear on a flattened input)."""
     attrs = {k: a.value for k, a in node.attributes.items()}
-    return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
-            and attrs.get("beta", 1.0) == 1.0)
+    return (node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and attrs.get("transB", 0) == 1
+            and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0)
 
 
 def _appender(nodes: list[ir.Node], prefix: str):
