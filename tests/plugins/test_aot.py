@@ -13,6 +13,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
 
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.plugins.kernels.aot import compile_moe_fused, compile_rms_norm
 from moedeploy.plugins.moe import ExpertActivation, Routing
 
@@ -51,6 +52,17 @@ def test_moe_fused_aot_kernel_matches_tensorrt_launch(routing: Routing) -> None:
     # X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS (pointers) | H, I, E (int32) | Y (pointer)
     assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 9 + ["u32"] * 3 + ["u64"]
     assert kernel.global_scratch == 0
+    assert ".target sm_90" in kernel.ptx
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_moe_fused_aot_kernel_matches_tensorrt_launch(bits: int) -> None:
+    """The int8/int4 experts' kernel: each stack's codes, scales and zero points are inputs."""
+    kernel = compile_moe_fused("fp16", Routing(2, True), n_experts=8, quantized=QuantScheme(bits, 32), arch=90)
+    params = _entry_params(kernel.ptx)
+    # X, LOGITS, (WG, SG, ZG), (WU, SU, ZU), (WD, SD, ZD), BG, BU, BD, SCORE_BIAS | H, I, E | Y
+    assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 15 + ["u32"] * 3 + ["u64"]
+    assert kernel.name == "moe_fused_nbits_kernel" and kernel.global_scratch == 0
     assert ".target sm_90" in kernel.ptx
 
 

@@ -86,6 +86,48 @@ class BlockQuantized:
         return pack(self.zero_point, self.scheme.bits)
 
 
+@dataclass
+class PackedWeight:
+    """A quantized weight as a quantized artifact stores it, the bytes kernels read in place:
+    codes (..., N, K * bits / 8) uint8 packed per row; scale (..., N, K / block_size) in the
+    artifact's dtype; zero_point uint8, all of them flattened and packed as ONNX packs a uint4
+    tensor (element 2i in the low nibble of byte i; for int8 one byte each). `shape` is the
+    float weight's (..., N, K)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    scheme: QuantScheme
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, scheme: QuantScheme) -> PackedWeight:
+        """Quantize `weight` as the export does, the scale kept in the weight's dtype."""
+        q = quantize(weight, scheme)
+        zero_point = pack(q.zero_point.flatten(), scheme.bits)
+        return cls(q.packed_codes(), q.scale.to(weight.dtype), zero_point, scheme, tuple(weight.shape))
+
+    def dequantize(self) -> torch.Tensor:
+        """(code - zero_point) * scale in float32, rounded to the scale's dtype: what the
+        artifact's DequantizeLinear gives."""
+        codes = unpack(self.codes, self.scheme.bits, self.shape[-1])
+        zero_point = unpack(self.zero_point, self.scheme.bits, self.scale.numel()).reshape(self.scale.shape)
+        return BlockQuantized(codes, self.scale.float(), zero_point, self.scheme).dequantize().to(self.scale.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype the weight dequantizes to (its scale's)."""
+        return self.scale.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        return PackedWeight(self.codes.to(device), self.scale.to(device), self.zero_point.to(device),
+                            self.scheme, self.shape)
+
+
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
     """roundf: 2.5 -> 3, -2.5 -> -3 (torch.round rounds half to even)."""
     return torch.sign(x) * torch.floor(x.abs() + 0.5)

@@ -15,8 +15,13 @@ from dataclasses import dataclass
 
 import triton
 
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.plugins.kernels.moe import activation_params, as_routing, routing_params
-from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS, moe_fused_kernel
+from moedeploy.plugins.kernels.moe_fused import (
+    FUSED_BLOCKS,
+    moe_fused_kernel,
+    moe_fused_nbits_kernel,
+)
 from moedeploy.plugins.kernels.rmsnorm import MAX_BLOCK, rms_norm_kernel
 from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
@@ -79,11 +84,14 @@ def compile_rms_norm(dtype: str, eps: float, arch: int | None = None) -> AotKern
 
 def compile_moe_fused(
     dtype: str, top_k: int | Routing, normalize_topk: bool = True, activation: str | ExpertActivation = "swiglu",
-    *, n_experts: int, arch: int | None = None,
+    *, n_experts: int, quantized: QuantScheme | None = None, arch: int | None = None,
 ) -> AotKernel:
     """moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y) with the
     routing (a Routing, or top_k and normalize_topk of softmax routing) and activation (an
-    ExpertActivation, or a name with default parameters) baked in.
+    ExpertActivation, or a name with default parameters) baked in. With `quantized` (the
+    experts' int8/int4 scheme) it is moe_fused_nbits_kernel(X, LOGITS, WG, SG, ZG, WU, SU, ZU,
+    WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): each stack's uint8 codes, `dtype` scales
+    and uint8 zero points, the bits and block size baked in.
 
     Every routing variant compiles (the kernel routes with `route_token`); SCORE_BIAS is fp32
     whatever `dtype` is, as the node's score_bias input.
@@ -94,21 +102,33 @@ def compile_moe_fused(
     if _interpreting():
         kwargs = {"dtype": dtype, "routing": routing.attributes(), "activation": act.attributes(),
                   "n_experts": n_experts, "arch": arch}
+        if quantized is not None:
+            kwargs["quantized"] = dataclasses.asdict(quantized)
         return _in_clean_process("moe_fused", kwargs)
     t = TRITON_TYPES[dtype]
-    signature = {name: f"*{t}" for name in ("X", "LOGITS", "WG", "WU", "WD", "BG", "BU", "BD")}
-    signature.update({"SCORE_BIAS": "*fp32", "H": "i32", "I": "i32", "E": "i32", "Y": f"*{t}"})
     constexprs = {
         **routing_params(routing), **activation_params(act),
         "BLOCK_E": triton.next_power_of_2(n_experts), **FUSED_BLOCKS,
     }
-    return _compile(moe_fused_kernel, signature, constexprs, arch)
+    signature = {"X": f"*{t}", "LOGITS": f"*{t}"}
+    for stack in ("G", "U", "D"):
+        if quantized is None:
+            signature[f"W{stack}"] = f"*{t}"
+        else:
+            signature.update({f"W{stack}": "*u8", f"S{stack}": f"*{t}", f"Z{stack}": "*u8"})
+    signature.update({"BG": f"*{t}", "BU": f"*{t}", "BD": f"*{t}"})
+    signature.update({"SCORE_BIAS": "*fp32", "H": "i32", "I": "i32", "E": "i32", "Y": f"*{t}"})
+    if quantized is None:
+        return _compile(moe_fused_kernel, signature, constexprs, arch)
+    constexprs.update({"BITS": quantized.bits, "QBLOCK": quantized.block_size})
+    return _compile(moe_fused_nbits_kernel, signature, constexprs, arch)
 
 
-def _compile_moe_fused_from_json(routing: dict, activation: dict, **kwargs) -> AotKernel:
+def _compile_moe_fused_from_json(routing: dict, activation: dict, quantized: dict | None = None, **kwargs) -> AotKernel:
     # json carries an infinite swiglu_limit as Infinity, which json.loads reads back
     return compile_moe_fused(
-        top_k=Routing.from_attributes(routing), activation=ExpertActivation.from_attributes(activation), **kwargs
+        top_k=Routing.from_attributes(routing), activation=ExpertActivation.from_attributes(activation),
+        quantized=None if quantized is None else QuantScheme(**quantized), **kwargs,
     )
 
 

@@ -37,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moedeploy.models.blockquant import PackedWeight
 from moedeploy.plugins.kernels._launch import check_device
+from moedeploy.plugins.kernels.dequant import load_weight
 from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
@@ -194,11 +196,12 @@ def _tile_expert(ENDS, E, row0, BLOCK_E: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(
-    X, WG, WU, BG, BU, HBUF, SORTED, ENDS,
-    n_slots, H, I, E, stride_x, stride_we, stride_wn, stride_be, stride_h,
+    X, WG, SG, ZG, WU, SU, ZU, BG, BU, HBUF, SORTED, ENDS,
+    n_slots, H, I, E, stride_x, stride_be, stride_h,
     TOP_K: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -210,7 +213,8 @@ def gate_up_kernel(
     tokens = (slots // TOP_K).to(tl.int64)
     n_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n_cols < I
-    w_off = expert.to(tl.int64) * stride_we + n_cols[None, :] * stride_wn  # (1, BN) into (I, H)
+    w_rows = expert.to(tl.int64) * I + n_cols[None, :]  # (1, BN) rows of the (E * I, H) stacks
+    dtype = HBUF.dtype.element_ty
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -218,17 +222,16 @@ def gate_up_kernel(
         k_valid = ks < H
         a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
         b_mask = k_valid[:, None] & n_valid[None, :]
-        wu = tl.load(WU + w_off + ks[:, None], mask=b_mask, other=0.0)  # (BK, BN) = W_up[e]^T tile
+        wu = load_weight(WU, SU, ZU, w_rows, ks[:, None], b_mask, H, BITS, QBLOCK, dtype).to(dtype)  # W_up[e]^T tile
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         if ACT == 0:
-            wg = tl.load(WG + w_off + ks[:, None], mask=b_mask, other=0.0)
+            wg = load_weight(WG, SG, ZG, w_rows, ks[:, None], b_mask, H, BITS, QBLOCK, dtype).to(dtype)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
     if HAS_BIAS:
         b_off = expert.to(tl.int64) * stride_be + n_cols
         acc_up += tl.load(BU + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
         if ACT == 0:
             acc_gate += tl.load(BG + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    dtype = HBUF.dtype.element_ty
     up = acc_up.to(dtype).to(tl.float32)
     if ACT == 0:
         hidden = swiglu(acc_gate.to(dtype).to(tl.float32), up, ALPHA, BETA, CLAMP, LIMIT, dtype)
@@ -241,10 +244,11 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    HBUF, WD, BD, WEIGHTS, OUT, SORTED, ENDS,
-    n_slots, H, I, E, stride_h, stride_we, stride_wn, stride_be, stride_o,
+    HBUF, WD, SD, ZD, BD, WEIGHTS, OUT, SORTED, ENDS,
+    n_slots, H, I, E, stride_h, stride_be, stride_o,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -255,17 +259,18 @@ def down_kernel(
     valid = slots < n_slots
     n_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n_cols < H
-    w_off = expert.to(tl.int64) * stride_we + n_cols[None, :] * stride_wn  # (1, BN) into (H, I)
+    w_rows = expert.to(tl.int64) * H + n_cols[None, :]  # (1, BN) rows of the (E * H, I) stack
+    dtype = HBUF.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < I
         a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(WD + w_off + ks[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        w = load_weight(WD, SD, ZD, w_rows, ks[:, None], k_valid[:, None] & n_valid[None, :], I, BITS, QBLOCK, dtype).to(dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(BD + expert.to(tl.int64) * stride_be + n_cols, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(HBUF.dtype.element_ty).to(tl.float32)  # the expert's output, rounded like eager's linear
+    y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded like eager's linear
     routing = tl.load(WEIGHTS + slots, mask=valid, other=0.0)
     out_ptrs = OUT + slots[:, None].to(tl.int64) * stride_o + n_cols[None, :]
     tl.store(out_ptrs, y * routing[:, None], mask=valid[:, None] & n_valid[None, :])
@@ -345,6 +350,29 @@ def activation_params(activation: ExpertActivation) -> dict[str, int | float | b
         "CLAMP": activation.clamped,
         "LIMIT": float(activation.swiglu_limit) if activation.clamped else 0.0,
     }
+
+
+ExpertWeight = torch.Tensor | PackedWeight
+
+
+def expert_weights(
+    w_gate: ExpertWeight | None, w_up: ExpertWeight, w_down: ExpertWeight, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """The expert stacks as the kernels take them, three pointers per stack (gate, up, down;
+    up again when there is no gate), with the BITS and QBLOCK of `dequant.load_weight`: for
+    int8/int4 stacks (all three `PackedWeight`s of one scheme) each one's codes, scale and zero
+    point; for float stacks the contiguous weight three times (BITS 0 reads only the first)."""
+    stacks = (w_up if w_gate is None else w_gate, w_up, w_down)
+    packed = [isinstance(w, PackedWeight) for w in stacks]
+    if not any(packed):
+        return [t for w in stacks for t in [w.contiguous()] * 3], {"BITS": 0, "QBLOCK": 1}
+    if not all(packed) or len({w.scheme for w in stacks}) != 1:
+        raise ValueError("quantized experts need W_gate, W_up and W_down all quantized in one scheme")
+    if any(w.dtype != dtype for w in stacks):
+        raise ValueError(f"quantized experts' scales must be in x's dtype {dtype}; got {[w.dtype for w in stacks]}")
+    scheme = stacks[0].scheme
+    tensors = [t.contiguous() for w in stacks for t in (w.codes, w.scale, w.zero_point)]
+    return tensors, {"BITS": scheme.bits, "QBLOCK": scheme.block_size}
 
 
 def dense_score_bias(score_bias: torch.Tensor | None, n_experts: int, device) -> torch.Tensor:
@@ -440,8 +468,8 @@ def moe(
         return y
     top_k = routing.top_k
     cfg = config or default_config(n, top_k, e)
-    x, router_logits, w_up, w_down = (t.contiguous() for t in (x, router_logits, w_up, w_down))
-    w_gate = w_up if w_gate is None else w_gate.contiguous()
+    x, router_logits = x.contiguous(), router_logits.contiguous()
+    stacks, quant = expert_weights(w_gate, w_up, w_down, dtype)
     has_bias = any(b is not None for b in (b_gate, b_up, b_down))
     b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down)
     precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -463,17 +491,17 @@ def moe(
 
     hidden = torch.empty(n_tiles * cfg.block_m, i, dtype=dtype, device=device)
     gate_up_kernel[(n_tiles, triton.cdiv(i, cfg.block_n))](
-        x, w_gate, w_up, b_gate, b_up, hidden, sorted_slots, ends,
-        n_slots, h, i, e, x.stride(0), w_up.stride(0), w_up.stride(1), b_up.stride(0), hidden.stride(0),
+        x, *stacks[:6], b_gate, b_up, hidden, sorted_slots, ends,
+        n_slots, h, i, e, x.stride(0), b_up.stride(0), hidden.stride(0),
         TOP_K=top_k, **activation_params(activation), HAS_BIAS=has_bias, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps, **quant,
     )
     slot_out = torch.empty(n_slots, h, dtype=torch.float32, device=device)
     down_kernel[(n_tiles, triton.cdiv(h, cfg.block_n))](
-        hidden, w_down, b_down, weights, slot_out, sorted_slots, ends,
-        n_slots, h, i, e, hidden.stride(0), w_down.stride(0), w_down.stride(1), b_down.stride(0), slot_out.stride(0),
+        hidden, *stacks[6:], b_down, weights, slot_out, sorted_slots, ends,
+        n_slots, h, i, e, hidden.stride(0), b_down.stride(0), slot_out.stride(0),
         HAS_BIAS=has_bias, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps, **quant,
     )
     block_h = min(triton.next_power_of_2(h), 1024)
     combine_kernel[(n, triton.cdiv(h, block_h))](slot_out, y, h, slot_out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h)

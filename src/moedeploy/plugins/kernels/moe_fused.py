@@ -22,11 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moedeploy.plugins.kernels.dequant import load_weight
 from moedeploy.plugins.kernels.moe import (
+    ExpertWeight,
     activation_params,
     as_routing,
     dense_biases,
     dense_score_bias,
+    expert_weights,
     prepare,
     route_token,
     routing_params,
@@ -36,15 +39,16 @@ from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 
 @triton.jit
-def moe_fused_kernel(
-    X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS,
-    H, I, E,
-    Y,
+def fused_moe_program(
+    X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr,
 ):
+    """One program's work (module doc), on float weights (BITS 0) or int8/int4 blocked ones,
+    whose tiles `load_weight` dequantizes as it reads them."""
     token = tl.program_id(0).to(tl.int64)
     h_cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h_cols < H
@@ -67,15 +71,17 @@ def moe_fused_kernel(
             i_valid = i_cols < I
             up = tl.zeros((BLOCK_I,), dtype=tl.float32)
             gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
+            rows = expert * I + i_cols[:, None]  # (BI, 1) rows of the (E * I, H) gate/up stacks
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_valid = ks < H
                 x = tl.load(X + token * H + ks, mask=k_valid, other=0.0).to(tl.float32)
-                w_ptrs = expert * I * H + i_cols[:, None] * H + ks[None, :]  # (BI, BK) of (I, H)
                 w_mask = i_valid[:, None] & k_valid[None, :]
-                up += tl.sum(tl.load(WU + w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+                w_up = load_weight(WU, SU, ZU, rows, ks[None, :], w_mask, H, BITS, QBLOCK, dtype)
+                up += tl.sum(w_up * x[None, :], axis=1)
                 if ACT == 0:
-                    gate += tl.sum(tl.load(WG + w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+                    w_gate = load_weight(WG, SG, ZG, rows, ks[None, :], w_mask, H, BITS, QBLOCK, dtype)
+                    gate += tl.sum(w_gate * x[None, :], axis=1)
             up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             if ACT == 0:
                 gate = (gate + tl.load(BG + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
@@ -85,36 +91,80 @@ def moe_fused_kernel(
             else:
                 hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
             hidden = tl.where(i_valid, hidden.to(dtype).to(tl.float32), 0.0)
-            d_ptrs = expert * H * I + h_cols[:, None] * I + i_cols[None, :]  # (BH, BI) of (H, I)
-            w_down = tl.load(WD + d_ptrs, mask=h_valid[:, None] & i_valid[None, :], other=0.0).to(tl.float32)
+            d_rows = expert * H + h_cols[:, None]  # (BH, 1) rows of the (E * H, I) down stack
+            w_down = load_weight(WD, SD, ZD, d_rows, i_cols[None, :], h_valid[:, None] & i_valid[None, :], I, BITS, QBLOCK, dtype)
             y += tl.sum(w_down * hidden[None, :], axis=1)
         y = (y + tl.load(BD + expert * H + h_cols, mask=h_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         acc += y * weight
     tl.store(Y + token * H + h_cols, acc.to(dtype), mask=h_valid)
 
 
+@triton.jit
+def moe_fused_kernel(
+    X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS,
+    H, I, E,
+    Y,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
+    two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The moe::MoE plugin's kernel: float expert weights."""
+    fused_moe_program(
+        X, LOGITS, WG, WG, WG, WU, WU, WU, WD, WD, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, 0, 1,
+    )
+
+
+@triton.jit
+def moe_fused_nbits_kernel(
+    X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD, SCORE_BIAS,
+    H, I, E,
+    Y,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, SCORING: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
+    two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr,
+):
+    """The same on int8/int4 blocked expert weights: codes, scale and zero point of each stack
+    (`dequant.load_weight`), dequantized in the kernel."""
+    fused_moe_program(
+        X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
+        TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, BITS, QBLOCK,
+    )
+
+
 FUSED_BLOCKS = {"BLOCK_H": 256, "BLOCK_I": 32, "BLOCK_K": 64}
 
 
 def moe_fused(
-    x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
-    w_down: torch.Tensor, top_k: int | Routing, normalize_topk: bool = True,
+    x: torch.Tensor, router_logits: torch.Tensor, w_gate: ExpertWeight | None, w_up: ExpertWeight,
+    w_down: ExpertWeight, top_k: int | Routing, normalize_topk: bool = True,
     activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
     score_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches);
-    arguments as `moedeploy.plugins.kernels.moe`."""
+    arguments as `moedeploy.plugins.kernels.moe`. The expert stacks are float tensors, or all
+    three int8/int4 `PackedWeight`s, dequantized in the kernel."""
     routing = as_routing(top_k, normalize_topk)
     activation = as_activation(activation)
     n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
     if n == 0:
         return y
-    weights = [t.contiguous() for t in (x, router_logits, w_up if w_gate is None else w_gate, w_up, w_down)]
-    args = [*weights, *dense_biases(w_up, b_gate, b_up, b_down), dense_score_bias(score_bias, e, x.device)]
+    stacks, quant = expert_weights(w_gate, w_up, w_down, x.dtype)
+    if quant["BITS"] == 0:
+        kernel, stacks, extra = moe_fused_kernel, stacks[::3], {}
+    else:
+        kernel, extra = moe_fused_nbits_kernel, quant
+    args = [x.contiguous(), router_logits.contiguous(), *stacks, *dense_biases(w_up, b_gate, b_up, b_down),
+            dense_score_bias(score_bias, e, x.device)]
     grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
-    moe_fused_kernel[grid](
+    kernel[grid](
         *args, h, i, e, y, **activation_params(activation), BLOCK_E=triton.next_power_of_2(e),
-        **routing_params(routing), **FUSED_BLOCKS,
+        **routing_params(routing), **FUSED_BLOCKS, **extra,
     )
     return y

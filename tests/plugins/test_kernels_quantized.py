@@ -1,0 +1,121 @@
+"""The MoE kernels on int8/int4 blocked expert weights (dequantized in the kernel) against the
+eager reference on the dequantized weights: what a quantized artifact's DequantizeLinear nodes
+feed its moe::MoE node. On CPU through Triton's interpreter (compiled on CUDA when present)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:  # not importorskip: see tests/conftest.py
+    pytest.skip("triton is not installed (it comes with the dev extra)", allow_module_level=True)
+
+from moedeploy.export.quantize import dequantized
+from moedeploy.models.blockquant import PackedWeight, QuantScheme
+from moedeploy.plugins.kernels import moe
+from moedeploy.plugins.kernels.moe_fused import moe_fused
+from moedeploy.plugins.moe import ExpertActivation, Routing, moe_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
+RUNS = {"grouped": moe, "fused": moe_fused}
+
+
+def _case(n: int, h: int, i: int, e: int, seed: int, bias: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g)
+    logits = 2 * torch.randn(n, e, generator=g)
+    stacks = [torch.randn(e, i, h, generator=g) / h**0.5, torch.randn(e, i, h, generator=g) / h**0.5,
+              torch.randn(e, h, i, generator=g) / i**0.5]
+    biases = [0.1 * torch.randn(s, generator=g) for s in ((e, i), (e, i), (e, h))] if bias else [None] * 3
+    return x, logits, stacks, biases
+
+
+def _quantized(stacks: list[torch.Tensor], scheme: QuantScheme, dtype: torch.dtype):
+    """(PackedWeights for the kernel, the float weights DequantizeLinear gives: the reference's)."""
+    packed = [PackedWeight.from_weight(w.to(dtype), scheme).to(DEVICE) for w in stacks]
+    return packed, [dequantized(w.to(dtype), scheme) for w in stacks]
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("bits", "symmetric", "block"), [(8, True, 32), (4, True, 32), (8, False, 16), (4, False, 16)])
+@pytest.mark.parametrize(("n", "h_blocks", "i_blocks", "e", "k"), [(1, 2, 1, 4, 2), (5, 3, 2, 3, 2)])
+def test_quantized_experts_match_dequantized_reference(
+    n: int, h_blocks: int, i_blocks: int, e: int, k: int, bits: int, symmetric: bool, block: int, dtype: torch.dtype,
+    run: str,
+) -> None:
+    """H and I in whole blocks; 3 blocks per gate/up row: 4-bit zero points share a byte across rows."""
+    h, i = h_blocks * block, i_blocks * block
+    x, logits, stacks, _ = _case(n, h, i, e, seed=n * 31 + bits + block)
+    packed, reference = _quantized(stacks, QuantScheme(bits, block, symmetric), dtype)
+    x, logits = x.to(dtype), logits.to(dtype)
+    expected = moe_reference(x, logits, *reference, k, True)
+    actual = RUNS[run](x.to(DEVICE), logits.to(DEVICE), *packed, k, True).cpu()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    # the answer is the quantized model's, well away from the float one's
+    float_model = moe_reference(x, logits, *(w.to(dtype) for w in stacks), k, True).float()
+    assert (actual.float() - float_model).abs().max() > 2 * atol + 4 * (actual.float() - expected.float()).abs().max()
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_quantized_experts_with_biases_routing_and_activations(run: str, activation: str) -> None:
+    """DeepSeek-style sigmoid routing with a selection bias and groups; gpt-oss's clamped SwiGLU;
+    relu experts have no gate stack."""
+    x, logits, stacks, biases = _case(4, 32, 32, 8, seed=5, bias=True)
+    routing = Routing(2, True, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    score_bias = torch.linspace(-0.5, 0.5, 8)
+    act = ExpertActivation("swiglu", 1.702, 1.0, 7.0) if activation == "swiglu" else ExpertActivation("relu")
+    gated = activation == "swiglu"
+    packed, reference = _quantized(stacks if gated else stacks[1:], QuantScheme(4, 16, True), torch.float32)
+    if not gated:
+        packed, reference = [None, *packed], [None, *reference]
+    b_gate = biases[0] if gated else None
+    expected = moe_reference(x, logits, *reference, routing, activation=act, b_gate=b_gate, b_up=biases[1],
+                             b_down=biases[2], score_bias=score_bias)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, logits, b_gate, biases[1], biases[2], score_bias)]
+    actual = RUNS[run](dev[0], dev[1], *packed, routing, activation=act, b_gate=dev[2], b_up=dev[3], b_down=dev[4],
+                       score_bias=dev[5]).cpu()
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_weight_is_the_artifacts_bytes() -> None:
+    """PackedWeight holds what the export writes for an expert stack (export/quantize.part_chunks,
+    one expert at a time) and dequantizes to what its DequantizeLinear gives."""
+    from moedeploy.export.quantize import part_chunks
+
+    w = torch.randn(3, 8, 48, generator=torch.Generator().manual_seed(3))
+    scheme = QuantScheme(4, 16, False)
+    packed = PackedWeight.from_weight(w, scheme)
+
+    class OneStack:  # the two WeightSource methods an expert stack's chunks read
+        def shape(self, name: str) -> tuple[int, ...]:
+            return tuple(w.shape)
+
+        def experts(self, name: str):
+            yield from w
+
+    source = OneStack()
+    parts = {p: torch.cat([c.flatten() for c in part_chunks(p, "rows", ("experts.w_up",), source, torch.float32, scheme)])
+             for p in ("codes", "scale", "zero_point")}
+    assert torch.equal(parts["codes"], packed.codes.flatten())
+    assert torch.equal(parts["scale"], packed.scale.flatten())
+    assert torch.equal(parts["zero_point"], packed.zero_point.flatten())
+    assert packed.zero_point.numel() == (3 * 8 * 3 + 1) // 2  # 72 four-bit zero points, two to a byte
+    assert torch.equal(packed.dequantize(), dequantized(w, scheme))
+
+
+def test_mixed_or_mistyped_quantized_experts_are_refused() -> None:
+    x, logits, stacks, _ = _case(2, 32, 32, 4, seed=1)
+    packed, _ = _quantized(stacks, QuantScheme(8, 16, True), torch.float32)
+    with pytest.raises(ValueError, match="all quantized in one scheme"):
+        moe_fused(x.to(DEVICE), logits.to(DEVICE), packed[0], stacks[1].to(DEVICE), packed[2], 2)
+    other = PackedWeight.from_weight(stacks[2], QuantScheme(4, 16, True)).to(DEVICE)
+    with pytest.raises(ValueError, match="all quantized in one scheme"):
+        moe(x.to(DEVICE), logits.to(DEVICE), packed[0], packed[1], other, 2)
+    with pytest.raises(ValueError, match="x's dtype"):
+        moe_fused(x.half().to(DEVICE), logits.half().to(DEVICE), *packed, 2)
