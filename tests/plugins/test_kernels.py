@@ -312,8 +312,8 @@ def test_moe_clamped_swiglu_matches_reference(name: str, fused: bool, dtype: tor
 
 def test_moe_refuses_bad_score_bias_and_routing() -> None:
     _, logits, wg, wu, wd, *_ = _moe_case(2, 16, 16, 4, torch.float32, seed=1, bias=False)
-    x = torch.ones(2, 16)
+    x, logits, wg, wu, wd = (t.to(DEVICE) for t in (torch.ones(2, 16), logits, wg, wu, wd))
     with pytest.raises(ValueError, match="score_bias"):
-        moe(x, logits, wg, wu, wd, 2, score_bias=torch.zeros(5))
+        moe(x, logits, wg, wu, wd, 2, score_bias=torch.zeros(5, device=DEVICE))
     with pytest.raises(ValueError, match="n_group"):
         moe(x, logits, wg, wu, wd, Routing(2, n_group=4, topk_group=2))  # groups of 1 expert
