@@ -263,3 +263,51 @@ def test_tensorrt_preflight_says_the_unsigned_codes_do_not_parse_there(name, cod
     # mixed int4 keeps the LM head and K/V (5 of the 13) at int8
     assert sum(f"its codes are {codes} with a zero point" in f.detail for f in blocked) == (13 if name == "int8" else 8)
     assert {f.op for f in report.blocking} == {"DequantizeLinear"}  # the rest of the graph parses
+
+
+def test_compare_measures_quantization_against_the_float_model_as_transformers_does(artifacts, checkpoint) -> None:
+    """compare's quantization section: the int4 artifact against the unquantized eager model on
+    one token stream, recomputed here from transformers' float and dequantized models."""
+    import torch.nn.functional as F
+    from transformers import MixtralForCausalLM
+
+    from moedeploy.compare.api import compare
+    from moedeploy.compare.quantization import token_stream
+
+    report = compare(artifacts["int4"], ["ort", "ort-gqa"], iterations=1, seed=3)
+    q = report["quantization"]
+    assert (q["bits"], q["stream_tokens"], q["greedy_prompt_tokens"], q["greedy_new_tokens"]) == (4, 64, 16, 48)
+    assert q["thresholds"] == {"kl_mean": 0.15, "top1": 0.5} and q["passed"] and report["passed"]
+    stream = token_stream(SHAPE["vocab_size"], 64, seed=3)
+    float_model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
+                                                     experts_implementation="eager").eval()
+    quantized = hf_dequantized(checkpoint, SCHEMES["int4"], mixed=True)
+    with torch.no_grad():
+        p, q_log = float_model(stream).logits[0].log_softmax(-1), quantized(stream).logits[0].log_softmax(-1)
+        kl = F.kl_div(q_log, p, log_target=True, reduction="none").sum(-1)
+        greedy = [m.generate(stream[:, :16], attention_mask=torch.ones(1, 16, dtype=torch.long), max_new_tokens=48,
+                             do_sample=False, pad_token_id=SHAPE["vocab_size"] - 1)[0, 16:] for m in (float_model, quantized)]
+    top1 = float((p.argmax(-1) == q_log.argmax(-1)).double().mean())
+    agreement = float((greedy[0] == greedy[1]).double().mean())
+    assert kl.mean() > 1e-4  # int4 moves the distributions measurably
+    for backend in ("onnxrt", "onnxrt-gqa"):
+        m = q["backends"][backend]
+        assert m["kl_mean"] == pytest.approx(float(kl.mean()), rel=0.02)
+        assert m["kl_max"] == pytest.approx(float(kl.max()), rel=0.02)
+        assert abs(m["top1"] - top1) <= 1 / 64
+        assert abs(m["greedy_agreement"] - agreement) <= 0.1
+    md = (artifacts["int4"].path / "report" / "report.md").read_text()
+    assert "## Quantization accuracy: pass" in md and "| onnxrt-gqa |" in md
+    assert "Quantization accuracy" in (artifacts["int4"].path / "report" / "report.html").read_text()
+
+
+def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
+    from moedeploy.cli import app
+
+    path = str(artifacts["int8"].path)
+    result = CliRunner().invoke(app, ["compare", path, "--max-kl-mean", "0"])
+    assert result.exit_code == 1 and "FAIL" in result.output  # no quantization is that exact
+    assert "KL mean <= 0 and top-1 >= 0.8" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["compare", path, "--min-top1", "2"])
+    assert result.exit_code != 0 and "--min-top1 is a fraction of positions" in result.output
+    assert "Traceback" not in result.output

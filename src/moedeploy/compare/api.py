@@ -20,11 +20,12 @@ from torch import nn
 from moedeploy.compare.data import ArtifactDataLoader
 from moedeploy.compare.layerwise import localize
 from moedeploy.compare.metrics import error_stats
+from moedeploy.compare.quantization import quantization_accuracy
 from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
-from moedeploy.export.reference import eager_decoder, load_reference
+from moedeploy.export.reference import eager_decoder, load_reference, unquantized
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
@@ -78,12 +79,14 @@ def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
     return None
 
 
-def eager_reference(artifact: Artifact, checkpoint: str | Path | None = None) -> nn.Module:
+def eager_reference(artifact: Artifact, checkpoint: str | Path | None = None, dequantized: bool = True) -> nn.Module:
     """The eager PyTorch module to compare with, built once for the runner and the layer-wise pass.
 
     `checkpoint` points a decoder exported from a checkpoint at the folder's new place. Its
     weights must have the fingerprint recorded at export (manifest `weights_sha256`): a
-    reference built from other weights would make every verdict meaningless.
+    reference built from other weights would make every verdict meaningless. `dequantized`:
+    a quantized decoder's eager model on its dequantized weights (what its graph computes), or
+    on the float weights it was quantized from.
     """
     source = artifact.manifest["config"].get("source", {}) if artifact.kind == "decoder" else {}
     recorded = source.get("checkpoint")
@@ -93,14 +96,15 @@ def eager_reference(artifact: Artifact, checkpoint: str | Path | None = None) ->
                 f"{artifact.path} was exported from checkpoint {recorded}, which is gone; "
                 "pass --checkpoint DIR with the folder's new place"
             )
-        return load_reference(artifact)
+        return load_reference(artifact, dequantized)
     if recorded is None:
         made_from = f"the {source['preset']!r} preset" if source.get("preset") else f"a {artifact.kind} with stored weights"
         raise ArtifactError(f"--checkpoint is for decoders exported from a checkpoint; {artifact.path} was made from {made_from}")
-    return _verified_checkpoint_reference(artifact, Path(checkpoint), source.get("weights_sha256"))
+    return _verified_checkpoint_reference(artifact, Path(checkpoint), source.get("weights_sha256"), dequantized)
 
 
-def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expected: str | None) -> nn.Module:
+def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expected: str | None,
+                                   dequantized: bool) -> nn.Module:
     """The decoder in `checkpoint`, refused unless its weights are the ones the artifact was exported from."""
     from moedeploy.export.decoder import DecoderWithPast
 
@@ -118,7 +122,8 @@ def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expecte
             f"--checkpoint {checkpoint} holds other weights than {artifact.path} was exported from "
             "(its weights_sha256 fingerprint differs); pass the checkpoint the artifact was made from"
         )
-    return DecoderWithPast(eager_decoder(weights, artifact.manifest, dtype)).eval()
+    manifest = artifact.manifest if dequantized else unquantized(artifact.manifest)
+    return DecoderWithPast(eager_decoder(weights, manifest, dtype)).eval()
 
 
 def handed_out_once(first: nn.Module, rebuild: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -162,11 +167,14 @@ def compare(
     layerwise: bool = False,
     progress: Progress | None = None,
     checkpoint: str | Path | None = None,
+    quantization_thresholds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Compare each backend with eager PyTorch; writes <artifact>/report/ and returns report.json's dict.
 
     `checkpoint`: where a decoder's checkpoint is now, when it moved since export (verified
-    against the weights fingerprint in the manifest).
+    against the weights fingerprint in the manifest). A quantized decoder is also measured
+    against its unquantized eager model (compare/quantization.py) and judged by thresholds
+    (kl_mean, top1; `quantization_thresholds` overrides the defaults by bit width).
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
@@ -242,6 +250,14 @@ def compare(
         if report["first_divergent_layer"] is None:
             for key in LAYERWISE_KEYS:
                 report[key] = comparison["layerwise"][key]
+
+    report["quantization"] = None
+    if artifact.kind == "decoder" and artifact.manifest.get("quantization"):
+        report["quantization"] = quantization_accuracy(
+            artifact, list(backends), lambda: eager_reference(artifact, checkpoint, dequantized=False),
+            seed=seed, thresholds=quantization_thresholds, progress=progress,
+        )
+        report["passed"] = report["passed"] and report["quantization"]["passed"]
 
     progress(f"writing the report to {artifact.path / REPORT_DIR}")
     # report/ is the artifact's own subfolder, replaced on every run; anything else there is refused

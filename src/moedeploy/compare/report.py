@@ -86,6 +86,36 @@ def _mark(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
 
+QUANTIZATION_COLUMNS = ("KL mean", "KL max", "top-1", "max error", "greedy", "prefix")
+
+
+def quantization_intro(q: dict[str, Any]) -> str:
+    """What the quantization section measured and by which thresholds it judged."""
+    t = q["thresholds"]
+    return (f"int{q['bits']} (the narrowest bit width), against {q['reference']}: next-token distributions on a "
+            f"{q['stream_tokens']}-token stream, greedy agreement over {q['greedy_new_tokens']} new tokens from its "
+            f"first {q['greedy_prompt_tokens']} (greedy: the fraction that agree; prefix: how many before the first "
+            f"difference); max error: the largest logit difference. Pass: KL mean <= {t['kl_mean']:g} and top-1 >= "
+            f"{t['top1']:g}.")
+
+
+def quantization_cells(m: dict[str, Any]) -> list[str]:
+    """One backend's row of the quantization table, in QUANTIZATION_COLUMNS order."""
+    return [fmt(m["kl_mean"], "%.2e"), fmt(m["kl_max"], "%.2e"), fmt(m["top1"], "%.3f"),
+            fmt(m["max_logit_error"], "%.3f"), fmt(m["greedy_agreement"], "%.3f"), str(m["greedy_prefix"])]
+
+
+def _quantization_markdown(q: dict[str, Any] | None) -> list[str]:
+    if not q:
+        return []
+    lines = [f"## Quantization accuracy: {_mark(q['passed'])}", "", quantization_intro(q), "",
+             "| backend | " + " | ".join(QUANTIZATION_COLUMNS) + " | result |",
+             "|---|" + "---:|" * len(QUANTIZATION_COLUMNS) + "---|"]
+    for backend, m in q["backends"].items():
+        lines.append(f"| {backend} | " + " | ".join(quantization_cells(m)) + f" | {_mark(m['passed'])} |")
+    return [*lines, ""]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     a = report["artifact"]
     lines = [
@@ -122,6 +152,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += [f"| `{m['module']}` | {fmt(m['max_abs'])} | {_flips(m)} | {_mark(m['passed'])} |"
                       for m in c["layerwise"]["modules"]]
         lines.append("")
+    lines += _quantization_markdown(report.get("quantization"))
     return "\n".join(lines)
 
 
@@ -147,7 +178,8 @@ def render_html(report: dict[str, Any], values: dict[str, dict[str, tuple[np.nda
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
     return env.from_string(template_text).render(
-        r=view, fmt=fmt, flips=_flips, checkpoint_clause=_checkpoint_clause(report), divergence_note=_html_note(divergence_note(report, _code)),
+        r=view, fmt=fmt, flips=_flips, quantization_intro=quantization_intro, quantization_cells=quantization_cells,
+        quantization_columns=QUANTIZATION_COLUMNS, checkpoint_clause=_checkpoint_clause(report), divergence_note=_html_note(divergence_note(report, _code)),
         routing_note=_html_note(routing_note(report, _code)),
     )
 

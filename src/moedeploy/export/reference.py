@@ -61,10 +61,18 @@ def eager_decoder(weights: WeightSource, manifest: dict, dtype: torch.dtype, mod
     return module
 
 
-def load_reference(artifact: Artifact) -> nn.Module:
+def unquantized(manifest: dict) -> dict:
+    """The manifest of the artifact as if it were not quantized: its eager model on the weights
+    as the checkpoint (or preset) holds them, what quantization is measured against."""
+    return {k: v for k, v in manifest.items() if k != "quantization"}
+
+
+def load_reference(artifact: Artifact, dequantized: bool = True) -> nn.Module:
     """The eager module behind `artifact`, eval mode, in the artifact's dtype.
 
     For a decoder this is the DecoderWithPast wrapper, whose inputs and outputs are the graph's.
+    A quantized decoder's runs on its dequantized weights, or with `dequantized=False` on the
+    float weights it was quantized from.
     """
     dtype = parse_dtype(artifact.dtype)
     config = artifact.manifest["config"]
@@ -92,7 +100,8 @@ def load_reference(artifact: Artifact) -> nn.Module:
                 "(its weights fingerprint differs: the checkpoint changed, or another moedeploy version "
                 "made the artifact); re-export it"
             )
-        return DecoderWithPast(eager_decoder(weights, artifact.manifest, dtype, decoder)).eval()
+        manifest = artifact.manifest if dequantized else unquantized(artifact.manifest)
+        return DecoderWithPast(eager_decoder(weights, manifest, dtype, decoder)).eval()
     from moedeploy.export.blocks import build_block, get_block
 
     module = build_block(get_block(config["block"]), artifact.manifest["seed"])

@@ -172,3 +172,19 @@ class TrtDecoder(KVDecoder):
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         outputs = self.runner.infer(feed)
         return [np.asarray(outputs[name]) for name in self.output_names]
+
+
+class EagerDecoder(KVDecoder):
+    """An eager PyTorch decoder (a DecoderWithPast: the graph's inputs and outputs) behind the
+    same `step` and `generate` as the runtimes: so a measurement that sets eager beside a
+    backend runs both through one loop (a layer-at-a-time checkpoint model included)."""
+
+    def __init__(self, artifact: Artifact | str, module: torch.nn.Module) -> None:
+        super().__init__(artifact)
+        self.module = module
+
+    def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        past = [torch.from_numpy(feed[name]) for name in self.past_names]
+        with torch.no_grad():
+            logits, present = self.module(torch.from_numpy(feed["input_ids"]), list(zip(past[::2], past[1::2], strict=True)))
+        return [logits.numpy(), *(t.numpy() for pair in present for t in pair)]
