@@ -34,28 +34,6 @@ import torch
 LLAMA_FORMATS = {"int8": ("q8_0", 8.5, 8.5), "int4": ("q4_0", 4.5, 6.5625)}
 
 
-def quantized_artifact(fp32, scheme, preset_name: str, progress):
-    """The preset's quantized export in the bench cache, reused while it records this scheme and
-    the fp32 artifact's weights fingerprint."""
-    from moedeploy.bench.api import cache_dir
-    from moedeploy.export import Artifact, export
-
-    folder = cache_dir() / "bench" / f"{fp32.path.name}-{scheme.name}b{scheme.block_size}"
-    if (folder / "manifest.json").is_file():
-        try:
-            cached = Artifact.load(folder)
-            q = cached.manifest.get("quantization") or {}
-            same = (q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
-                scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4)
-            if same and cached.manifest["config"]["source"].get("weights_sha256") == \
-                    fp32.manifest["config"]["source"].get("weights_sha256"):
-                return cached
-        except (ValueError, OSError):
-            pass
-    progress(f"exporting the {preset_name!r} decoder as {scheme.name} into {folder}")
-    return export("decoder", folder, preset_name=preset_name, quantization=scheme, force=True)
-
-
 def llama_quantized(f32_gguf: Path, kind: str) -> Path:
     """llama.cpp's own quantization of the f32 GGUF (llama_model_quantize), cached beside it."""
     import llama_cpp
@@ -72,22 +50,20 @@ def llama_quantized(f32_gguf: Path, kind: str) -> Path:
     return out
 
 
-def step_bytes(config, context: int, bits: float | None, head_bits: float | None = None) -> float:
-    """Bytes a decode token reads: the quantized weights (attention, experts) at `bits` per weight
-    (scales and zero points included), the LM head at `head_bits` (default `bits`), the router,
-    norms and KV cache in fp32. (The K/V projections a mixed int4 keeps at int8 are left at
-    `bits`: under 1% of the bytes.)"""
+def llama_step_bytes(config, context: int, bits: float, head_bits: float) -> float:
+    """Bytes a llama.cpp decode token reads: the weights moedeploy quantizes (attention, experts,
+    the LM head) at llama.cpp's bits per weight, scales included (`bits`, the LM head at
+    `head_bits`), the router, norms and KV cache in fp32: moedeploy's arithmetic (bench's
+    roofline) with llama.cpp's formats."""
     from moedeploy.bench.roofline import decode_step_bytes
 
     total = decode_step_bytes(config, 1, context)
-    if bits is None:
-        return total
     c = config
     fp32_part = 4 * (c.n_layers * (c.hidden_size * c.n_experts + 2 * c.hidden_size) + 2 * c.hidden_size)
-    kv = decode_step_bytes(config, 1, context) - decode_step_bytes(config, 1, 0)
+    kv = total - decode_step_bytes(config, 1, 0)
     head = c.hidden_size * c.vocab_size
     quantized_params = (total - kv - fp32_part) / 4 - head
-    return quantized_params * bits / 8 + head * (head_bits or bits) / 8 + fp32_part + kv
+    return quantized_params * bits / 8 + head * head_bits / 8 + fp32_part + kv
 
 
 def ort_logits(artifact, tokens: torch.Tensor, threads: int, nbits_accuracy: int) -> np.ndarray:
@@ -108,16 +84,6 @@ def llama_logits(gguf: Path, tokens: torch.Tensor, threads: int) -> np.ndarray:
     return np.array(llm.scores[:n], dtype=np.float32)
 
 
-def accuracy(reference: np.ndarray, logits: np.ndarray) -> dict[str, float]:
-    """KL(p_ref || p) per position (mean, max), top-1 agreement, max |logit error|."""
-    ref = torch.from_numpy(reference).double().log_softmax(-1)
-    got = torch.from_numpy(logits).double().log_softmax(-1)
-    kl = (ref.exp() * (ref - got)).sum(-1)
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1": float((reference.argmax(-1) == logits.argmax(-1)).mean()),
-            "max_logit_error": float(np.abs(reference - logits).max())}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", nargs="?", default="small")
@@ -131,10 +97,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from moedeploy.bench.api import cache_dir, merge_rounds, prepare
+    from moedeploy.bench.api import cache_dir, merge_rounds, prepare, quantized_variant
     from moedeploy.bench.decode import Settings, run_in_subprocess
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.bench.peers import gguf_file, missing
+    from moedeploy.bench.roofline import decode_step_bytes
+    from moedeploy.compare.quantization import distribution_metrics
     from moedeploy.export.reference import build_decoder
     from moedeploy.models.blockquant import QuantScheme
     from moedeploy.models.config import DecoderConfig
@@ -143,13 +111,8 @@ def main() -> None:
     fp32, _ = prepare(args.preset, [args.backend], 1, 128, 64, progress)
     config = DecoderConfig.from_manifest(fp32.manifest["config"])
     schemes = {"int8": QuantScheme(8, args.block_size), "int4": QuantScheme(4, args.block_size)}
-    artifacts = {"fp32": fp32} | {k: quantized_artifact(fp32, s, args.preset, progress) for k, s in schemes.items()}
-    def with_scales(bits: int, block: int) -> float:  # a fp32 scale and a zero point per block
-        return bits + (32 + bits) / block
-
-    bits = {"fp32": None, "int8": (with_scales(8, args.block_size),) * 2,
-            "int4": (with_scales(4, args.block_size), with_scales(8, args.block_size))}  # mixed: the LM head int8
-    systems = {f"moedeploy {k}": (a, args.backend, None, bits[k]) for k, a in artifacts.items()}
+    artifacts = {"fp32": fp32} | {k: quantized_variant(fp32, s, args.preset, progress) for k, s in schemes.items()}
+    systems = {f"moedeploy {k}": (a, args.backend, None, None) for k, a in artifacts.items()}
     use_llama = not args.no_llama and missing("llama.cpp") is None
     if use_llama:
         f32 = gguf_file(fp32, cache_dir() / "bench", progress)
@@ -177,16 +140,17 @@ def main() -> None:
     for name, (artifact, _, peer_model, b) in systems.items():
         r = timed[name]
         if peer_model:
-            acc = accuracy(reference, llama_logits(peer_model, stream, args.threads))
+            acc = distribution_metrics(reference, llama_logits(peer_model, stream, args.threads))
         else:  # at the accuracy level bench times (4: int8 activations), and at 0 (float compute) beside it
-            acc = accuracy(reference, ort_logits(artifact, stream, args.threads, 4))
-            exact = accuracy(reference, ort_logits(artifact, stream, args.threads, 0))
+            acc = distribution_metrics(reference, ort_logits(artifact, stream, args.threads, 4))
+            exact = distribution_metrics(reference, ort_logits(artifact, stream, args.threads, 0))
             acc |= {f"{k}_level0": v for k, v in exact.items()}
         if "error" in r:
             rows.append({"system": name, "error": r["error"], **acc})
             continue
         greedy = float(np.mean(np.array(r["tokens"]) == np.array(eager_tokens))) if eager_tokens else float("nan")
-        nbytes = step_bytes(config, context, *(b or (None,)))
+        nbytes = llama_step_bytes(config, context, *b) if peer_model else \
+            decode_step_bytes(config, 1, context, 4, artifact.manifest.get("quantization"))
         rows.append({"system": name, "decode_tokens_per_s": r["decode_tokens_per_s"], "prefill_ms": r["prefill_ms"],
                      "decode_all": r["decode_tokens_per_s_all"], "step_mb": nbytes / 1e6,
                      "bound_tokens_per_s": bandwidth * 1e9 / nbytes, "greedy_vs_fp32": greedy, **acc})

@@ -478,3 +478,74 @@ def test_bad_checkpoint_targets_fail_in_one_line(tmp_path: Path, monkeypatch: py
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], done.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_quantized_decode_step_bytes_of_the_tiny_preset_by_hand() -> None:
+    """A quantized artifact's step reads each quantized weight as its code plus its share of a
+    32-weight block's scale (4 bytes) and zero point (a code wide): 1 + 5/32 bytes at int8,
+    1/2 + 4.5/32 at int4. tiny: hidden 64, 4 heads of 16 (2 KV heads), 4 experts of 96, top-2, vocab 256."""
+    c = preset("tiny")
+    q_o, k_v = 2 * 64 * 64, 2 * 32 * 64  # wq, wo; wk, wv
+    experts = 2 * 3 * 96 * 64  # the two chosen experts' gate, up, down
+    head = 256 * 64
+    fp32 = decode_step_bytes(c, batch=1, context=0)
+    int8, int4 = 1 + 5 / 32, 0.5 + 4.5 / 32
+
+    def tensors(layer_bits: dict[str, int], head_bits: int) -> dict:
+        names = {f"layers.{i}.{n}": b for i in range(2) for n, b in layer_bits.items()}
+        return {"block_size": 32, "tensors": names | {"lm_head.weight": head_bits}}
+
+    every8 = tensors(dict.fromkeys(["attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "attn.wo.weight",
+                                    "ffn.w_gate", "ffn.w_up", "ffn.w_down"], 8), 8)
+    quantized = 2 * (q_o + k_v + experts) + head
+    assert decode_step_bytes(c, quantization=every8) == round(fp32 - quantized * (4 - int8))
+    mixed4 = tensors({"attn.wq.weight": 4, "attn.wk.weight": 8, "attn.wv.weight": 8, "attn.wo.weight": 4,
+                      "ffn.w_gate": 4, "ffn.w_up": 4, "ffn.w_down": 4}, 8)
+    at8, at4 = 2 * k_v + head, 2 * (q_o + experts)
+    assert decode_step_bytes(c, quantization=mixed4) == round(fp32 - at8 * (4 - int8) - at4 * (4 - int4))
+
+
+def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moedeploy.bench.api import bench
+    from moedeploy.export.artifact import MODEL_DATA_FILE
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    report = bench("tiny", ["torch", "ort"], prompt_len=8, new_tokens=4, repeat=1, quantize=["int8", "int4"])
+    assert [r["backend"] for r in report["raw"]] == ["torch", "ort", "ort int8", "ort int4"]
+    assert not [r for r in report["raw"] if "error" in r] and report["greedy_tokens_agree"]
+    variants = report["variants"]
+    assert list(variants) == ["fp32", "int8", "int4"]
+    assert variants["fp32"]["decode_step_bytes"] == report["roofline"]["decode_step_bytes"]
+    for name in ("int8", "int4"):
+        v = variants[name]
+        assert v["weight_bytes"] == (Path(v["artifact"]) / MODEL_DATA_FILE).stat().st_size
+        assert v["decode_step_bytes"] < variants["fp32"]["decode_step_bytes"]
+        # the bound scales with the bytes a step reads (tiny is far from the GEMM-rate bound)
+        ratio = v["decode_bound_tokens_per_s"] / variants["fp32"]["decode_bound_tokens_per_s"]
+        assert ratio == pytest.approx(variants["fp32"]["decode_step_bytes"] / v["decode_step_bytes"], rel=1e-2)
+    assert variants["int4"]["decode_step_bytes"] < variants["int8"]["decode_step_bytes"]
+    assert set(report["ratios"]) >= {"ort int8_vs_ort", "ort int4_vs_ort"}
+    raw = {r["backend"]: r for r in report["raw"]}
+    assert raw["ort int8"]["decode_bound_tokens_per_s"] > raw["ort"]["decode_bound_tokens_per_s"]
+    again = bench("tiny", ["ort"], prompt_len=8, new_tokens=4, repeat=1, quantize=["int8"])  # the cached export
+    assert again["variants"]["int8"]["artifact"] == variants["int8"]["artifact"]
+
+
+def test_bench_quantize_refusals_are_one_line_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    runner = CliRunner()
+    for args, message in ((["--quantize", "int3"], "choose int8 or int4"),
+                          (["--quantize", "int8", "--backend", "torch"], "add one of ort, ort-gqa, ort-contrib"),
+                          (["--quantize", "int8", "--block-size", "24"], "must be a power of two")):
+        result = runner.invoke(app, ["bench", "tiny", *args])
+        assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
+        assert "Traceback" not in result.output
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")
+    result = runner.invoke(app, ["bench", str(tmp_path / "art"), "--quantize", "int8", "--backend", "ort"])
+    assert result.exit_code != 0 and "is an artifact folder" in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "cache").exists()  # nothing exported

@@ -353,6 +353,18 @@ def _print_report(report: dict) -> None:
                 f"{st['atol']:.0e}", f"{st['rtol']:.0e}", "[green]pass[/green]" if st["passed"] else "[red]FAIL[/red]",
             )
         out.print(table)
+    if q := report.get("quantization"):
+        from moedeploy.compare.report import (
+            QUANTIZATION_COLUMNS,
+            quantization_cells,
+            quantization_intro,
+        )
+
+        table = make_table("quantization accuracy", ["backend", *QUANTIZATION_COLUMNS, "result"])
+        for backend, m in q["backends"].items():
+            table.add_row(backend, *quantization_cells(m), "[green]pass[/green]" if m["passed"] else "[red]FAIL[/red]")
+        out.print(table)
+        out.print(escape(quantization_intro(q)), highlight=False)
     if report.get("first_divergent_layer"):
         from moedeploy.compare.report import divergence_note, plain, routing_note
 
@@ -363,6 +375,16 @@ def _print_report(report: dict) -> None:
                       f"(module {report['first_divergent_module']})", highlight=False)
         if note := routing_note(report, plain):
             out.print(escape(note), highlight=False)
+
+
+def _quantization_thresholds(max_kl_mean: float | None, min_top1: float | None) -> dict[str, float]:
+    """compare's --max-kl-mean / --min-top1, checked: overrides of the defaults by bit width."""
+    if max_kl_mean is not None and max_kl_mean < 0:
+        raise ValueError("--max-kl-mean must be >= 0")
+    if min_top1 is not None and not 0 <= min_top1 <= 1:
+        raise ValueError("--min-top1 is a fraction of positions: choose a value from 0 to 1")
+    given = {"kl_mean": max_kl_mean, "top1": min_top1}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 @app.command("compare")
@@ -383,12 +405,22 @@ def compare_cmd(
         help="Decoder exported from a checkpoint: the checkpoint's folder, if it moved since export "
         "(refused unless its weights match the manifest's fingerprint).",
     ),
+    max_kl_mean: float = typer.Option(None, "--max-kl-mean", help="Quantized decoder: the most mean KL divergence "
+                                      "from the unquantized model that passes (default 0.01 for int8, 0.15 for int4)."),
+    min_top1: float = typer.Option(None, "--min-top1", help="Quantized decoder: the least top-1 agreement with the "
+                                   "unquantized model that passes (default 0.8 for int8, 0.5 for int4)."),
 ) -> None:
     """Compare an artifact's backends with eager PyTorch.
 
     Writes <artifact>/report/.
     Exit code 1 when any output is out of tolerance, so it can gate CI. The report folder holds
     report.json / report.md / report.html and Polygraphy's run_results.json and accuracy.json.
+
+    A quantized decoder (export --quantize) is checked twice: each backend against eager
+    PyTorch on the dequantized weights (the usual tolerances: does the backend compute what the
+    artifact says?), and against the unquantized model on a fixed 1,024-token stream (KL
+    divergence, top-1 and greedy agreement, judged by --max-kl-mean and --min-top1: what did
+    quantization cost?).
     """
     from moedeploy.compare.api import compare
 
@@ -397,6 +429,7 @@ def compare_cmd(
         report = compare(
             artifact, backends, atol=atol, rtol=rtol, iterations=iterations, seed=seed,
             layerwise=layerwise, progress=progress, checkpoint=checkpoint,
+            quantization_thresholds=_quantization_thresholds(max_kl_mean, min_top1),
         )
     _print_report(report)
     verdict = "[green]PASS[/green]" if report["passed"] else "[red]FAIL[/red]"
@@ -533,6 +566,11 @@ def bench_cmd(
     threads: int = typer.Option(2, "--threads", help="Intra-op threads for every backend."),
     repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
     json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here."),
+    quantize: str = typer.Option(None, "--quantize", help="Comma-separated int8, int4: also export the preset or "
+                                 "checkpoint weight-only quantized (cached beside its fp32 export) and time the "
+                                 "ONNX Runtime backends on each, as rows '<backend> int8', each with its bytes on "
+                                 "disk, bytes read per decode step and bandwidth bound."),
+    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale (a power of two, at least 16)."),
 ) -> None:
     """Benchmark prefill, decode and memory on each backend.
 
@@ -551,11 +589,17 @@ def bench_cmd(
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
-                       progress=progress, peers=peers, rounds=rounds)
+                       progress=progress, peers=peers, rounds=rounds,
+                       quantize=[q.strip() for q in quantize.split(",") if q.strip()] if quantize else None,
+                       block_size=block_size)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
               f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token", highlight=False)
+    if len(report["variants"]) > 1:
+        out.print("; ".join(f"{name}: {v['weight_bytes'] / 1e6:.0f} MB on disk, {v['decode_step_bytes'] / 1e6:.0f} MB "
+                            f"read per step, bound {v['decode_bound_tokens_per_s']} tokens/s"
+                            for name, v in report["variants"].items()), highlight=False)
     # p50 per-token latency is in the JSON (the decode rate is its reciprocal, near enough): the
     # table fits 80 columns
     table = make_table(None, ["backend", "prefill ms", "decode tok/s", "p99 ms", "peak RSS MB", "own MB", "of bound"])

@@ -17,7 +17,9 @@ from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weigh
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
 from moedeploy.export.artifact import MODEL_DATA_FILE, parse_dtype
+from moedeploy.export.quantize import QuantizeError, parse_scheme
 from moedeploy.models import PRESETS, DecoderConfig, preset
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
 from moedeploy.utils.io import atomic_write_json
@@ -209,6 +211,60 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
     return export_preset(target, progress), True
 
 
+#: the backends that time a quantized variant (`--quantize`): ONNX Runtime's, on MatMulNBits.
+#: eager torch would time the dequantized float model, llama.cpp and TensorRT refuse the artifact.
+QUANTIZED_BACKENDS = ("ort", "ort-gqa", "ort-contrib")
+
+
+def parse_variants(quantize: list[str] | None, block_size: int, backends: list[str]) -> list[QuantScheme]:
+    """`--quantize int8,int4` as schemes (symmetric, int4 mixed: the export's defaults), checked
+    before any work."""
+    if not quantize:
+        return []
+    try:
+        schemes = [parse_scheme(q, block_size) for q in dict.fromkeys(quantize)]
+    except QuantizeError as e:
+        raise ValueError(str(e)) from None
+    if not set(QUANTIZED_BACKENDS) & set(backends):
+        raise ValueError(f"--quantize times the quantized exports on ONNX Runtime: add one of "
+                         f"{', '.join(QUANTIZED_BACKENDS)} to --backend")
+    return schemes
+
+
+def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress: Progress) -> Artifact:
+    """The quantized export of the preset or checkpoint whose fp32 export is `fp32`, cached beside
+    it and reused only while it records this scheme and the same weights fingerprint."""
+    folder = fp32.path.with_name(f"{fp32.path.name}-{scheme.name}b{scheme.block_size}")
+    weights_sha256 = fp32.manifest["config"]["source"].get("weights_sha256")
+    if (folder / "manifest.json").is_file():
+        try:
+            cached = Artifact.load(folder)  # every file against its recorded sha256
+            q = cached.manifest.get("quantization") or {}
+            if (q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
+                    scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4) \
+                    and cached.manifest["config"]["source"].get("weights_sha256") == weights_sha256:
+                progress(f"reading the cached {scheme.name} export {folder}")
+                return cached
+        except (ValueError, OSError):
+            pass  # stale or damaged: export again
+    progress(f"exporting {target} as {scheme.name} (blocks of {scheme.block_size}) into the cache {folder}")
+    source = {"checkpoint": target} if is_checkpoint(target) else {"preset_name": target}
+    artifact = export("decoder", folder, **source, quantization=scheme, force=True, progress=progress)
+    if artifact.manifest["config"]["source"].get("weights_sha256") != weights_sha256:
+        raise ValueError(f"the weights of {target} changed while they were being exported; run bench again")
+    return artifact
+
+
+def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int) -> dict[str, Any]:
+    """An artifact's bytes: its weights on disk (a quantized one's codes, scales and zero points)
+    and what one decode step reads (weights in their stored format and the KV cache)."""
+    itemsize = parse_dtype(artifact.dtype).itemsize
+    quantization = artifact.manifest.get("quantization")
+    weights = (artifact.path / MODEL_DATA_FILE).stat().st_size if quantization else weight_bytes(config, itemsize)
+    return {"artifact": str(artifact.path), "weight_bytes": weights,
+            "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
+
+
 def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
     """Where a preset's or a checkpoint's cached export lives and its size, measured after the run (the ort backend
     writes nothing there: a decoder's lowered graph reads the artifact's own weight file)."""
@@ -229,12 +285,17 @@ def bench(
     progress: Progress | None = None,
     peers: bool = False,
     rounds: int = 1,
+    quantize: list[str] | None = None,
+    block_size: int = 32,
 ) -> dict[str, Any]:
     """Time every backend; everything that can be checked is checked before any export or timing.
 
     peers: add every peer engine installed here (llama.cpp) on the same weights.
     rounds: run every backend this many times, each in a fresh process, the backends interleaved
     (round 1: a, b, c; round 2: a, b, c ...), so a slow spell of the machine hits them alike.
+    quantize: also export the preset or checkpoint as these ("int8", "int4"; blocks of
+    `block_size`) and time the ONNX Runtime backends on each, named "<backend> int8" etc., each
+    beside its own roofline (bytes on disk, bytes a step reads, the bandwidth bound).
     """
     progress = progress or (lambda _: None)
     backends = require_backends(backends)
@@ -244,9 +305,19 @@ def bench(
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
+    schemes = parse_variants(quantize, block_size, backends)
+    if schemes and (Path(target).is_dir() and not is_checkpoint(target)):
+        raise ValueError(f"--quantize exports a preset or a checkpoint in int8/int4; {target} is an artifact folder: "
+                         "bench a quantized artifact by its folder, or pass the preset or checkpoint")
     artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress, skipped_peers if peers else None)
     skipped_peers = {peer: why for peer, why in skipped_peers.items() if why}  # the others run
     config = config_of(artifact)
+    # (label, artifact, backend, the row it is set against): the float export's rows, then each quantized export's
+    jobs = [(backend, artifact, backend, None) for backend in backends]
+    variants = {artifact.dtype: artifact}
+    for scheme in schemes:
+        variant = variants[scheme.name] = quantized_variant(artifact, scheme, target, progress)
+        jobs += [(f"{b} {scheme.name}", variant, b, b) for b in backends if b in QUANTIZED_BACKENDS]
     peer_model = gguf_file(artifact, cache_dir() / "bench", progress) if "llama.cpp" in backends else None
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
@@ -254,28 +325,31 @@ def bench(
     # eager torch of a checkpoint reads the folder that was just fingerprinted, not the one the
     # cached export was first made from (the same weights, perhaps at another path)
     checkpoint = str(Path(target).resolve()) if is_checkpoint(target) else None
-    runs: dict[str, list[dict]] = {backend: [] for backend in backends}
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
     for round_no in range(1, rounds + 1):
-        for backend in backends:
+        for label, job_artifact, backend, _ in jobs:
             of_rounds = f", round {round_no}/{rounds}" if rounds > 1 else ""
-            progress(f"{backend}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
-            runs[backend].append(run_in_subprocess(Settings(
-                str(artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
-                peer_model=str(peer_model) if backend == "llama.cpp" else None)))
-    raw = [merge_rounds(backend_runs) for backend_runs in runs.values()]
+            progress(f"{label}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
+            runs[label].append(run_in_subprocess(Settings(
+                str(job_artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
+                peer_model=str(peer_model) if backend == "llama.cpp" else None)) | {"backend": label})
+    raw = [merge_rounds(label_runs) for label_runs in runs.values()]
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
-    step_bytes = decode_step_bytes(config, batch, context)
+    rooflines = {name: variant_roofline(a, config, batch, context) for name, a in variants.items()}
+    variant_of = {label: a.dtype if a is artifact else next(n for n, v in variants.items() if v is a)
+                  for label, a, *_ in jobs}
+    step_bytes = rooflines[artifact.dtype]["decode_step_bytes"]
     step_flops = decode_step_flops(config, batch, context)
 
-    def decode_bound(bandwidth_gbs: float) -> float:
+    def decode_bound(bandwidth_gbs: float, nbytes: float = step_bytes) -> float:
         """Tokens/s when a step takes its bytes at this bandwidth or its flops at the GEMM rate."""
-        return batch / max(step_bytes / (bandwidth_gbs * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
+        return batch / max(nbytes / (bandwidth_gbs * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
 
     bound_tps = decode_bound(machine["bandwidth_gbs"])
-    model_bytes = weight_bytes(config, parse_dtype(artifact.dtype).itemsize)
-    if artifact.manifest.get("quantization"):  # its codes, scales and zero points: the weight file's bytes
-        model_bytes = (artifact.path / MODEL_DATA_FILE).stat().st_size
+    for roof in rooflines.values():
+        roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"], roof["decode_step_bytes"]), 1)
+    model_bytes = rooflines[artifact.dtype]["weight_bytes"]
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 
@@ -288,13 +362,14 @@ def bench(
                              ("token_latency_p99_ms", "ms"), ("peak_rss_mb", "MB"), ("load_peak_rss_mb", "MB"),
                              ("backend_rss_mb", "MB")):
             results.append({"backend": r["backend"], "metric": metric, "value": round(r[metric], 3), "unit": unit})
-        r["backend_rss_vs_weights"] = r["backend_rss_mb"] * 2**20 / model_bytes
+        roof = rooflines[r.setdefault("variant", variant_of[r["backend"]])]
+        r["backend_rss_vs_weights"] = r["backend_rss_mb"] * 2**20 / roof["weight_bytes"]
         results.append({"backend": r["backend"], "metric": "backend_rss_vs_weights",
                         "value": round(r["backend_rss_vs_weights"], 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_bandwidth_bound",
-                        "value": round(r["decode_tokens_per_s"] / bound_tps, 3), "unit": ""})
+                        "value": round(r["decode_tokens_per_s"] / roof["decode_bound_tokens_per_s"], 3), "unit": ""})
         # against the bandwidth its own worker measured right after timing (the machine's drifts)
-        r["decode_bound_tokens_per_s"] = own_bound = decode_bound(r["bandwidth_gbs"])
+        r["decode_bound_tokens_per_s"] = own_bound = decode_bound(r["bandwidth_gbs"], roof["decode_step_bytes"])
         results.append({"backend": r["backend"], "metric": "fraction_of_own_bandwidth_bound",
                         "value": round(r["decode_tokens_per_s"] / own_bound, 3), "unit": ""})
         results.append({"backend": r["backend"], "metric": "fraction_of_prefill_gemm_bound",
@@ -306,7 +381,9 @@ def bench(
     if cache_note := cache_holds_step_warning(machine.get("last_level_cache_mb"), step_bytes):
         warnings.append(cache_note)
     # hf runs transformers' Mixtral with its own random weights: only the others share weights
-    agree = len({str(r["tokens"]) for r in ok if r["backend"] != "hf"}) <= 1
+    # (and a quantized export's backends share its quantized weights with each other)
+    agree = all(len({str(r["tokens"]) for r in ok if r["backend"] != "hf" and r["variant"] == name}) <= 1
+                for name in variants)
     report = {
         "machine": machine,
         "settings": {"target": target, "artifact": str(artifact.path), "batch": batch, "prompt_len": prompt_len,
@@ -315,10 +392,11 @@ def bench(
                      "kv_cache_bytes_per_token": config.kv_cache_bytes_per_token(parse_dtype(artifact.dtype).itemsize),
                      "decode_bound_tokens_per_s": round(bound_tps, 1), "prefill_gemm_floor_ms": round(prefill_floor_ms, 2),
                      "weight_bytes": model_bytes},
+        "variants": rooflines,
         "results": results,
         "spread": {name: {key: s.as_dict() for key, s in figures.items()} for name, figures in spread.items()},
         "warnings": warnings,
-        "ratios": _ratios(ok),
+        "ratios": _ratios(ok) | _quantized_ratios(ok, {label: base for label, _, _, base in jobs if base}),
         "greedy_tokens_agree": agree,
         "peers_skipped": skipped_peers,
         "cache": cache_report(artifact, written),
@@ -368,6 +446,16 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
                     "peak_rss_ratio": round(r["peak_rss_mb"] / b["peak_rss_mb"], 3),
                 }
     return ratios
+
+
+def _quantized_ratios(ok: list[dict], bases: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each quantized export's backend against the same backend on the float export."""
+    by = {r["backend"]: r for r in ok}
+    return {f"{label}_vs_{base}": {
+        "decode_speedup": round(by[label]["decode_tokens_per_s"] / by[base]["decode_tokens_per_s"], 3),
+        "prefill_time_ratio": round(by[label]["prefill_ms"] / by[base]["prefill_ms"], 3),
+        "peak_rss_ratio": round(by[label]["peak_rss_mb"] / by[base]["peak_rss_mb"], 3),
+    } for label, base in bases.items() if label in by and base in by}
 
 
 #: A last-level cache at least this share of a decode step's bytes can keep the weights every

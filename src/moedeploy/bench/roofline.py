@@ -39,17 +39,44 @@ def _context(c: DecoderConfig, layer: int, context: int) -> int:
     return min(context, window) if window else context
 
 
-def decode_step_bytes(c: DecoderConfig, batch: int = 1, context: int = 0, bytes_per_param: int = 4) -> int:
+def quantized_bytes_per_param(bits: int, block_size: int, scale_bytes: int) -> float:
+    """What one weight of a blocked int8/int4 tensor costs in bytes: its code, and its share of
+    its block's scale (in the artifact's dtype) and zero point (as wide as a code)."""
+    return bits / 8 + (scale_bytes + bits / 8) / block_size
+
+
+def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_per_param: int) -> float:
+    """Bytes a decode step does not read because the tensors a quantized artifact records
+    (manifest "quantization": each tensor's bits) are blocked int8/int4 instead of float: the
+    expert stacks in the share of experts the step touches, the rest whole."""
+    import torch
+
+    from moedeploy.models.decoder import MoEDecoder
+
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in MoEDecoder(c).state_dict().items()}
+    touched = min(c.n_experts, c.top_k * batch) / c.n_experts
+    saved = 0.0
+    for name, bits in quantization["tensors"].items():
+        numel = shapes[name].numel() * (touched if len(shapes[name]) == 3 else 1)
+        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, quantization["block_size"], bytes_per_param))
+    return saved
+
+
+def decode_step_bytes(c: DecoderConfig, batch: int = 1, context: int = 0, bytes_per_param: int = 4,
+                      quantization: dict | None = None) -> int:
     """Weights one new token touches (attention, router, its k experts, shared experts or a dense
     FFN, norms, LM head) plus the KV cache it reads. With batch > 1 the experts touched are at
-    most min(E, k * batch)."""
+    most min(E, k * batch). `quantization`: a quantized artifact's manifest section, whose
+    tensors cost their codes, scales and zero points instead of `bytes_per_param`."""
     experts_touched = min(c.n_experts, c.top_k * batch)
     weights = sum(_attention_params(c) + _ffn_params(c, i, experts_touched) + 2 * c.hidden_size
                   for i in range(c.n_layers))
     weights += c.hidden_size * c.vocab_size + c.hidden_size * (batch + 1)
     (k_heads, k_dim), (v_heads, v_dim) = c.kv_cache_dims
     kv_cache = sum(batch * (k_heads * k_dim + v_heads * v_dim) * _context(c, i, context) for i in range(c.n_layers))
-    return (weights + kv_cache) * bytes_per_param
+    total = (weights + kv_cache) * bytes_per_param
+    return round(total - quantization_saving(c, batch, quantization, bytes_per_param)) if quantization else total
 
 
 def weight_bytes(c: DecoderConfig, bytes_per_param: int = 4) -> int:
