@@ -513,6 +513,7 @@ def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path
     report = bench("tiny", ["torch", "ort"], prompt_len=8, new_tokens=4, repeat=1, quantize=["int8", "int4"])
     assert [r["backend"] for r in report["raw"]] == ["torch", "ort", "ort int8", "ort int4"]
     assert not [r for r in report["raw"] if "error" in r] and report["greedy_tokens_agree"]
+    assert set(report["quantized_tokens_agree"]) == {"int8", "int4"}
     variants = report["variants"]
     assert list(variants) == ["fp32", "int8", "int4"]
     assert variants["fp32"]["decode_step_bytes"] == report["roofline"]["decode_step_bytes"]

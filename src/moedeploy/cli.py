@@ -615,9 +615,10 @@ def bench_cmd(
         measured = ", ".join(f"{r['backend']} {r['bandwidth_gbs']:.1f}" for r in report["raw"] if "error" not in r)
         out.print(f"of bound: decode against bytes per step / the bandwidth each worker measured right after its "
                   f"timed runs (GB/s: {measured})", highlight=False)
+        of_quantized = " (a quantized row: of its export's weight file)" if len(report["variants"]) > 1 else ""
         out.print(f"own MB: a backend's peak RSS above its worker's baseline before loading (Python, torch: "
-                  f"{min(baselines):.0f} MB), and that as a multiple of the weights' {roof['weight_bytes'] / 2**20:.0f} MB",
-                  highlight=False)
+                  f"{min(baselines):.0f} MB), and that as a multiple of the weights' {roof['weight_bytes'] / 2**20:.0f} MB"
+                  f"{of_quantized}", highlight=False)
     for line in spread_lines(report):
         out.print(escape(line), highlight=False)
     for warning in report["warnings"]:
@@ -627,6 +628,10 @@ def bench_cmd(
                   f"peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if not report["greedy_tokens_agree"]:
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
+    if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:
+        out.print(f"note: the {' and '.join(differ)} rows' greedy tokens differ between backends: with int8 "
+                  "activations each kernel rounds differently (`moedeploy compare` measures their accuracy)",
+                  highlight=False)
     for peer, reason in report["peers_skipped"].items():
         err.print(f"[dim]--peers: {peer} left out: {escape(reason)}[/dim]", highlight=False, soft_wrap=True)
     if note := cache_line(report):

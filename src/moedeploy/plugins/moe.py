@@ -562,8 +562,12 @@ def is_zero(value: ir.Value) -> bool:
     return fill is None or not fill.as_tensor().numpy().any()
 
 
-def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> None:
-    """Replace one moe::MoE node by com.microsoft::MoE, in place.
+def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits_accuracy: int = 0,
+                     ) -> tuple[str, bool]:
+    """Replace one moe::MoE node by com.microsoft::MoE, in place; quantized experts (blocked
+    DequantizeLinear over the artifact's codes) by com.microsoft::QMoE on those bytes, where it
+    computes what the node means (`qmoe_stacks`). Returns the op type used and whether the
+    routing runs on graph ops before it.
 
     The interleaved fc1 weight is built with graph ops (Unsqueeze, Concat, Reshape) over the
     original initializers; ONNX Runtime constant-folds them at session creation.
@@ -585,6 +589,12 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> No
         return n.outputs[0]
 
     normalize = attrs["normalize_topk"].as_int()
+    fc1_source = interleaved_source(w_gate, w_up) if activation == "swiglu" else w_up
+    if not normalize and qmoe_takes(fc1_source, w_down, nbits_accuracy):
+        # QMoE's CPU kernel renormalises the top-k weights whatever normalize_routing_weights
+        # says (ONNX Runtime 1.32; tests/plugins/test_qmoe_semantics.py): routed, its softmax of
+        # log(w) renormalised is w / sum(w), and the output is scaled back by sum(w)
+        routed = True
     route_scale = None
     if routed:
         dense = routing_probe(node, new_nodes)  # (N, E): each token's weights, 0 off its top-k
@@ -614,7 +624,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> No
         n_experts, hidden, dim = (int(d) for d in w_up.shape)  # expert weights are static
         # A streamed decoder export stores gate and up interleaved already: use that weight as
         # it is (no copy at session creation); anything else is interleaved by graph ops.
-        fc1 = interleaved_source(w_gate, w_up) or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
+        fc1 = fc1_source or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
         fused_bias = nonzero(b_gate) is not None or nonzero(b_up) is not None
         fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if fused_bias else None
         extra = {"swiglu_fusion": 1, "activation_alpha": act.activation_alpha, "activation_beta": act.activation_beta}
@@ -622,17 +632,22 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> No
             extra["swiglu_limit"] = act.swiglu_limit
     else:
         fc1, fc1_bias, extra = w_up, nonzero(b_up), {}
-    moe_node = ir.node(
-        "MoE",
-        [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)],
-        {
-            "k": attrs["top_k"].as_int(),
-            "normalize_routing_weights": normalize,
-            "activation_type": activation,
-            **extra,
-        },
-        domain=CONTRIB_DOMAIN,
-    )
+    contrib_attrs = {"k": attrs["top_k"].as_int(), "normalize_routing_weights": normalize,
+                     "activation_type": activation, **extra}
+    stacks = qmoe_stacks(graph, fc1, w_down, nbits_accuracy)
+    if stacks is None:
+        moe_node = ir.node("MoE", [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)], contrib_attrs,
+                           domain=CONTRIB_DOMAIN)
+    else:
+        q1, q2 = stacks
+        moe_node = ir.node(
+            "QMoE",
+            [x, logits, q1.codes, q1.scales, fc1_bias, q2.codes, q2.scales, nonzero(b_down), None, None, None,
+             q1.zero_points, q2.zero_points],
+            {**contrib_attrs, "expert_weight_bits": q1.bits, "block_size": q1.block_size,
+             "accuracy_level": nbits_accuracy, "weights_prepacked": 0},
+            domain=CONTRIB_DOMAIN,
+        )
     new_nodes.append(moe_node)
     y = nan_where_not_finite(add, moe_node.outputs[0], x, logits)
     if route_scale is not None:
@@ -641,6 +656,39 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False) -> No
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+    return moe_node.op_type, routed
+
+
+def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int) -> bool:
+    """Whether com.microsoft::QMoE computes these expert stacks as the graph does at this
+    accuracy level: both blocked int8/int4 in one scheme. QMoE's CPU kernel has no float path for
+    8-bit experts (int8 activations at every level), so int8 qualifies only at level 4, where
+    int8 activations were asked for; int4 at level 0 computes the dequantized products (to rounding)."""
+    from moedeploy.runtime.quantized import blocked_source
+
+    w1, w2 = blocked_source(fc1), blocked_source(fc2)
+    if w1 is None or w2 is None or (w1.bits, w1.block_size) != (w2.bits, w2.block_size) or len(w1.shape) != 3:
+        return False
+    return w1.bits == 4 or nbits_accuracy == 4
+
+
+def qmoe_eligible(node: ir.Node, provider: str, nbits_accuracy: int) -> bool:
+    """Whether this node's experts are quantized stacks com.microsoft::QMoE takes on `provider`
+    (the contrib lowering then runs them on QMoE over the artifact's bytes)."""
+    if provider != "CPUExecutionProvider" or not contrib_experts_eligible(node, provider):
+        return False
+    w_gate, w_up, w_down = node.inputs[2], node.inputs[3], node.inputs[4]
+    fc1 = interleaved_source(w_gate, w_up) if node_activation(node).activation == "swiglu" else w_up
+    return qmoe_takes(fc1, w_down, nbits_accuracy)
+
+
+def qmoe_stacks(graph: ir.Graph, fc1: ir.Value, fc2: ir.Value, nbits_accuracy: int):
+    """com.microsoft::QMoE's (fc1, fc2) stacks, registered in `graph`, where `qmoe_takes`; else None."""
+    from moedeploy.runtime.quantized import qmoe_stack
+
+    if not qmoe_takes(fc1, fc2, nbits_accuracy):
+        return None
+    return qmoe_stack(graph, fc1), qmoe_stack(graph, fc2)
 
 
 def routing_probe(node: ir.Node, new_nodes: list[ir.Node]) -> ir.Value:

@@ -10,7 +10,11 @@
                    selection biases, groups, scaling, sparsemixer). Otherwise the node stays
                    and ONNX Runtime inlines its dense standard-op function body
                    Quantized experts (DequantizeLinear over blocked codes) the same way, each
-                   expert's matmuls on com.microsoft::MatMulNBits over the artifact's bytes
+                   expert's matmuls on com.microsoft::MatMulNBits over the artifact's bytes;
+                   where com.microsoft::QMoE computes them (int4 at every accuracy level, int8
+                   at level 4: its CPU int8 kernel has no float path), QMoE over those bytes
+                   instead, in "auto" and "contrib": faster in decode on the CPU it was
+                   measured on (benchmarks/README.md)
   quantized     a MatMul by a quantized Linear weight (Transpose of DequantizeLinear over
   Linears       blocked codes) -> com.microsoft::MatMulNBits on the same bytes (runtime/quantized.py)
   moe::RMSNorm  -> ONNX RMSNormalization-23 where ONNX Runtime has a kernel for the dtype; on
@@ -62,8 +66,8 @@ KVCache = Literal["copy", "inplace"]
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
-#: 8: quantized weights on MatMulNBits).
-LOWERING_VERSION = 8
+#: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering).
+LOWERING_VERSION = 9
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
@@ -104,7 +108,8 @@ def lower_for_ort(
         ir.external_data.set_base_dir(graph, weights_dir)
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
-              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0}
+              "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0,
+              "moe_qmoe": 0}
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph)
     if config is not None:
@@ -113,7 +118,9 @@ def lower_for_ort(
         counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
         is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
-        if is_moe and moe_lowering in ("auto", "experts") and moe_experts.experts_eligible(node, provider):
+        quantized_on_qmoe = is_moe and moe_lowering == "auto" and moe.qmoe_eligible(node, provider, nbits_accuracy)
+        if is_moe and moe_lowering in ("auto", "experts") and moe_experts.experts_eligible(node, provider) \
+                and not quantized_on_qmoe:
             moe_experts.lower_to_experts(graph, node, nbits_accuracy)
             counts["moe_experts"] += 1
         elif is_moe and moe_lowering == "experts":
@@ -128,7 +135,8 @@ def lower_for_ort(
                 )
             if eligible and moe_lowering != "function":
                 routed = not moe.contrib_eligible(node, provider)
-                moe.lower_to_contrib(graph, node, routed=routed)
+                op_type, routed = moe.lower_to_contrib(graph, node, routed=routed, nbits_accuracy=nbits_accuracy)
+                counts["moe_qmoe"] += op_type == "QMoE"
                 counts["moe_routed" if routed else "moe_contrib"] += 1
             else:
                 counts["moe_function"] += 1

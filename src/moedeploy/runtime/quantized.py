@@ -107,6 +107,36 @@ def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -
     return NBitsWeight(b, scales, zero_points, n, k, w.bits, w.block_size)
 
 
+@dataclass(frozen=True)
+class QMoEStack:
+    """One expert stack's com.microsoft::QMoE inputs: codes (E, N, K * bits / 8) uint8 in the
+    raw layout (weights_prepacked=0), scales (E, N, K / block), zero points packed per row."""
+
+    codes: ir.Value
+    scales: ir.Value
+    zero_points: ir.Value
+    bits: int
+    block_size: int
+
+
+def qmoe_stack(graph: ir.Graph, value: ir.Value | None) -> QMoEStack | None:
+    """QMoE's inputs for an (E, N, K) expert stack given as blocked DequantizeLinear, if it is
+    one: the artifact's codes and scales as they are (views, no copy), 4-bit zero points
+    repacked per row when a row has an odd number of blocks (QMoE, like MatMulNBits, packs them
+    per row)."""
+    w = blocked_source(value)
+    if w is None or len(w.shape) != 3:
+        return None
+    e, n, k = w.shape
+    blocks = k // w.block_size
+    codes = _view(graph, w.codes, 0, ir.DataType.UINT8, [e, n, k * w.bits // 8], ".qmoe_codes")
+    if w.bits == 8 or blocks % 2 == 0:
+        zero_points = _view(graph, w.zero_point, 0, ir.DataType.UINT8, [e, n, blocks * w.bits // 8], ".qmoe_zero_points")
+    else:
+        zero_points = _repacked_zero_points(graph, w, 0, e * n, blocks, ".qmoe", leading=(e, n))
+    return QMoEStack(codes, w.scale, zero_points, w.bits, w.block_size)
+
+
 def constant_view(value: ir.Value, index: int, dtype: ir.DataType, shape: list[int], name: str) -> ir.Value:
     """Part `index` of a constant cut into equal parts along its first axis (an expert of a
     stack; 0 and the whole for a 2-D weight), its bytes seen as `dtype` with `shape`: a view into
@@ -132,13 +162,17 @@ def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shap
     return out
 
 
-def _repacked_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, n: int, blocks: int, tag: str) -> ir.Value:
-    """4-bit zero points repacked per row (an odd number of blocks per row): N * (blocks + 1) / 2 bytes."""
+def _repacked_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, n: int, blocks: int, tag: str,
+                          leading: tuple[int, ...] | None = None) -> ir.Value:
+    """4-bit zero points repacked per row (an odd number of blocks per row): N * (blocks + 1) / 2
+    bytes, shaped (N, bytes per row) or (*leading, bytes per row)."""
     import torch
 
     flat = np.frombuffer(w.zero_point.const_value.tobytes(), dtype=np.uint8)
     values = unpack(torch.from_numpy(flat.copy()), 4, flat.size * 2)[index * n * blocks:(index + 1) * n * blocks]
     rows = pack(values.reshape(n, blocks), 4).numpy()
+    if leading is not None:
+        rows = rows.reshape(*leading, -1)
     name = f"{w.zero_point.name}{tag}.nbits_zero_points"
     out = ir.Value(name=name, shape=ir.Shape(list(rows.shape)), type=ir.TensorType(ir.DataType.UINT8),
                    const_value=ir.tensor(rows, name=name))

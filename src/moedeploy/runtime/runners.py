@@ -113,10 +113,16 @@ def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | No
 def lowering_text(lowering: dict[str, int]) -> str | None:
     """One line on which path the custom ops took on ONNX Runtime, or None when there were none."""
     parts = []
+    qmoe = lowering.get("moe_qmoe", 0)
+    on = "com.microsoft::QMoE over the quantized bytes" if qmoe else "com.microsoft::MoE"
+    if qmoe and qmoe != lowering.get("moe_contrib", 0) + lowering.get("moe_routed", 0):
+        on = f"com.microsoft::MoE or QMoE ({qmoe} over quantized bytes)"
     if lowering.get("moe_contrib"):
-        parts.append(f"{lowering['moe_contrib']} moe::MoE on com.microsoft::MoE (fast path)")
+        parts.append(f"{lowering['moe_contrib']} moe::MoE on {on} (fast path)")
     if lowering.get("moe_routed"):
-        parts.append(f"{lowering['moe_routed']} moe::MoE on com.microsoft::MoE, routed on graph ops (fast path)")
+        parts.append(f"{lowering['moe_routed']} moe::MoE on {on}, routed on graph ops (fast path)")
+    if lowering.get("matmul_nbits"):
+        parts.append(f"{lowering['matmul_nbits']} quantized Linear(s) on com.microsoft::MatMulNBits")
     if lowering.get("moe_experts"):
         parts.append(f"{lowering['moe_experts']} moe::MoE on one If per expert over prepacked Gemms (fast path)")
     if lowering.get("moe_function"):
