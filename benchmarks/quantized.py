@@ -149,7 +149,7 @@ def main() -> None:
             rows.append({"system": name, "error": r["error"], **acc})
             continue
         greedy = float(np.mean(np.array(r["tokens"]) == np.array(eager_tokens))) if eager_tokens else float("nan")
-        nbytes = llama_step_bytes(config, context, *b) if peer_model else \
+        nbytes = llama_step_bytes(config, context, *b) if b else \
             decode_step_bytes(config, 1, context, 4, artifact.manifest.get("quantization"))
         rows.append({"system": name, "decode_tokens_per_s": r["decode_tokens_per_s"], "prefill_ms": r["prefill_ms"],
                      "decode_all": r["decode_tokens_per_s_all"], "step_mb": nbytes / 1e6,
