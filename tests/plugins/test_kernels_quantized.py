@@ -41,7 +41,9 @@ def _quantized(stacks: list[torch.Tensor], scheme: QuantScheme, dtype: torch.dty
 
 @pytest.mark.parametrize("run", list(RUNS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("bits", "symmetric", "block"), [(8, True, 32), (4, True, 32), (8, False, 16), (4, False, 16)])
+# block 128 spans two of the grouped kernels' 64-wide K tiles (one scale per column per tile)
+@pytest.mark.parametrize(("bits", "symmetric", "block"),
+                         [(8, True, 32), (4, True, 32), (8, False, 16), (4, False, 16), (4, True, 128)])
 @pytest.mark.parametrize(("n", "h_blocks", "i_blocks", "e", "k"), [(1, 2, 1, 4, 2), (5, 3, 2, 3, 2)])
 def test_quantized_experts_match_dequantized_reference(
     n: int, h_blocks: int, i_blocks: int, e: int, k: int, bits: int, symmetric: bool, block: int, dtype: torch.dtype,

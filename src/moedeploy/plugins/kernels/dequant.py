@@ -35,3 +35,46 @@ def load_weight(W, S, Z, rows, cols, mask, K, BITS: tl.constexpr, QBLOCK: tl.con
             zero = (tl.load(Z + block // 2, mask=mask, other=0).to(tl.int32) >> ((block % 2) * 4)) & 15
         w = ((code - zero).to(tl.float32) * scale).to(dtype).to(tl.float32)
     return w
+
+
+@triton.jit
+def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """The transposed tile W[rows, k0:k0 + BLOCK_K]^T, (BLOCK_K, BLOCK_N) fp32, of a row-major
+    (R, K) weight (rows, n_mask: (1, BLOCK_N)), what a GEMM's B operand takes; out-of-range
+    elements are 0. The same values as `load_weight`, read for a tile at once: each block's
+    scale and zero point once per column (not once per weight), and 4-bit codes a byte per
+    lane, split into their two nibbles in registers. k0 is a multiple of BLOCK_K."""
+    ks = k0 + tl.arange(0, BLOCK_K)[:, None]  # (BK, 1)
+    mask = (ks < K) & n_mask
+    if BITS == 0:
+        w = tl.load(W + rows * K + ks, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if BITS == 8:
+            code = tl.load(W + rows * K + ks, mask=mask, other=0).to(tl.int32)
+        else:
+            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)[:, None]  # (BK / 2, 1) bytes along K
+            byte = tl.load(W + rows * (K // 2) + pairs, mask=(pairs * 2 < K) & n_mask, other=0).to(tl.int32)
+            # (BK / 2, BN) bytes -> (BK / 2, 2, BN) nibbles, low first -> (BK, BN) in K order
+            code = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        if BLOCK_K >= QBLOCK:
+            blocks = k0 // QBLOCK + tl.arange(0, BLOCK_K // QBLOCK)[:, None]  # (NB, 1)
+            index = rows * (K // QBLOCK) + blocks  # (NB, BN)
+            block_mask = (blocks < K // QBLOCK) & n_mask
+            scale = tl.load(S + index, mask=block_mask, other=0.0).to(tl.float32)
+            if BITS == 8:
+                zero = tl.load(Z + index, mask=block_mask, other=0).to(tl.int32)
+            else:
+                zero = (tl.load(Z + index // 2, mask=block_mask, other=0).to(tl.int32) >> ((index % 2) * 4)) & 15
+            shape: tl.constexpr = (BLOCK_K // QBLOCK, QBLOCK, BLOCK_N)
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), (BLOCK_K, BLOCK_N))
+            zero = tl.reshape(tl.broadcast_to(zero[:, None, :], shape), (BLOCK_K, BLOCK_N))
+        else:  # the whole tile lies in one block of each column
+            index = rows * (K // QBLOCK) + k0 // QBLOCK  # (1, BN)
+            scale = tl.load(S + index, mask=n_mask, other=0.0).to(tl.float32)
+            if BITS == 8:
+                zero = tl.load(Z + index, mask=n_mask, other=0).to(tl.int32)
+            else:
+                zero = (tl.load(Z + index // 2, mask=n_mask, other=0).to(tl.int32) >> ((index % 2) * 4)) & 15
+        w = tl.where(mask, ((code - zero).to(tl.float32) * scale).to(dtype).to(tl.float32), 0.0)
+    return w

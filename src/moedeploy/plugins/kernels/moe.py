@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moedeploy.models.blockquant import PackedWeight
 from moedeploy.plugins.kernels._launch import check_device
-from moedeploy.plugins.kernels.dequant import load_weight
+from moedeploy.plugins.kernels.dequant import load_weight_t
 from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
@@ -221,11 +221,10 @@ def gate_up_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < H
         a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        b_mask = k_valid[:, None] & n_valid[None, :]
-        wu = load_weight(WU, SU, ZU, w_rows, ks[:, None], b_mask, H, BITS, QBLOCK, dtype).to(dtype)  # W_up[e]^T tile
+        wu = load_weight_t(WU, SU, ZU, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         if ACT == 0:
-            wg = load_weight(WG, SG, ZG, w_rows, ks[:, None], b_mask, H, BITS, QBLOCK, dtype).to(dtype)
+            wg = load_weight_t(WG, SG, ZG, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
     if HAS_BIAS:
         b_off = expert.to(tl.int64) * stride_be + n_cols
@@ -266,7 +265,7 @@ def down_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < I
         a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = load_weight(WD, SD, ZD, w_rows, ks[:, None], k_valid[:, None] & n_valid[None, :], I, BITS, QBLOCK, dtype).to(dtype)
+        w = load_weight_t(WD, SD, ZD, w_rows, n_valid[None, :], k0, I, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(BD + expert.to(tl.int64) * stride_be + n_cols, mask=n_valid, other=0.0).to(tl.float32)[None, :]
