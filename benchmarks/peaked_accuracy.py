@@ -85,16 +85,22 @@ def main() -> None:
     from moedeploy.bench.peers import gguf_file, missing
     from moedeploy.compare.quantization import distribution_metrics
     from moedeploy.export import export
+    from moedeploy.export.artifact import Artifact
     from moedeploy.models.blockquant import QuantScheme
-    from moedeploy.models.checkpoint import save_decoder
+    from moedeploy.models.checkpoint import load_decoder, save_decoder
 
     torch.set_num_threads(args.threads)
     progress = print
     nexts, probs = markov_chain(args.vocab, args.successors, seed=0)
-    model = train(args.steps, args.batch, args.length, nexts, probs, progress)
-    folder = cache_dir() / "bench" / f"peaked-small-{args.steps}steps"
-    save_decoder(model, folder / "checkpoint")
-    fp32 = export("decoder", folder / "fp32", checkpoint=folder / "checkpoint", force=True, golden=False)
+    folder = cache_dir() / "bench" / f"peaked-small-{args.steps}steps-v{args.vocab}s{args.successors}"
+    if (folder / "fp32" / "manifest.json").is_file():  # trained and exported before with these settings
+        progress(f"reading the trained model from {folder}")
+        model = load_decoder(folder / "checkpoint").eval()
+        fp32 = Artifact.load(folder / "fp32")
+    else:
+        model = train(args.steps, args.batch, args.length, nexts, probs, progress)
+        save_decoder(model, folder / "checkpoint")
+        fp32 = export("decoder", folder / "fp32", checkpoint=folder / "checkpoint", force=True, golden=False)
     artifacts = {"fp32": fp32} | {name: quantized_variant(fp32, QuantScheme(bits), str(folder / "checkpoint"), progress)
                                   for name, bits in (("int8", 8), ("int4", 4))}
 
@@ -120,10 +126,13 @@ def main() -> None:
     print(f"\nthe small preset trained {args.steps} steps on a {args.vocab}-token Markov chain: mean top probability "
           f"{peak:.3f}, argmax = the chain's likeliest next token on {chain_top1:.1%} of positions; "
           f"accuracy against fp32 eager on {args.stream} tokens of the chain")
-    print(f"{'system':18s} {'KL mean':>9s} {'KL max':>8s} {'top-1':>6s} {'max err':>8s}  level 0: KL mean, top-1")
+    print(f"{'system':18s} {'KL mean':>9s} {'KL median':>9s} {'KL max':>8s} {'top-1':>6s} {'max err':>8s}"
+          "  level 0: KL mean, median, top-1")
     for r in rows:
-        level0 = f"  {r['kl_mean_level0']:.5f}, {r['top1_level0']:.3f}" if "kl_mean_level0" in r else ""
-        print(f"{r['system']:18s} {r['kl_mean']:9.5f} {r['kl_max']:8.4f} {r['top1']:6.3f} {r['max_logit_error']:8.3f}{level0}")
+        level0 = (f"  {r['kl_mean_level0']:.5f}, {r['kl_median_level0']:.6f}, {r['top1_level0']:.3f}"
+                  if "kl_mean_level0" in r else "")
+        print(f"{r['system']:18s} {r['kl_mean']:9.5f} {r['kl_median']:9.6f} {r['kl_max']:8.4f} {r['top1']:6.3f} "
+              f"{r['max_logit_error']:8.3f}{level0}")
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "mean_top_probability": peak,
                                          "chain_top1": chain_top1, "rows": rows}, indent=2, default=float))

@@ -5,7 +5,11 @@ on the dequantized weights, with fp32 tolerances). A user quantizing also asks "
 quantized model from the float one?", which no elementwise tolerance answers: int4 moves a
 logit by tenths. So, as llama.cpp's perplexity tool measures its quantizations against the
 f16 model, on one fixed token stream (seeded, teacher-forced, up to STREAM_TOKENS positions):
-  kl_mean, kl_max    KL(p_float || p_quantized) of the next-token distributions, per position
+  kl_mean, kl_median, kl_max
+                     KL(p_float || p_quantized) of the next-token distributions, per position
+                     (the median is what most positions see; a mean far above it says a few
+                     positions moved a lot: in a MoE, a token whose top-k experts were near a
+                     tie and changed)
   top1               the fraction of positions where both models rank the same token first
   max_logit_error    the largest |logit difference|
 and, generating greedily GREEDY_TOKENS new tokens from the stream's first tokens:
@@ -51,7 +55,7 @@ def distribution_metrics(reference: np.ndarray | torch.Tensor, logits: np.ndarra
         top1 += int((ref.argmax(-1) == got.argmax(-1)).sum())
         error = max(error, float((ref - got).abs().max()))
     kl_all = torch.cat(kl)
-    return {"kl_mean": float(kl_all.mean()), "kl_max": float(kl_all.max()),
+    return {"kl_mean": float(kl_all.mean()), "kl_median": float(kl_all.median()), "kl_max": float(kl_all.max()),
             "top1": top1 / reference.shape[0], "max_logit_error": error}
 
 
