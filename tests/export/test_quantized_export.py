@@ -277,7 +277,7 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
     from moedeploy.compare.api import compare
     from moedeploy.compare.quantization import token_stream
 
-    report = compare(artifacts["int4"], ["ort", "ort-gqa"], iterations=1, seed=3)
+    report = compare(artifacts["int4"], ["ort-gqa"], iterations=1, seed=3)
     q = report["quantization"]
     assert (q["bits"], q["stream_tokens"], q["greedy_prompt_tokens"], q["greedy_new_tokens"]) == (4, 64, 16, 48)
     assert q["thresholds"] == {"kl_mean": 0.15, "top1": 0.5} and q["passed"] and report["passed"]
@@ -293,7 +293,7 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
     top1 = float((p.argmax(-1) == q_log.argmax(-1)).double().mean())
     agreement = float((greedy[0] == greedy[1]).double().mean())
     assert kl.mean() > 1e-4  # int4 moves the distributions measurably
-    for backend in ("onnxrt", "onnxrt-gqa"):
+    for backend in ("onnxrt-gqa",):
         m = q["backends"][backend]
         assert m["kl_mean"] == pytest.approx(float(kl.mean()), rel=0.02)
         assert m["kl_max"] == pytest.approx(float(kl.max()), rel=0.02)
