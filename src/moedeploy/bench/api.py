@@ -312,12 +312,12 @@ def bench(
     artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress, skipped_peers if peers else None)
     skipped_peers = {peer: why for peer, why in skipped_peers.items() if why}  # the others run
     config = config_of(artifact)
-    # (label, artifact, backend, the row it is set against): the float export's rows, then each quantized export's
-    jobs = [(backend, artifact, backend, None) for backend in backends]
+    # (label, export, backend, the row it is set against): the float export's rows, then each quantized export's
+    jobs = [(backend, artifact.dtype, backend, None) for backend in backends]
     variants = {artifact.dtype: artifact}
     for scheme in schemes:
-        variant = variants[scheme.name] = quantized_variant(artifact, scheme, target, progress)
-        jobs += [(f"{b} {scheme.name}", variant, b, b) for b in backends if b in QUANTIZED_BACKENDS]
+        variants[scheme.name] = quantized_variant(artifact, scheme, target, progress)
+        jobs += [(f"{b} {scheme.name}", scheme.name, b, b) for b in backends if b in QUANTIZED_BACKENDS]
     peer_model = gguf_file(artifact, cache_dir() / "bench", progress) if "llama.cpp" in backends else None
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
@@ -327,18 +327,16 @@ def bench(
     checkpoint = str(Path(target).resolve()) if is_checkpoint(target) else None
     runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
     for round_no in range(1, rounds + 1):
-        for label, job_artifact, backend, _ in jobs:
+        for label, variant_name, backend, _ in jobs:
             of_rounds = f", round {round_no}/{rounds}" if rounds > 1 else ""
             progress(f"{label}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
             runs[label].append(run_in_subprocess(Settings(
-                str(job_artifact.path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
-                peer_model=str(peer_model) if backend == "llama.cpp" else None)) | {"backend": label})
+                str(variants[variant_name].path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
+                peer_model=str(peer_model) if backend == "llama.cpp" else None)) | {"backend": label, "variant": variant_name})
     raw = [merge_rounds(label_runs) for label_runs in runs.values()]
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
     rooflines = {name: variant_roofline(a, config, batch, context) for name, a in variants.items()}
-    variant_of = {label: a.dtype if a is artifact else next(n for n, v in variants.items() if v is a)
-                  for label, a, *_ in jobs}
     step_bytes = rooflines[artifact.dtype]["decode_step_bytes"]
     step_flops = decode_step_flops(config, batch, context)
 
@@ -362,7 +360,7 @@ def bench(
                              ("token_latency_p99_ms", "ms"), ("peak_rss_mb", "MB"), ("load_peak_rss_mb", "MB"),
                              ("backend_rss_mb", "MB")):
             results.append({"backend": r["backend"], "metric": metric, "value": round(r[metric], 3), "unit": unit})
-        roof = rooflines[r.setdefault("variant", variant_of[r["backend"]])]
+        roof = rooflines[r["variant"]]
         r["backend_rss_vs_weights"] = r["backend_rss_mb"] * 2**20 / roof["weight_bytes"]
         results.append({"backend": r["backend"], "metric": "backend_rss_vs_weights",
                         "value": round(r["backend_rss_vs_weights"], 3), "unit": ""})

@@ -99,11 +99,7 @@ def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -
     index = 0 if expert is None else expert
     b = _view(graph, w.codes, index, ir.DataType.UINT8, [n, blocks, w.block_size * w.bits // 8], f"{tag}.nbits_b")
     scales = _view(graph, w.scale, index, w.scale.dtype, [n, blocks], f"{tag}.nbits_scales")
-    zero_shape = [n, -(-blocks * w.bits // 8)]
-    if w.bits == 8 or blocks % 2 == 0:  # per-row packing is the flattened packing: the same bytes
-        zero_points = _view(graph, w.zero_point, index, ir.DataType.UINT8, zero_shape, f"{tag}.nbits_zero_points")
-    else:
-        zero_points = _repacked_zero_points(graph, w, index, n, blocks, tag)
+    zero_points = _row_packed_zero_points(graph, w, index, (n,), blocks, f"{tag}.nbits_zero_points")
     return NBitsWeight(b, scales, zero_points, n, k, w.bits, w.block_size)
 
 
@@ -130,10 +126,7 @@ def qmoe_stack(graph: ir.Graph, value: ir.Value | None) -> QMoEStack | None:
     e, n, k = w.shape
     blocks = k // w.block_size
     codes = _view(graph, w.codes, 0, ir.DataType.UINT8, [e, n, k * w.bits // 8], ".qmoe_codes")
-    if w.bits == 8 or blocks % 2 == 0:
-        zero_points = _view(graph, w.zero_point, 0, ir.DataType.UINT8, [e, n, blocks * w.bits // 8], ".qmoe_zero_points")
-    else:
-        zero_points = _repacked_zero_points(graph, w, 0, e * n, blocks, ".qmoe", leading=(e, n))
+    zero_points = _row_packed_zero_points(graph, w, 0, (e, n), blocks, ".qmoe_zero_points")
     return QMoEStack(codes, w.scale, zero_points, w.bits, w.block_size)
 
 
@@ -162,20 +155,24 @@ def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shap
     return out
 
 
-def _repacked_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, n: int, blocks: int, tag: str,
-                          leading: tuple[int, ...] | None = None) -> ir.Value:
-    """4-bit zero points repacked per row (an odd number of blocks per row): N * (blocks + 1) / 2
-    bytes, shaped (N, bytes per row) or (*leading, bytes per row)."""
+def _row_packed_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, rows: tuple[int, ...], blocks: int,
+                            suffix: str) -> ir.Value:
+    """Part `index` of the zero points, packed per row as MatMulNBits and QMoE read them, shaped
+    (*rows, bytes per row). 8-bit ones, and 4-bit ones with an even number of blocks per row, are
+    packed per row already in the artifact's flattened packing: a view of the same bytes. Other
+    4-bit ones (an odd number of blocks per row) are repacked in memory: a few bytes."""
+    bytes_per_row = -(-blocks * w.bits // 8)
+    if w.bits == 8 or blocks % 2 == 0:
+        return _view(graph, w.zero_point, index, ir.DataType.UINT8, [*rows, bytes_per_row], suffix)
     import torch
 
+    count = int(np.prod(rows))
     flat = np.frombuffer(w.zero_point.const_value.tobytes(), dtype=np.uint8)
-    values = unpack(torch.from_numpy(flat.copy()), 4, flat.size * 2)[index * n * blocks:(index + 1) * n * blocks]
-    rows = pack(values.reshape(n, blocks), 4).numpy()
-    if leading is not None:
-        rows = rows.reshape(*leading, -1)
-    name = f"{w.zero_point.name}{tag}.nbits_zero_points"
-    out = ir.Value(name=name, shape=ir.Shape(list(rows.shape)), type=ir.TensorType(ir.DataType.UINT8),
-                   const_value=ir.tensor(rows, name=name))
+    values = unpack(torch.from_numpy(flat.copy()), 4, flat.size * 2)[index * count * blocks:(index + 1) * count * blocks]
+    packed = pack(values.reshape(count, blocks), 4).numpy().reshape(*rows, bytes_per_row)
+    name = f"{w.zero_point.name}{suffix}"
+    out = ir.Value(name=name, shape=ir.Shape(list(packed.shape)), type=ir.TensorType(ir.DataType.UINT8),
+                   const_value=ir.tensor(packed, name=name))
     graph.register_initializer(out)
     return out
 
