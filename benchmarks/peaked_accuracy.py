@@ -100,7 +100,7 @@ def main() -> None:
     else:
         model = train(args.steps, args.batch, args.length, nexts, probs, progress)
         save_decoder(model, folder / "checkpoint")
-        fp32 = export("decoder", folder / "fp32", checkpoint=folder / "checkpoint", force=True, golden=False)
+        fp32 = export("decoder", folder / "fp32", checkpoint=folder / "checkpoint", golden=False)
     artifacts = {"fp32": fp32} | {name: quantized_variant(fp32, QuantScheme(bits), str(folder / "checkpoint"), progress)
                                   for name, bits in (("int8", 8), ("int4", 4))}
 

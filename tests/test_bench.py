@@ -557,3 +557,20 @@ def test_bench_quantize_refusals_are_one_line_before_any_work(tmp_path: Path, mo
     result = runner.invoke(app, ["bench", str(tmp_path / "art"), "--quantize", "int8", "--backend", "ort"])
     assert result.exit_code != 0 and "is an artifact folder" in " ".join(result.output.split()), result.output
     assert not (tmp_path / "cache").exists()  # nothing exported
+
+
+def test_bench_quantize_never_replaces_a_folder_it_did_not_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from moedeploy.bench.api import preset_folder
+    from moedeploy.cli import app
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    mine = preset_folder("tiny").with_name(preset_folder("tiny").name + "-int8b32")
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's")
+    result = CliRunner().invoke(app, ["bench", "tiny", "--backend", "ort", "--quantize", "int8", "--repeat", "1",
+                                      "--prompt-len", "4", "--new-tokens", "2"])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "holds something moedeploy did not write: move it, or set MOEDEPLOY_CACHE" in " ".join(result.output.split())
+    assert (mine / "notes.txt").read_text() == "the user's"

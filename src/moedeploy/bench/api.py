@@ -233,7 +233,8 @@ def parse_variants(quantize: list[str] | None, block_size: int, backends: list[s
 
 def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress: Progress) -> Artifact:
     """The quantized export of the preset or checkpoint whose fp32 export is `fp32`, cached beside
-    it and reused only while it records this scheme and the same weights fingerprint."""
+    it and reused only while it records this scheme and the same weights fingerprint. A stale
+    export is replaced; a folder of that name moedeploy did not write is refused, not replaced."""
     folder = fp32.path.with_name(f"{fp32.path.name}-{scheme.name}b{scheme.block_size}")
     weights_sha256 = fp32.manifest["config"]["source"].get("weights_sha256")
     if (folder / "manifest.json").is_file():
@@ -247,9 +248,12 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
                 return cached
         except (ValueError, OSError):
             pass  # stale or damaged: export again
+    if folder.exists() and not (folder / "manifest.json").is_file() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{folder} is where bench caches the {scheme.name} export, and it holds something moedeploy "
+                         "did not write: move it, or set MOEDEPLOY_CACHE to another folder")
     progress(f"exporting {target} as {scheme.name} (blocks of {scheme.block_size}) into the cache {folder}")
     source = {"checkpoint": target} if is_checkpoint(target) else {"preset_name": target}
-    artifact = export("decoder", folder, **source, quantization=scheme, force=True, progress=progress)
+    artifact = export("decoder", folder, **source, quantization=scheme, progress=progress)
     if artifact.manifest["config"]["source"].get("weights_sha256") != weights_sha256:
         raise ValueError(f"the weights of {target} changed while they were being exported; run bench again")
     return artifact
