@@ -13,10 +13,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from moedeploy.export.artifact import Artifact
 from moedeploy.runtime.generation import OrtDecoder
 
-from .cases import cases, make_model, prompt, save_checkpoint
+from .cases import cases, prompt
 
 CASES = cases()  # every configuration of every family, the same ones the eager tests check
 #: Families whose routing com.microsoft::MoE computes (softmax top-k, renormalised or not).
@@ -24,20 +23,9 @@ CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", 
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def exported(request, tmp_path_factory):
+def exported(request, cli_exports):
     """(transformers model, fp32 artifact exported from its saved folder by the CLI, case id)."""
-    from typer.testing import CliRunner
-
-    from moedeploy.cli import app
-
-    hf = make_model(CASES[request.param], seed=1)
-    root = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(hf, root / "checkpoint")
-    result = CliRunner().invoke(app, ["export", "decoder", "--checkpoint", str(root / "checkpoint"),
-                                      "--out", str(root / "artifact")])
-    assert result.exit_code == 0, result.output
-    assert "exported decoder (fp32)" in result.stdout
-    return hf, Artifact.load(root / "artifact"), request.param
+    return *cli_exports(request.param), request.param
 
 
 def test_manifest_names_the_family_and_the_checkpoint(exported) -> None:

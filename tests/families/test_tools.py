@@ -16,41 +16,37 @@ import pytest
 import torch
 
 from moedeploy.compare.api import compare
-from moedeploy.export.exporter import export
 
 from .cases import cases, make_model, prompt, save_checkpoint
 
 CASES = cases(n_layers=2)
 EXPERTS = "moe::MoE on one If per expert over prepacked Gemms (fast path)"
-#: case id -> the path `compare` must report (MoE layers, where they ran): every routing runs on
-#: the per-expert lowering by default (tests/plugins/test_moe_experts.py)
-PATHS = {
-    "glm4_moe-groups": f"1 {EXPERTS}",  # its first layer is dense
-    "qwen3_moe-headdim": f"1 {EXPERTS}",
-    "gpt_oss": f"2 {EXPERTS}",
-    "deepseek_v2-groups": f"2 {EXPERTS}",
-    "deepseek_v3": f"1 {EXPERTS}",
-}
+#: the cases checked here; each must report its MoE layers on the per-expert lowering, the path
+#: every routing takes by default (tests/plugins/test_moe_experts.py)
+PATHS = ("glm4_moe-groups", "qwen3_moe-headdim", "gpt_oss", "deepseek_v2-groups", "deepseek_v3")
 
 
-@pytest.fixture(scope="module", params=list(PATHS))
-def family(request, tmp_path_factory):
-    hf = make_model(CASES[request.param], seed=3)
-    root = tmp_path_factory.mktemp(request.param)
-    artifact = export("decoder", root / "artifact", checkpoint=save_checkpoint(hf, root / "checkpoint"))
-    return hf, artifact, request.param
+@pytest.fixture(scope="module", params=PATHS)
+def family(request, cli_exports):
+    """(transformers model, fp32 artifact, case id): test_onnx.py's exports, shared (conftest.py)."""
+    return *cli_exports(request.param), request.param
+
+
+def moe_layers(hf) -> int:
+    """How many of transformers' decoder layers are sparse MoE blocks (the others are dense MLPs)."""
+    return sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
 
 
 def test_compare_passes_layerwise_and_names_the_path(family) -> None:
-    _, artifact, case = family
+    hf, artifact, _ = family
     report = compare(artifact, layerwise=True, iterations=2)
     assert report["passed"] and report["first_divergent_layer"] is None
     (comparison,) = report["comparisons"]
-    assert comparison["path"].startswith(PATHS[case])
+    assert comparison["path"].startswith(f"{moe_layers(hf)} {EXPERTS}")
     # Every MoE layer was localised with its own routing (selection bias and groups included):
     # every token routed, none flipped.
     moes = [m for m in comparison["layerwise"]["modules"] if "routing_flips" in m]
-    assert len(moes) == int(PATHS[case].split()[0])
+    assert len(moes) == moe_layers(hf)
     assert all(m["module"].endswith("ffn") and m["routing_flips"] == 0 and m["routed_tokens"] > 0 for m in moes)
     on_disk = json.loads((artifact.path / "report" / "report.json").read_text())
     assert on_disk["comparisons"][0]["path"] == comparison["path"]
