@@ -15,6 +15,9 @@ from moedeploy.models import MoEDecoder, preset
 from moedeploy.models.weights import ModuleWeights
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+#: the peers' modules, made absent (find_spec answers None) where a test wants no peer installed
+PEER_MODULES = ("llama_cpp", "openvino")
 
 
 def _rotate(x: torch.Tensor, pos: int, base: float, pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -158,14 +161,14 @@ FAKE_MACHINE = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x
 
 
 def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """llama.cpp made absent (find_spec answers None); the workers are replaced by their results."""
+    """The peers made absent (find_spec answers None); the workers are replaced by their results."""
     from typer.testing import CliRunner
 
     import moedeploy.bench.api as api
     from moedeploy.cli import app
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in PEER_MODULES else real(name, *a))
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
     order = []
@@ -181,9 +184,12 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     assert done.exit_code == 0, done.output
     assert order == ["torch", "ort", "torch", "ort"]
     report = json.loads(out.read_text())
-    assert report["peers_skipped"] == {"llama.cpp": "backend 'llama.cpp' needs llama_cpp, which is not installed: "
-                                                    "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)"}
+    assert report["peers_skipped"] == {
+        "llama.cpp": "backend 'llama.cpp' needs llama_cpp, which is not installed: "
+                     "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)",
+        "openvino": "backend 'openvino' needs openvino, which is not installed: pip install 'moedeploy[peers]' (openvino)"}
     assert "--peers: llama.cpp left out: backend 'llama.cpp' needs llama_cpp" in done.stderr
+    assert "--peers: openvino left out: backend 'openvino' needs openvino" in done.stderr
     assert report["settings"]["rounds"] == 2
     assert report["raw"][0]["decode_tokens_per_s_all"] == [100.0, 100.0]
     assert "min / median / max over 2 runs (2 rounds of 1):" in done.stdout
@@ -228,3 +234,53 @@ def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
         if i < 15:
             token = step(token, 12 + i).argmax(-1, keepdim=True)
     assert tokens == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tmp_path_factory):
+    from tests.export.artifacts import ArtifactStore
+
+    return ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="openvino is not installed (pip install openvino)")
+def test_openvino_on_the_artifact_computes_the_eager_model(tiny_fp32) -> None:
+    """OpenVINO's CPU plugin on the artifact's graph, its KV cache kept as state, against eager
+    PyTorch: last-position logits of a batch of two prompts, and 16 greedy tokens over the cache."""
+    from moedeploy.bench.openvino_peer import openvino_stepper
+    from tests.export.artifacts import eager_decoder
+
+    model = eager_decoder("fp32")
+    config = model.config
+    prompts = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    reset, step = openvino_stepper(tiny_fp32, threads=2)
+    reset(2, 40)
+    theirs = step(prompts, 0)
+    with torch.inference_mode():
+        ours = model(prompts, model.new_cache(2, 40), 0)[:, -1]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+
+    prompt = prompts[:1]
+    expected = model.generate(prompt, max_new_tokens=16)[0, 12:].tolist()
+    for _ in range(2):  # a second generation starts from an empty cache again
+        reset(1, 40)
+        tokens, token = [], step(prompt, 0).argmax(-1, keepdim=True)
+        for i in range(16):
+            tokens.append(int(token))
+            if i < 15:
+                token = step(token, 12 + i).argmax(-1, keepdim=True)
+        assert tokens == expected
+    with pytest.raises(RuntimeError, match="cache holds 27 positions, step starts at 3"):
+        step(token, 3)
+    # the graph was read from a temporary folder of the artifact's cache, removed once read
+    assert not list((tiny_fp32.path / "cache").glob("openvino-*"))
+
+
+def test_openvino_refuses_what_is_not_the_fp32_comparison() -> None:
+    from moedeploy.bench.peers import check_config
+
+    with pytest.raises(ValueError, match=r"backend 'openvino' is the fp32 comparison .* not this quantized artifact's"):
+        check_config("openvino", preset("tiny"), batch=1, quantized=True)
+    with pytest.raises(ValueError, match="not this fp16 artifact's"):
+        check_config("openvino", preset("tiny"), batch=1, dtype="fp16")
+    check_config("openvino", preset("tiny"), batch=4)  # any batch: the state is made for the step's

@@ -555,8 +555,9 @@ def bench_cmd(
                                 "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
                                 "ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
-                                "written once into the cache; needs `pip install 'moedeploy[peers]'`)."),
-    peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp) on the "
+                                "written once into the cache), openvino (the graph ort runs, on OpenVINO's CPU plugin at "
+                                "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),
+    peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp, openvino) on the "
                                "same weights; the report says which were left out and how to install them."),
     rounds: int = typer.Option(1, "--rounds", help="Run every backend this many times, each in a fresh process, the "
                                "backends interleaved, so a busy spell of the machine hits them alike."),

@@ -105,13 +105,13 @@ def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> 
 
 
 def check_peers(config: DecoderConfig, backends: list[str], batch: int, optional: dict[str, str] | None = None,
-                quantized: bool = False) -> None:
+                quantized: bool = False, dtype: str = "fp32") -> None:
     """Every peer in `backends` computes this model at this batch (of this artifact, quantized or
     not), or a one-line error. A peer `--peers` added (named in `optional`) is instead dropped
     from `backends`, and why is put in `optional` beside the peers that are not installed."""
     for peer in [p for p in PEERS if p in backends]:
         try:
-            check_config(peer, config, batch, quantized)
+            check_config(peer, config, batch, quantized, dtype)
         except ValueError as e:
             if optional is None or peer not in optional:
                 raise
@@ -199,7 +199,8 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
     config = config_of(artifact) if artifact else preset(target)
     check_positions(config, prompt_len, new_tokens)
     check_peers(config, backends, batch, optional_peers,
-                quantized=artifact is not None and bool(artifact.manifest.get("quantization")))
+                quantized=artifact is not None and bool(artifact.manifest.get("quantization")),
+                dtype=artifact.dtype if artifact is not None else "fp32")
     if "trt" in backends:
         require_engine(artifact, target)
     if {"ort", "ort-gqa", "ort-contrib"} & set(backends):
@@ -294,7 +295,7 @@ def bench(
 ) -> dict[str, Any]:
     """Time every backend; everything that can be checked is checked before any export or timing.
 
-    peers: add every peer engine installed here (llama.cpp) on the same weights.
+    peers: add every peer engine installed here (llama.cpp, openvino) on the same weights.
     rounds: run every backend this many times, each in a fresh process, the backends interleaved
     (round 1: a, b, c; round 2: a, b, c ...), so a slow spell of the machine hits them alike.
     quantize: also export the preset or checkpoint as these ("int8", "int4"; blocks of
@@ -439,11 +440,11 @@ def merge_rounds(runs: list[dict]) -> dict:
 
 
 def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
-    """Each backend against each baseline present: eager (torch, hf) and the peer llama.cpp."""
+    """Each backend against each baseline present: eager (torch, hf) and the peers."""
     by = {r["backend"]: r for r in ok}
     ratios = {}
     for name, r in by.items():
-        for base in ("torch", "hf", "llama.cpp"):
+        for base in ("torch", "hf", *PEERS):
             if base in by and base != name:
                 b = by[base]
                 ratios[f"{name}_vs_{base}"] = {

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 #: KV cache appended to in place (OrtDecoder(kv_cache="inplace"));
 #: ort-contrib: with every MoE on com.microsoft::MoE (the default lowering before the per-expert
 #: one): so one run shows what each lowering buys on this machine
-#: llama.cpp: a peer engine on the same weights (moedeploy.bench.peers)
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt", "llama.cpp")
+#: llama.cpp, openvino: peer engines on the same weights (moedeploy.bench.peers)
+BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt", "llama.cpp", "openvino")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
 
 
@@ -85,7 +85,7 @@ def require_peer(name: str) -> None:
 def require_backends(backends: Iterable[str]) -> list[str]:
     """Every requested backend is known and its packages (and, for trt, GPU) are here."""
     checks = {"hf": require_transformers, "torch-compile": require_torch_compile, "trt": require_tensorrt_gpu,
-              "llama.cpp": lambda: require_peer("llama.cpp")}
+              "llama.cpp": lambda: require_peer("llama.cpp"), "openvino": lambda: require_peer("openvino")}
     parsed = parse_backends(backends)
     for name in parsed:
         if name in checks:

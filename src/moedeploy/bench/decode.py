@@ -142,6 +142,10 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
 
         return llama_cpp_stepper(settings.peer_model, settings.threads, settings.prompt_len + settings.new_tokens,
                                  settings.prompt_len)
+    if settings.backend == "openvino":
+        from moedeploy.bench.openvino_peer import openvino_stepper
+
+        return openvino_stepper(artifact, settings.threads)
     if settings.backend == "trt":
         from moedeploy.runtime.generation import TrtDecoder
 

@@ -1,7 +1,8 @@
 """Other inference engines timed on the same weights, beside moedeploy: the peers.
 
 `llama.cpp` runs the decoder's weights as an f32 GGUF (`moedeploy.bench.gguf`) through
-llama-cpp-python. A peer that is not installed is skipped by `--peers` (with the install
+llama-cpp-python; `openvino` runs the artifact's own graph on OpenVINO's CPU plugin with its KV
+cache as state, as optimum-intel does (`moedeploy.bench.openvino_peer`). A peer that is not installed is skipped by `--peers` (with the install
 command in the report) and refused in one line when named in `--backend`.
 """
 
@@ -16,9 +17,10 @@ import torch
 from moedeploy.export.artifact import Artifact
 from moedeploy.models.config import DecoderConfig
 
-PEERS = ("llama.cpp",)
-INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)"}
-_MODULES = {"llama.cpp": ("llama_cpp", "gguf")}
+PEERS = ("llama.cpp", "openvino")
+INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)",
+           "openvino": "pip install 'moedeploy[peers]' (openvino)"}
+_MODULES = {"llama.cpp": ("llama_cpp", "gguf"), "openvino": ("openvino",)}
 
 
 def missing(peer: str) -> str | None:
@@ -29,9 +31,10 @@ def missing(peer: str) -> str | None:
     return None
 
 
-def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool = False) -> None:
+def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool = False, dtype: str = "fp32") -> None:
     """The peer computes this model and this batch, or a one-line ValueError. `quantized`: the
-    artifact's weights are int8/int4, which the peer's f32 weights would not be."""
+    artifact's weights are int8/int4, which the peer's f32 weights would not be; `dtype`: the
+    artifact's compute dtype."""
     if peer == "llama.cpp":
         if quantized:
             raise ValueError("backend 'llama.cpp' runs the unquantized weights (an f32 GGUF), not this quantized "
@@ -41,6 +44,9 @@ def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool =
         require_llama_shaped(config)
         if batch != 1:
             raise ValueError("backend 'llama.cpp' is benchmarked at --batch 1 (one sequence per context)")
+    if peer == "openvino" and (quantized or dtype != "fp32"):
+        raise ValueError(f"backend 'openvino' is the fp32 comparison (the graph `ort` runs, at f32 inference "
+                         f"precision), not this {'quantized' if quantized else dtype} artifact's")
 
 
 def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) -> Path:

@@ -21,6 +21,9 @@ LIBRARIES: dict[str, tuple[str, str]] = {
     "tritonclient": ("tritonclient", "pip install 'moedeploy[serve]'"),
     "tensorrt": ("tensorrt", "pip install 'moedeploy[gpu]'"),
     "triton": ("triton", "pip install 'moedeploy[gpu]'"),
+    # bench's peer engines (`moedeploy bench --peers`)
+    "llama_cpp": ("llama-cpp-python", "pip install 'moedeploy[peers]'"),
+    "openvino": ("openvino", "pip install 'moedeploy[peers]'"),
 }
 NOT_INSTALLED = "not installed"
 
