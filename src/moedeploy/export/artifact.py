@@ -29,6 +29,7 @@ import onnx
 import torch
 from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
+from moedeploy.export.tokenizer_files import tokenizer_problems
 from moedeploy.models.config import DecoderConfig
 
 MANIFEST = "manifest.json"
@@ -181,6 +182,7 @@ def _manifest_problems(m: Any) -> Problems:
     if not isinstance(m.get("golden_outputs", True), bool):
         yield f"golden_outputs is {_shown(m, 'golden_outputs')}, not true or false"
     yield from _files_problems(m["kind"], m.get("files"), m.get("golden_outputs", True))
+    yield from tokenizer_problems(m.get("tokenizer"), m.get("files"))
 
 
 def _shown(m: dict[str, Any], key: str) -> str:

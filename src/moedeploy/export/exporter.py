@@ -63,6 +63,7 @@ from moedeploy.export.streaming import (
     weight_summary,
     write_weights,
 )
+from moedeploy.export.tokenizer_files import copy_tokenizer
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint
@@ -301,11 +302,21 @@ def export_decoder(
     feed = {"input_ids": ids, **dict(zip(past_names(n), [t for kv in past for t in kv], strict=True))}
     golden_in = [{k: to_numpy(v) for k, v in feed.items()}]
 
+    tokenizer: dict[str, Any] = {}
+
     def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
         progress(f"streaming {size_text(weight_bytes)} of weights into {MODEL_DATA_FILE}")
         write_weights(traced, weights, torch_dtype, folder / MODEL_DATA_FILE, progress)
         progress("checking the graph with the ONNX checker")
-        return save_graph(traced, folder / MODEL_FILE), [MODEL_FILE, MODEL_DATA_FILE]
+        model = save_graph(traced, folder / MODEL_FILE)
+        files = [MODEL_FILE, MODEL_DATA_FILE]
+        if checkpoint is not None:  # text in and out on the server: the checkpoint's own tokenizer
+            summary, copied = copy_tokenizer(Path(checkpoint), folder)
+            if summary is not None:
+                progress(f"copying the tokenizer ({', '.join(summary['files'])})")
+                tokenizer.update(summary)
+                files += copied
+        return model, files
 
     atol, rtol = DECODER_TOLERANCES[dtype]
 
@@ -322,6 +333,8 @@ def export_decoder(
         manifest["weights_layout"] = weight_summary(traced)
         if quantized is not None:
             manifest["quantization"] = quantized
+        if tokenizer:
+            manifest["tokenizer"] = tokenizer
         return manifest
 
     return _write_artifact(out, write_model, manifest_for, golden_in, golden_out, progress, force=force)

@@ -1,0 +1,191 @@
+"""Text in and text out with the artifact's own tokenizer (export/tokenizer_files.py).
+
+`TextCodec` encodes prompts with the `tokenizers` library from the artifact's tokenizer.json
+and renders chat messages with its chat template the way transformers' `apply_chat_template`
+does (jinja2's immutable sandbox, trim_blocks and lstrip_blocks, loop controls,
+`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII, and the special tokens as
+variables), so a server's prompt ids are transformers' for the same messages.
+`IncrementalDetokenizer` turns generated ids into text pieces as they come, holding back a
+piece while it ends in an incomplete UTF-8 sequence (byte-level BPE splits a multi-byte
+character over several tokens), so a stream never shows a broken character.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from moedeploy.export.artifact import Artifact
+from moedeploy.export.tokenizer_files import (
+    CHAT_TEMPLATE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_DIR,
+    TOKENIZER_JSON,
+)
+
+#: what a decode of an incomplete UTF-8 sequence ends in
+REPLACEMENT = "\ufffd"
+#: the special tokens transformers passes to a chat template by name
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+Message = dict[str, Any]
+
+
+class TextError(ValueError):
+    """Text cannot be handled: the artifact has no tokenizer or chat template, or a message is malformed."""
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class TextCodec:
+    """The artifact's tokenizer: ids from text, text from ids, and its chat template."""
+
+    def __init__(self, folder: Path, eos_token_ids: Sequence[int] = ()) -> None:
+        from tokenizers import Tokenizer
+
+        self.folder = folder
+        self.tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_JSON))
+        config_path = folder / TOKENIZER_CONFIG
+        self.config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> TextCodec:
+        section = artifact.manifest.get("tokenizer")
+        if not section:
+            raise TextError(f"{artifact.path} has no tokenizer: export it from a checkpoint folder that holds "
+                            "tokenizer.json (and tokenizer_config.json for its special tokens and chat template)")
+        return cls(artifact.path / TOKENIZER_DIR, section["eos_token_ids"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`; with add_special_tokens, the tokenizer's post-processor adds its BOS
+        and the like, as transformers' tokenizer(text) does."""
+        if not isinstance(text, str):
+            raise TextError(f"a prompt must be a string, not {type(text).__name__}")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def special_tokens(self) -> dict[str, str]:
+        return {name: text for name in SPECIAL_TOKENS if (text := _token_text(self.config.get(name))) is not None}
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        """chat_template.jinja (transformers 5), else tokenizer_config.json's chat_template
+        (a string, or a list of named templates of which "default" is the one used)."""
+        if (self.folder / CHAT_TEMPLATE).is_file():
+            return (self.folder / CHAT_TEMPLATE).read_text(encoding="utf-8")
+        template = self.config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) else None
+
+    @cached_property
+    def _compiled_template(self):
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if self.chat_template is None:
+            raise TextError(f"the tokenizer in {self.folder} has no chat template: send a plain prompt "
+                            "(completions) instead of chat messages")
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(format: str) -> str:
+            return datetime.datetime.now().strftime(format)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateError as e:
+            raise TextError(f"the chat template in {self.folder} does not compile: {e}") from None
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (each {"role": str, "content": str}) as the template makes it."""
+        import jinja2
+
+        check_messages(messages)
+        try:
+            return self._compiled_template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                                  **self.special_tokens)
+        except jinja2.exceptions.TemplateError as e:
+            raise TextError(f"the chat template refused these messages: {e}") from None
+
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids of chat messages: the rendered template already holds its special tokens,
+        so none are added (transformers' apply_chat_template(tokenize=True) does the same)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def check_messages(messages: Any) -> None:
+    """Chat messages as the OpenAI API sends them: a non-empty list of {"role", "content"} with string values."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TextError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TextError(f"messages[{i}] is not an object with a string \"role\"")
+        if not isinstance(message.get("content"), str):
+            raise TextError(f"messages[{i}].content is not a string (only text content is supported)")
+
+
+class IncrementalDetokenizer:
+    """Generated ids in, text pieces out, never splitting a character.
+
+    Each new piece is the decode of the ids since the last emitted piece's start, minus what
+    was already emitted from them, released only when it does not end in an incomplete UTF-8
+    sequence (decoded as U+FFFD). Decoding from a recent offset rather than from the first id
+    keeps each step's work small and lets tokenizers that join words with spaces (SentencePiece,
+    WordPiece) decide a piece's leading space from the token before it.
+    """
+
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
+        self.codec = codec
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # where the decoded window starts
+        self._read = 0  # the ids before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """The text this token completes ('' while a character is still incomplete)."""
+        self.ids.append(int(token_id))
+        emitted = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) > len(emitted) and not text.endswith(REPLACEMENT):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(emitted):]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held back at the end of a generation (an incomplete character stays U+FFFD)."""
+        emitted = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(emitted):]
