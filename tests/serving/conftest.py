@@ -38,7 +38,7 @@ def server(store, tmp_path_factory: pytest.TempPathFactory):
     )
     with ModelServer([store.block("moe"), store.decoder("fp32")], options) as running:
         stubs = stub_pids(os.getpid())
-        assert len(stubs) == 3  # one Python-backend stub per model instance
+        assert len(stubs) == 4  # one Python-backend stub per model instance (moe; decoder, _generate, _stream)
         yield running
     assert gone(stubs), "PyTriton stub processes outlived the server"
     for port, label in ((http, "http"), (grpc, "grpc"), (metrics, "metrics")):

@@ -31,7 +31,7 @@ def test_health_readiness_and_models(server, protocol: str) -> None:
     c = client(protocol, server)
     assert c.is_server_live()
     assert c.is_server_ready()
-    assert server.model_names == ["moe", "decoder", "decoder_generate"]
+    assert server.model_names == ["moe", "decoder", "decoder_generate", "decoder_stream"]
     for name in server.model_names:
         assert c.is_model_ready(name)
     assert not c.is_model_ready("no_such_model")

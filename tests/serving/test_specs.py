@@ -21,8 +21,8 @@ def test_fp16_block_keeps_its_dtype(store) -> None:
     assert model.max_batch_size == 4
 
 
-def test_decoder_is_served_as_logits_and_generation(store) -> None:
-    logits, generate = served_models(store.decoder("fp32"))
+def test_decoder_is_served_as_logits_generation_and_stream(store) -> None:
+    logits, generate, stream = served_models(store.decoder("fp32"))
     assert logits.name == "decoder" and generate.name == "decoder_generate"
     assert logits.inputs[0].name == "input_ids" and logits.inputs[0].dims == (-1,) and not logits.inputs[0].optional
     past = logits.inputs[1]
@@ -34,6 +34,13 @@ def test_decoder_is_served_as_logits_and_generation(store) -> None:
     ]
     assert [(t.name, t.dims) for t in generate.outputs] == [("output_ids", (-1,))]
     assert generate.max_batch_size == logits.max_batch_size == 8
+    # the stream: TensorRT-LLM's names, text or ids in, one request per execution
+    assert stream.name == "decoder_stream" and stream.max_batch_size == 1
+    assert [(t.name, t.dtype, t.optional) for t in stream.inputs] == [
+        ("text_input", "bytes", True), ("input_ids", "int64", True), ("max_tokens", "int64", True),
+        ("temperature", "float32", True), ("top_k", "int64", True), ("top_p", "float32", True), ("seed", "int64", True)]
+    assert [(t.name, t.dtype, t.dims) for t in stream.outputs] == [("output_ids", "int64", (-1,)),
+                                                                  ("text_output", "bytes", (1,))]
 
 
 def test_max_batch_size_below_one_is_refused(store) -> None:

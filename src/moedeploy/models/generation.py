@@ -8,7 +8,7 @@ compared exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,17 +120,18 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def generate_tokens(
+def iterate_tokens(
     step: StepFn,
     prompt: torch.Tensor,
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     eos_token_id: int | None = None,
-) -> torch.Tensor:
-    """Prefill the prompt once, then decode one token per step. Returns (B, S + new) ids.
+) -> Iterator[torch.Tensor]:
+    """Prefill the prompt once, then decode one token per step, yielding each step's (B,) new
+    ids as soon as they are chosen (a stream sends them on before the next step runs).
 
     After a sequence emits `eos_token_id` it keeps emitting it; the loop ends early when
-    every sequence has.
+    every sequence has. A caller that stops iterating stops the decoding there.
     """
     sampling = sampling or SamplingConfig()
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -138,7 +139,6 @@ def generate_tokens(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator().manual_seed(sampling.seed)
-    tokens = [prompt]
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
     logits = step(prompt, 0)[:, -1]  # prefill
     pos = prompt.shape[1]
@@ -147,12 +147,23 @@ def generate_tokens(
         if eos_token_id is not None:
             nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
             finished |= nxt == eos_token_id
-        tokens.append(nxt[:, None].to(prompt.dtype))
+        yield nxt
         if i == max_new_tokens - 1 or bool(finished.all()):
             break
-        logits = step(tokens[-1].to(prompt.device), pos)[:, -1]
+        logits = step(nxt[:, None].to(prompt.dtype).to(prompt.device), pos)[:, -1]
         pos += 1
-    return torch.cat(tokens, dim=1)
+
+
+def generate_tokens(
+    step: StepFn,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """`iterate_tokens` to the end: the prompt with its continuation, (B, S + new) ids."""
+    new = [t[:, None].to(prompt.dtype) for t in iterate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id)]
+    return torch.cat([prompt, *new], dim=1)
 
 
 def generate(

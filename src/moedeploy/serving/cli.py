@@ -37,11 +37,16 @@ def register(app: typer.Typer) -> None:
         """Serve artifacts on Triton Inference Server.
 
         KServe v2 over HTTP and gRPC, dynamic batching, health, Prometheus metrics. Model names are the artifacts' manifest names, input and output names the artifacts'.
-        A decoder is served twice: <name> (logits; leave out past_key_values.* for
-        the prefill) and <name>_generate (input_ids -> output_ids, the prompt and
+        A decoder is served three times: <name> (logits; leave out past_key_values.* for
+        the prefill), <name>_generate (input_ids -> output_ids, the prompt and
         its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
         eos_token_id: one value per request, sent with shape [batch, 1] and the same value
-        in every row; a request whose rows differ is refused). A bad request gets HTTP 400 /
+        in every row; a request whose rows differ is refused) and <name>_stream (decoupled:
+        text_input or input_ids in, one response per new token with output_ids and its
+        text_output piece; optional max_tokens, temperature, top_k, top_p, seed; over gRPC
+        streaming or POST /v2/models/<name>_stream/generate_stream, server-sent events; text
+        needs an artifact exported from a checkpoint with its tokenizer, and generation stops
+        at the checkpoint's EOS ids). A bad request gets HTTP 400 /
         gRPC INVALID_ARGUMENT with its reason and fails alone. A generation stops at its next
         token when its HTTP client disconnects or its gRPC client cancels. Runs until SIGINT or SIGTERM.
 

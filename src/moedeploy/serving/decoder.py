@@ -10,7 +10,7 @@ at once and another request's rows would change what this one gets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, present_names
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.generation import SamplingConfig, generate_tokens
+from moedeploy.models.generation import SamplingConfig, generate_tokens, iterate_tokens
 from moedeploy.serving.batching import (
     LOGGER,
     Cancelled,
@@ -130,6 +130,19 @@ class RunnerDecoder:
             self._cancelled = lambda: False
         return tokens.numpy()
 
+    def stream(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig,
+               cancelled: Callable[[], bool] | None = None) -> Iterator[int]:
+        """One sequence's new ids, each as soon as it is chosen (ids: (1, S)); stops, raising
+        Cancelled, before a step once `cancelled()` says so, and when the caller stops reading."""
+        self._past = self.shape.empty_past(len(ids))
+        self._cancelled = cancelled or (lambda: False)
+        try:
+            for token in iterate_tokens(self.step, torch.from_numpy(ids), max_new_tokens, sampling):
+                yield int(token[0])
+        finally:
+            self._cancelled = lambda: False
+            self._past = {}
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -146,7 +159,7 @@ class GenerationRequest:
         return self.sampling.greedy and self.eos_token_id is None
 
 
-def _option(feed: Feed, name: str) -> Any:
+def option_value(feed: Feed, name: str) -> Any:
     """The one value of an optional [batch, 1] input, or None when the request left it out."""
     if name not in feed:
         return None
@@ -163,7 +176,7 @@ def parse_generation(feed: Feed, shape: DecoderShape) -> GenerationRequest:
         raise RequestError(f"missing required input {GENERATE_INPUT!r}")
     ids = feed[GENERATE_INPUT]
     shape.check_ids(ids, GENERATE_INPUT)
-    options = {name: _option(feed, name) for name in GENERATE_OPTIONS}
+    options = {name: option_value(feed, name) for name in GENERATE_OPTIONS}
     new = options["max_new_tokens"]
     new = DEFAULT_MAX_NEW_TOKENS if new is None else new
     if new < 0:

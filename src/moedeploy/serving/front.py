@@ -47,7 +47,7 @@ LOGGER = logging.getLogger("moedeploy.serving")
 REQUEST_ID_HEADER = "moedeploy-request-id"
 TRITON_FORWARD_PATTERN = f"^{REQUEST_ID_HEADER}$"
 LIMIT_FLAG = "moedeploy serve --max-request-mb"
-_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/infer$")
+_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/(infer|generate|generate_stream)$")
 # RFC 9110 7.6.1: meant for one connection, never forwarded (and the body framing is redone).
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
@@ -242,8 +242,8 @@ class HttpFront:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except asyncio.CancelledError:  # the client went away
-            if request_id is not None and not answered:
+        except asyncio.CancelledError:  # the client went away (a stream: while its tokens were still coming)
+            if request_id is not None and (not answered or infer[2] == "generate_stream"):
                 self.cancelled.cancel(request_id)
             raise
         except (ClientError, OSError, asyncio.TimeoutError) as e:

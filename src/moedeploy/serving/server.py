@@ -43,17 +43,20 @@ from typing import Any
 import numpy as np
 
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.runtime.text import TextCodec
 from moedeploy.serving import stub_guard, triton_output
 from moedeploy.serving.batching import BatchedModel, PerRequest
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
 from moedeploy.serving.specs import (
     GENERATE_SUFFIX,
+    STREAM_SUFFIX,
     ModelSpec,
     ServingError,
     request_limits,
     served_models,
 )
+from moedeploy.serving.streaming import StreamModel
 
 BACKENDS = ("ort", "trt", "torch")
 UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
@@ -153,7 +156,7 @@ def activated_runner(backend: str, artifact: Artifact):
 
 
 def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None,
-                   cancelled: CancelledRequests | None = None) -> PerRequest:
+                   cancelled: CancelledRequests | None = None) -> PerRequest | StreamModel:
     """The PyTriton callable of one served model over one runner; generation stops early once
     stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
     in `cancelled`."""
@@ -163,6 +166,9 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
         model: Any = BatchedModel(run, [t.name for t in spec.outputs])
     elif spec.name.endswith(GENERATE_SUFFIX):
         model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled)
+    elif spec.name.endswith(STREAM_SUFFIX):  # a generator answering token by token: its own answers
+        codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
+        return StreamModel(spec.name, RunnerDecoder(run, DecoderShape.of(artifact)), codec, cancel_dir, cancelled)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -360,9 +366,16 @@ class ModelServer:
             cancel_dir = self._workspace.path / CANCEL_DIR
             cancel_dir.mkdir()
             callables = []
+            generation_runners: dict[Path, list[Any]] = {}
             for artifact, spec in self.specs:
-                runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
-                self._runners += runners
+                if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort":
+                    # the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
+                    runners = generation_runners[artifact.path]
+                else:
+                    runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
+                    self._runners += runners
+                if spec.name.endswith(GENERATE_SUFFIX):
+                    generation_runners[artifact.path] = runners
                 callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled) for r in runners])
             self._triton_ports = tuple(loopback_ports(2, avoid=(o.http_port, o.grpc_port, o.metrics_port)))
             self._callables = [c for per_model in callables for c in per_model]
@@ -385,7 +398,7 @@ class ModelServer:
         """The user's HTTP and gRPC ports, once Triton is ready (so they too open only then)."""
         o = self.options
         max_bytes = int(o.max_request_mb * 2**20)
-        generation = [spec.name for _, spec in self.specs if spec.name.endswith(GENERATE_SUFFIX)]
+        generation = [spec.name for _, spec in self.specs if spec.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX))]
         self._fronts.append(HttpFront(o.host, o.http_port, f"http://{self.triton_http_url}", max_bytes, generation,
                                       self.cancelled))
         self._fronts[-1].start()
@@ -431,13 +444,15 @@ class ModelServer:
             def tensors(specs):
                 return [Tensor(name=t.name, dtype=np.dtype(t.dtype), shape=t.dims, optional=t.optional) for t in specs]
 
+            stream = spec.name.endswith(STREAM_SUFFIX)  # decoupled: a response per token, one request at a time
             triton.bind(
                 model_name=spec.name, infer_func=infer_funcs, inputs=tensors(spec.inputs), outputs=tensors(spec.outputs),
-                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size, batcher=batcher),
+                config=ModelConfig(batching=True, max_batch_size=spec.max_batch_size,
+                                   batcher=None if stream else batcher, decoupled=stream),
                 strict=False,  # a refused request's answer is stub_guard's error entry, not a declared output
             )
             limits = request_limits(artifact, spec, max_bytes)
-            if spec.name.endswith(GENERATE_SUFFIX):  # only a generation can stop early
+            if spec.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX)):  # only a generation can stop early
                 limits["cancel_dir"] = str(workspace.path / CANCEL_DIR)
             install_guard(workspace.model_store_path / spec.name / "1", limits)
         return triton

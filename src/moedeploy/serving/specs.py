@@ -5,8 +5,11 @@ tensor's shape *without* that dim. Our artifacts name dim 0 of every input and o
 "batch" (the decoder's KV cache included), so the server and the model repository writer
 both read the dims from the manifest here, in one place: symbolic dims become -1.
 
-The decoder gets a second model beside its logits graph: `<name>_generate`, the whole
-generation loop behind one request (token ids in, the sequence with its continuation out).
+The decoder gets two more models beside its logits graph: `<name>_generate`, the whole
+generation loop behind one request (token ids in, the sequence with its continuation out),
+and `<name>_stream`, a decoupled model that answers one request with one response per new
+token as it is made (text or token ids in; the token and its text piece out), with the input
+names of TensorRT-LLM's Triton backend where they fit.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from moedeploy.export.artifact import Artifact
 
 BATCH_DIM = "batch"
 GENERATE_SUFFIX = "_generate"
+STREAM_SUFFIX = "_stream"
 TRITON_DTYPES = {
     "float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
-    "int64": "TYPE_INT64", "int32": "TYPE_INT32", "bool": "TYPE_BOOL",
+    "int64": "TYPE_INT64", "int32": "TYPE_INT32", "bool": "TYPE_BOOL", "bytes": "TYPE_STRING",
 }
 
 # The generation model's tensors. Each optional input holds one value per request, sent as
@@ -35,6 +39,20 @@ GENERATE_OPTIONS = {  # name -> dtype
     "top_p": "float32",
     "seed": "int64",
     "eos_token_id": "int64",
+}
+
+
+# The streaming model's tensors (one value each unless said; TensorRT-LLM's names): the prompt
+# as text (the artifact's tokenizer encodes it) or as input_ids, never both; each response
+# carries the new token's id and its text piece (empty while a character is incomplete).
+STREAM_TEXT_INPUT = "text_input"
+STREAM_TEXT_OUTPUT = "text_output"
+STREAM_OPTIONS = {  # name -> dtype
+    "max_tokens": "int64",
+    "temperature": "float32",
+    "top_k": "int64",
+    "top_p": "float32",
+    "seed": "int64",
 }
 
 
@@ -117,10 +135,24 @@ def generation_model(artifact: Artifact, max_batch_size: int | None = None) -> M
     )
 
 
+def stream_model(artifact: Artifact) -> ModelSpec:
+    """`<name>_stream`: text_input or input_ids [1, seq] -> a response per token (output_ids [1, 1],
+    text_output [1, 1]); one request per execution (max batch 1), each with its own generation."""
+    options = tuple(TensorSpec(name, dtype, (1,), optional=True) for name, dtype in STREAM_OPTIONS.items())
+    return ModelSpec(
+        artifact.name + STREAM_SUFFIX,
+        (TensorSpec(STREAM_TEXT_INPUT, "bytes", (1,), optional=True),
+         TensorSpec(GENERATE_INPUT, "int64", (-1,), optional=True), *options),
+        (TensorSpec(GENERATE_OUTPUT, "int64", (-1,)), TensorSpec(STREAM_TEXT_OUTPUT, "bytes", (1,))),
+        1,
+    )
+
+
 def served_models(artifact: Artifact, max_batch_size: int | None = None) -> list[ModelSpec]:
     """Every model `moedeploy serve` puts on the server for this artifact."""
     if artifact.kind == "decoder":
-        return [with_optional_past(graph_model(artifact, max_batch_size)), generation_model(artifact, max_batch_size)]
+        return [with_optional_past(graph_model(artifact, max_batch_size)), generation_model(artifact, max_batch_size),
+                stream_model(artifact)]
     return [graph_model(artifact, max_batch_size)]
 
 
@@ -145,11 +177,12 @@ def request_limits(artifact: Artifact, model: ModelSpec, max_request_bytes: int)
     tensors leave Triton's stub (moedeploy.serving.stub_guard reads this dict)."""
     batch = model.max_batch_size
     inputs: dict[str, list] = {}
-    if model.name.endswith(GENERATE_SUFFIX):
+    if model.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX)):
         seq = _range(artifact, "seq", batch)
         seq[2] = min(seq[2], int(artifact.manifest["config"]["max_positions"]))
         inputs[GENERATE_INPUT] = [[BATCH_DIM, 1, batch], seq]
-        for name in GENERATE_OPTIONS:
+        options = GENERATE_OPTIONS if model.name.endswith(GENERATE_SUFFIX) else [STREAM_TEXT_INPUT, *STREAM_OPTIONS]
+        for name in options:
             inputs[name] = [[BATCH_DIM, 1, batch], ["one value", 1, 1]]
     else:
         for spec in artifact.manifest["inputs"]:
