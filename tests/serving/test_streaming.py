@@ -38,9 +38,9 @@ def served(tmp_path_factory):
     checkpoint = save_checkpoint(hf, root / "checkpoint")
     write_tokenizer(checkpoint)
     artifact = export("decoder", root / "artifact", checkpoint=checkpoint, golden=False)
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, openai = free_ports(4)
     options = ServeOptions(backend="ort", host=HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                           exit_timeout_s=1, log_file=root / "tritonserver.log")
+                           openai_port=openai, exit_timeout_s=1, log_file=root / "tritonserver.log")
     with ModelServer([artifact], options) as server:
         yield server, hf, artifact
 
@@ -140,3 +140,68 @@ def test_a_bad_stream_request_gets_its_own_one_line_error(served) -> None:
     tokens, _ = tokens_and_text(grpc_stream(server, {"text_input": np.array([[b"hi"]], dtype=np.object_),
                                                      "max_tokens": np.array([[3]], dtype=np.int64)}))
     assert len(tokens) == 3
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    """The official `openai` client on the server's OpenAI-compatible port."""
+    openai = pytest.importorskip("openai", reason="the OpenAI API is tested with the official openai client")
+    server, *_ = served
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_models_and_completions_streamed_and_not(served, openai_client) -> None:
+    from moedeploy.runtime.text import TextCodec
+
+    _, hf, artifact = served
+    codec = TextCodec.from_artifact(artifact)
+    assert [m.id for m in openai_client.models.list().data] == ["decoder"]
+    whole = openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    ids = codec.encode(PROMPT)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(ids):]
+    assert whole.choices[0].text == codec.decode(expected.tolist())
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), NEW)
+    chunks = list(openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == NEW
+
+
+def test_openai_chat_renders_the_template_and_streams(served, openai_client) -> None:
+    from transformers import AutoTokenizer
+
+    _, hf, artifact = served
+    messages = [{"role": "user", "content": "naïve 🙂?"}]
+    reference = AutoTokenizer.from_pretrained(artifact.path / "tokenizer")
+    ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(ids):]
+    whole = openai_client.chat.completions.create(model="decoder", messages=messages, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == reference.decode(expected.tolist(), skip_special_tokens=True)
+    assert whole.usage.prompt_tokens == len(ids)
+    streamed = openai_client.chat.completions.create(model="decoder", messages=messages, max_tokens=6, temperature=0,
+                                                     stream=True)
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_openai_bad_requests_get_openai_errors(served, openai_client) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        openai_client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'nope' does not exist" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model="decoder", prompt="hi", max_tokens=10_000)
+    assert "exceeds max_positions" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model="decoder", messages=[{"role": "user", "content": 3}], max_tokens=2)
+    assert e.value.body["param"] == "messages" and "messages[0].content is not a string" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        openai_client.completions.create(model="decoder", prompt="hi", max_tokens=2, temperature=-1)
+    # the server goes on
+    assert openai_client.completions.create(model="decoder", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2

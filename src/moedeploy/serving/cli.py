@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         instances: int = typer.Option(1, "--instances", help="Model instances (each with its own runner) per model."),
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
         max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Largest request (MiB): an HTTP body or gRPC message over it is refused (HTTP 413, gRPC RESOURCE_EXHAUSTED) before Triton reads it; tensors holding more are refused (400) too. Shapes are also held to the artifact's dynamic ranges."),
+        openai_port: int = typer.Option(None, "--openai-port", help="Also serve the OpenAI-compatible API on this port: /v1/models, /v1/completions, /v1/chat/completions (with stream), for every decoder exported with its tokenizer; it forwards to the Triton models."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -60,6 +61,7 @@ def register(app: typer.Typer) -> None:
             backend=backend, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
             instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
+            openai_port=openai_port,
         )
         if log_file is not None:
             check_writable(log_file.parent)
@@ -81,6 +83,9 @@ def register(app: typer.Typer) -> None:
             batching = f"dynamic batching, delay {max_queue_delay_us} us" if dynamic_batching else "no dynamic batching"
             out.print(f"[green]serving[/green] HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
                       f"({backend}, {instances} instance(s) per model, {batching}; ? = optional input)", highlight=False)
+            if server.openai_url:
+                models = ", ".join(m.name for m in server.openai_models)
+                out.print(f"[green]OpenAI API[/green] {server.openai_url} (models: {models})", highlight=False)
             out.print("[dim]Ctrl-C or SIGTERM stops it[/dim]")
             received = wait_for_signal(server)
         finally:

@@ -48,6 +48,7 @@ from moedeploy.serving import stub_guard, triton_output
 from moedeploy.serving.batching import BatchedModel, PerRequest
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
+from moedeploy.serving.openai_api import OpenAIFront, served_models_of
 from moedeploy.serving.specs import (
     GENERATE_SUFFIX,
     STREAM_SUFFIX,
@@ -89,16 +90,19 @@ class ServeOptions:
     exit_timeout_s: int = 5  # how long shutdown waits for in-flight requests
     max_request_mb: float = 64.0  # the most tensor bytes one request may carry, in MiB
     log_file: Path | None = None  # Triton's own log; None prints it to stdout, less known-harmless lines
+    openai_port: int | None = None  # the OpenAI-compatible API (serving/openai_api.py); None: not served
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ServingError(f"unknown backend {self.backend!r}; choose from: {', '.join(BACKENDS)}")
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+        if self.openai_port is not None:
+            ports["openai"] = self.openai_port
         for label, port in ports.items():
             if not 0 < port < 65536:
                 raise ServingError(f"--{label}-port must lie in 1..65535, got {port}")
         if len(set(ports.values())) != len(ports):
-            raise ServingError(f"the http, grpc and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}")
+            raise ServingError(f"the {', '.join(ports)} ports must differ, got {', '.join(map(str, ports.values()))}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ServingError(f"--max-batch-size must be >= 1 (Triton batches along dim 0), got {self.max_batch_size}")
         if self.max_queue_delay_us < 0:
@@ -304,6 +308,8 @@ class ModelServer:
                     "(`moedeploy triton-repo --backend tensorrt` deploys bf16 plans on a standalone Triton)"
                 )
             self.specs += [(artifact, spec) for spec in served_models(artifact, self.options.max_batch_size)]
+        # the OpenAI API's models (decoders with a tokenizer), refused now rather than after Triton starts
+        self.openai_models = served_models_of(self.artifacts) if self.options.openai_port is not None else []
         names = [spec.name for _, spec in self.specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -314,7 +320,7 @@ class ModelServer:
         self._workspace: Any = None
         self._output: triton_output.TritonOutputFilter | None = None
         self.cancelled = CancelledRequests()  # HTTP generations whose client went away
-        self._fronts: list[HttpFront | GrpcFront] = []
+        self._fronts: list[HttpFront | GrpcFront | OpenAIFront] = []
         self._triton_ports: tuple[int, int] | None = None  # Triton's own (http, grpc), behind the front
 
     @property
@@ -324,6 +330,12 @@ class ModelServer:
     @property
     def http_url(self) -> str:
         return f"{self._host_for_url()}:{self.options.http_port}"
+
+    @property
+    def openai_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (what `openai.OpenAI(base_url=...)` takes), if served."""
+        port = self.options.openai_port
+        return None if port is None else f"http://{self._host_for_url()}:{port}/v1"
 
     @property
     def grpc_url(self) -> str:
@@ -404,6 +416,9 @@ class ModelServer:
         self._fronts[-1].start()
         self._fronts.append(GrpcFront(o.host, o.grpc_port, self.triton_grpc_url, max_bytes))
         self._fronts[-1].start()
+        if o.openai_port is not None:  # forwards to the HTTP front above, so a client that goes away cancels there too
+            self._fronts.append(OpenAIFront(o.host, o.openai_port, f"http://{self.http_url}", self.openai_models))
+            self._fronts[-1].start()
 
     def _stop_fronts(self) -> None:
         for front in reversed(self._fronts):

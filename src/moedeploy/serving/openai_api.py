@@ -1,0 +1,313 @@
+"""The OpenAI-compatible API of `moedeploy serve --openai-port N`: /v1/models,
+/v1/completions and /v1/chat/completions, with and without `stream`.
+
+A thin layer, not a second inference path: each request's prompt is made into ids here (the
+artifact's tokenizer; chat messages through its chat template) and forwarded to Triton's HTTP
+generate_stream of `<name>_stream` through moedeploy's own HTTP front (so a client that goes
+away stops its generation there, as any HTTP client's does). Triton's events come back as
+OpenAI's chunks (`data: {...}` then `data: [DONE]`), or are gathered into one answer, with
+usage counts (prompt and completion tokens) and finish_reason "stop" (an EOS id of the
+checkpoint) or "length". A bad request gets OpenAI's error object, `{"error": {"message",
+"type", "param", "code"}}`, with status 400 (404 for an unknown model), and changes nothing
+for any other request. Served: every decoder artifact with a tokenizer, under its manifest name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from moedeploy.runtime.text import TextCodec, TextError
+from moedeploy.serving.specs import DEFAULT_MAX_NEW_TOKENS, STREAM_SUFFIX, ServingError
+
+#: OpenAI's defaults where a request leaves a field out
+DEFAULT_TEMPERATURE = 1.0
+
+
+class ApiError(Exception):
+    """A request OpenAI's API would refuse: status, one-line message, the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # the artifact's name; Triton serves `<name>_stream`
+    codec: TextCodec
+    created: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request, checked: the prompt ids and the stream model's options."""
+
+    model: ServedModel
+    ids: list[int]
+    max_tokens: int
+    options: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _number(body: dict, name: str, kind: type, default: Any = None, low: float | None = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ApiError(f"{name} must be an integer, got {value!r}", name)
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ApiError(f"{name} must be a number, got {value!r}", name)
+    if low is not None and value < low:
+        raise ApiError(f"{name} must be >= {low}, got {value!r}", name)
+    return value
+
+
+def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Generation:
+    """The request as the stream model takes it, or an ApiError naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise ApiError("model is required: one of " + ", ".join(models), "model")
+    if name not in models:
+        raise ApiError(f"the model {name!r} does not exist; served: {', '.join(models)}", "model", 404,
+                       "model_not_found")
+    model = models[name]
+    unsupported = [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
+    unsupported += [k for k in ("logprobs", "echo", "tools", "suffix") if body.get(k) not in (None, False, [], 0)]
+    if body.get("stop") not in (None, [], ""):
+        unsupported.append("stop")
+    if unsupported:
+        raise ApiError(f"{unsupported[0]} is not supported by this server", unsupported[0])
+    try:
+        if chat:
+            ids = model.codec.chat_ids(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError("prompt must be one non-empty string", "prompt")
+            ids = model.codec.encode(prompt)
+    except TextError as e:
+        raise ApiError(str(e), "messages" if chat else "prompt") from None
+    limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    default = DEFAULT_MAX_NEW_TOKENS if chat else 16  # OpenAI's completions default is 16 tokens
+    max_tokens = _number(body, limit, int, default, low=1)
+    options = {"temperature": float(_number(body, "temperature", float, DEFAULT_TEMPERATURE, low=0.0))}
+    if (top_p := _number(body, "top_p", float)) is not None:
+        options["top_p"] = float(top_p)
+    if (seed := _number(body, "seed", int)) is not None:
+        options["seed"] = seed
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("stream must be true or false", "stream")
+    stream_options = body.get("stream_options") or {}
+    include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
+    return Generation(model, ids, max_tokens, options, stream, include_usage, chat)
+
+
+class OpenAIFront:
+    """The API on its own event loop in a daemon thread: `start()`, `stop()`."""
+
+    def __init__(self, host: str, port: int, upstream: str, models: list[ServedModel]) -> None:
+        self.host, self.port, self.upstream = host, port, upstream.rstrip("/")
+        self.models = {m.name: m for m in models}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+        self._session: Any = None
+
+    def start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="moedeploy-openai", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        except OSError as e:
+            self.stop()
+            raise ServingError(f"cannot listen on {self.host}:{self.port} for the OpenAI API ({e.strerror or e}); "
+                               "choose another --openai-port") from None
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout=timeout_s)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        if not loop.is_running():
+            loop.close()
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _list_models(self, request):
+        from aiohttp import web
+
+        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "moedeploy"}
+                for m in self.models.values()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def _chat_completions(self, request):
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request, chat: bool):
+        from aiohttp import web
+
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError("the request body is not valid JSON") from None
+            generation = parse_request(body, self.models, chat)
+            if generation.stream:
+                return await self._stream(request, generation)
+            pieces, tokens, finish = [], 0, "length"
+            async for piece, finish_reason in self._tokens(generation):
+                pieces.append(piece)
+                tokens += 1
+                finish = finish_reason or finish
+            return web.json_response(self._whole(generation, "".join(pieces), tokens, finish))
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+
+    async def _tokens(self, generation: Generation) -> AsyncIterator[tuple[str, str | None]]:
+        """(text piece, finish_reason or None) per generated token, from Triton's generate_stream."""
+        payload = {"input_ids": generation.ids, "max_tokens": generation.max_tokens, **generation.options}
+        url = f"{self.upstream}/v2/models/{generation.model.name}{STREAM_SUFFIX}/generate_stream"
+        eos = set(generation.model.codec.eos_token_ids)
+        count = 0
+        async with self._session.post(url, json=payload) as upstream:
+            if upstream.status != 200:
+                raise ApiError(await _triton_error(upstream), status=400 if upstream.status < 500 else 503)
+            async for raw in upstream.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[len("data:"):])
+                if "error" in event:
+                    raise ApiError(str(event["error"]).split("\n")[0])
+                if "output_ids" not in event:
+                    continue
+                token = event["output_ids"]
+                token = token[0] if isinstance(token, list) else token
+                count += 1
+                finished = "stop" if token in eos else ("length" if count >= generation.max_tokens else None)
+                yield event.get("text_output", ""), finished
+
+    def _whole(self, generation: Generation, text: str, tokens: int, finish: str) -> dict[str, Any]:
+        usage = {"prompt_tokens": len(generation.ids), "completion_tokens": tokens,
+                 "total_tokens": len(generation.ids) + tokens}
+        head = {"created": int(time.time()), "model": generation.model.name, "usage": usage}
+        if generation.chat:
+            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **head, "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **head, "choices": [
+            {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    async def _stream(self, request, generation: Generation):
+        """OpenAI's server-sent events: a chunk per token, the last with its finish_reason, usage
+        when stream_options.include_usage asks, then [DONE]. A failure after the first chunk can
+        only end the stream with an error event (the status is sent)."""
+        from aiohttp import web
+
+        chat = generation.chat
+        chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        head = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": generation.model.name}
+
+        def choice(piece: str, finish: str | None, first: bool) -> dict[str, Any]:
+            if chat:
+                delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+                return {"index": 0, "delta": delta if piece or first else {}, "finish_reason": finish}
+            return {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+
+        events = self._tokens(generation)
+        try:  # the first token decides between an error answer and a stream
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(data: Any) -> None:
+            await response.write(f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode())
+
+        tokens = 0
+        try:
+            if first is not None:
+                tokens += 1
+                await send({**head, "choices": [choice(first[0], first[1], True)]})
+                async for piece, finish in events:
+                    tokens += 1
+                    await send({**head, "choices": [choice(piece, finish, False)]})
+            if generation.include_usage:
+                await send({**head, "choices": [], "usage": {
+                    "prompt_tokens": len(generation.ids), "completion_tokens": tokens,
+                    "total_tokens": len(generation.ids) + tokens}})
+        except ApiError as e:
+            await send(e.body())
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+async def _triton_error(response) -> str:
+    """Triton's one-line reason from an error answer ({"error": "..."}), else its status."""
+    text = await response.text()
+    try:
+        message = str(json.loads(text).get("error", ""))
+    except (ValueError, AttributeError):  # not the JSON object Triton answers with
+        message = text
+    return message.strip().split("\n")[0] or f"the model server answered HTTP {response.status}"
+
+
+def served_models_of(artifacts: list) -> list[ServedModel]:
+    """The decoders with a tokenizer; the OpenAI API needs text. Refuses a server with none."""
+    models = [ServedModel(a.name, TextCodec.from_artifact(a), int(a.path.stat().st_mtime))
+              for a in artifacts if a.kind == "decoder" and a.manifest.get("tokenizer")]
+    if not models:
+        raise ServingError("--openai-port serves decoders with a tokenizer, and none of these artifacts has one: "
+                           "export the decoder from a checkpoint folder with tokenizer.json")
+    return models
