@@ -205,3 +205,11 @@ def test_openai_bad_requests_get_openai_errors(served, openai_client) -> None:
         openai_client.completions.create(model="decoder", prompt="hi", max_tokens=2, temperature=-1)
     # the server goes on
     assert openai_client.completions.create(model="decoder", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_openai_port_without_a_tokenizer_is_refused_before_triton_starts(store) -> None:
+    pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
+    from moedeploy.serving import ModelServer, ServeOptions, ServingError
+
+    with pytest.raises(ServingError, match=r"--openai-port serves decoders with a tokenizer, and none of these artifacts has one"):
+        ModelServer([store.decoder("fp32")], ServeOptions(openai_port=free_ports(1)[0]))

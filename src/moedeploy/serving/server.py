@@ -102,7 +102,9 @@ class ServeOptions:
             if not 0 < port < 65536:
                 raise ServingError(f"--{label}-port must lie in 1..65535, got {port}")
         if len(set(ports.values())) != len(ports):
-            raise ServingError(f"the {', '.join(ports)} ports must differ, got {', '.join(map(str, ports.values()))}")
+            labels = list(ports)
+            raise ServingError(f"the {', '.join(labels[:-1])} and {labels[-1]} ports must differ, "
+                               f"got {', '.join(map(str, ports.values()))}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ServingError(f"--max-batch-size must be >= 1 (Triton batches along dim 0), got {self.max_batch_size}")
         if self.max_queue_delay_us < 0:
