@@ -10,7 +10,14 @@ import pytest
 
 from moedeploy.export.artifact import Artifact, ArtifactError, first_manifest_problem
 from moedeploy.export.exporter import export
-from moedeploy.runtime.text import REPLACEMENT, IncrementalDetokenizer, TextCodec, TextError
+from moedeploy.export.tokenizer_files import TokenizerFilesError, tokenizer_summary
+from moedeploy.runtime.text import (
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    StopStrings,
+    TextCodec,
+    TextError,
+)
 from tests.families.cases import cases, make_model, save_checkpoint
 from tests.text_helpers import CORPUS, VOCAB, write_tokenizer
 
@@ -42,7 +49,7 @@ def test_export_copies_and_hashes_the_tokenizer_and_records_the_eos_ids(exported
     checkpoint, artifact, ids = exported
     section = artifact.manifest["tokenizer"]
     assert section == {"files": ["tokenizer.json", "tokenizer_config.json", "generation_config.json"],
-                       "eos_token_ids": [ids["</s>"], ids["<|end|>"]], "chat_template": True}
+                       "eos_token_ids": [ids["</s>"], ids["<|end|>"]], "chat_template": True, "stop_strings": []}
     for name in section["files"]:
         assert (artifact.path / "tokenizer" / name).read_bytes() == (checkpoint / name).read_bytes()
         assert f"tokenizer/{name}" in artifact.manifest["files"]
@@ -117,3 +124,29 @@ def test_what_text_cannot_do_is_said_in_one_line(exported, store, tmp_path) -> N
     shutil.copy(exported[1].path / "tokenizer" / "tokenizer.json", tmp_path / "tok")
     with pytest.raises(TextError, match="has no chat template: send a plain prompt"):
         TextCodec(tmp_path / "tok").render_chat(MESSAGES)
+
+
+def test_stop_strings_come_from_generation_config(tmp_path) -> None:
+    write_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "stop_strings": "###"}))
+    assert tokenizer_summary(tmp_path)["stop_strings"] == ["###"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": ["a", 3]}))
+    with pytest.raises(TokenizerFilesError, match=r"stop_strings \['a', 3\] is not a string or a list of them"):
+        tokenizer_summary(tmp_path)
+
+
+@pytest.mark.parametrize("stops", [["\n\n"], ["User:", "<|"], ["ab", "b"], ["xyz"]])
+def test_stop_strings_end_the_text_before_the_first_one_and_never_send_part_of_one(stops) -> None:
+    """Every way of cutting the text into pieces: what is sent joins to the text up to the earliest
+    stop string (str.find on the whole text), and what has been sent is always a prefix of that."""
+    text = "Hi there.\n\nUser: ab<|x"
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    expected = text[:min(hits)] if hits else text
+    for cut in range(1, 6):
+        pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
+        matcher, sent = StopStrings(stops), ""
+        for piece in pieces:
+            sent += matcher.push(piece)
+            assert expected.startswith(sent), (cut, sent)
+        sent += matcher.flush()
+        assert sent == expected and matcher.stopped == bool(hits), (cut, sent)

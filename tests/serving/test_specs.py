@@ -38,9 +38,10 @@ def test_decoder_is_served_as_logits_generation_and_stream(store) -> None:
     assert stream.name == "decoder_stream" and stream.max_batch_size == 1
     assert [(t.name, t.dtype, t.optional) for t in stream.inputs] == [
         ("text_input", "bytes", True), ("input_ids", "int64", True), ("max_tokens", "int64", True),
-        ("temperature", "float32", True), ("top_k", "int64", True), ("top_p", "float32", True), ("seed", "int64", True)]
-    assert [(t.name, t.dtype, t.dims) for t in stream.outputs] == [("output_ids", "int64", (-1,)),
-                                                                  ("text_output", "bytes", (1,))]
+        ("temperature", "float32", True), ("top_k", "int64", True), ("top_p", "float32", True), ("seed", "int64", True),
+        ("stop", "bytes", True)]
+    assert [(t.name, t.dtype, t.dims) for t in stream.outputs] == [
+        ("output_ids", "int64", (-1,)), ("text_output", "bytes", (1,)), ("finish_reason", "bytes", (1,))]
 
 
 def test_max_batch_size_below_one_is_refused(store) -> None:

@@ -213,3 +213,27 @@ def test_openai_port_without_a_tokenizer_is_refused_before_triton_starts(store) 
 
     with pytest.raises(ServingError, match=r"--openai-port serves decoders with a tokenizer, and none of these artifacts has one"):
         ModelServer([store.decoder("fp32")], ServeOptions(openai_port=free_ports(1)[0]))
+
+
+def test_a_stop_string_ends_the_text_before_it_and_finishes_with_stop(served, openai_client) -> None:
+    whole = openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0).choices[0]
+    assert whole.finish_reason == "length" and len(whole.text) >= 4
+    middle = len(whole.text) // 2
+    stop = whole.text[middle:middle + 2]  # a stop string the greedy text reaches half-way
+    expected = whole.text[:whole.text.find(stop)]
+    cut = openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=[stop])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert cut.usage.completion_tokens < NEW  # generation ended there, not at max_tokens
+    chunks = list(openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                                   stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # the Triton model itself, over gRPC: the same text, finish_reason on the last response only
+    server, *_ = served
+    got = grpc_stream(server, {"text_input": np.array([[PROMPT.encode()]], dtype=np.object_),
+                               "max_tokens": np.array([[NEW]], dtype=np.int64),
+                               "stop": np.array([[stop.encode()]], dtype=np.object_)})
+    _, pieces = tokens_and_text(got)
+    assert "".join(pieces) == expected
+    finishes = [r.as_numpy("finish_reason").reshape(-1)[0].decode() for _, r, _ in got if r.as_numpy("finish_reason") is not None]
+    assert finishes[-1] == "stop" and set(finishes[:-1]) <= {""}

@@ -7,8 +7,8 @@ A Hugging Face folder keeps its tokenizer beside the weights: `tokenizer.json` (
 and `generation_config.json` (EOS ids, sampling defaults). Export copies whichever of these
 exist into `<artifact>/tokenizer/`, each hashed in the manifest's `files` like every other
 file, and records in `manifest["tokenizer"]` what a server needs without opening them: the
-EOS ids (generation_config's, else config's, else the tokenizer's eos_token) and whether
-there is a chat template.
+EOS ids (generation_config's, else config's, else the tokenizer's eos_token), the stop strings
+(generation_config's `stop_strings`) and whether there is a chat template.
 """
 
 from __future__ import annotations
@@ -74,7 +74,12 @@ def tokenizer_summary(folder: Path) -> dict[str, Any] | None:
     if not eos and eos_text in added:
         eos = [added[eos_text]]
     template = (folder / CHAT_TEMPLATE).is_file() or isinstance(config.get("chat_template"), (str, list))
-    return {"files": [f for f in FILES if (folder / f).is_file()], "eos_token_ids": eos, "chat_template": template}
+    stops = generation.get("stop_strings") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise TokenizerFilesError(f"{folder / GENERATION_CONFIG}: stop_strings {stops!r} is not a string or a list of them")
+    return {"files": [f for f in FILES if (folder / f).is_file()], "eos_token_ids": eos, "chat_template": template,
+            "stop_strings": stops}
 
 
 def copy_tokenizer(checkpoint: Path, artifact_folder: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -112,4 +117,7 @@ def tokenizer_problems(section: Any, files: Any) -> list[str]:
         problems.append(f"tokenizer.eos_token_ids is {eos!r}, not a list of token ids")
     if not isinstance(section.get("chat_template"), bool):
         problems.append("tokenizer.chat_template is not true or false")
+    stops = section.get("stop_strings", [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        problems.append(f"tokenizer.stop_strings is {stops!r}, not a list of strings")
     return problems

@@ -48,7 +48,7 @@ def _token_text(token: Any) -> str | None:
 class TextCodec:
     """The artifact's tokenizer: ids from text, text from ids, and its chat template."""
 
-    def __init__(self, folder: Path, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, folder: Path, eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = ()) -> None:
         from tokenizers import Tokenizer
 
         self.folder = folder
@@ -56,6 +56,7 @@ class TextCodec:
         config_path = folder / TOKENIZER_CONFIG
         self.config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         self.eos_token_ids = list(eos_token_ids)
+        self.stop_strings = list(stop_strings)
 
     @classmethod
     def from_artifact(cls, artifact: Artifact) -> TextCodec:
@@ -63,7 +64,7 @@ class TextCodec:
         if not section:
             raise TextError(f"{artifact.path} has no tokenizer: export it from a checkpoint folder that holds "
                             "tokenizer.json (and tokenizer_config.json for its special tokens and chat template)")
-        return cls(artifact.path / TOKENIZER_DIR, section["eos_token_ids"])
+        return cls(artifact.path / TOKENIZER_DIR, section["eos_token_ids"], section.get("stop_strings", []))
 
     @property
     def vocab_size(self) -> int:
@@ -189,3 +190,35 @@ class IncrementalDetokenizer:
         text = self._decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)
         return text[len(emitted):]
+
+
+class StopStrings:
+    """Text pieces in, the text to send out, ending at the first stop string (which is not sent).
+
+    A piece that could be the start of a stop string is held back until the next pieces show
+    whether it is one, so no client ever sees part of a stop string; `flush` releases what is
+    held when generation ends for another reason. OpenAI's `stop` behaves the same way.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.held = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """What of `held + piece` can be sent now; after a stop string, nothing more."""
+        if self.stopped:
+            return ""
+        text = self.held + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[:min(hits)]
+        # hold back the longest tail that is a proper prefix of some stop string
+        keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self.held = ("" if self.stopped else self.held), ""
+        return held

@@ -6,8 +6,9 @@ artifact's tokenizer; chat messages through its chat template) and forwarded to 
 generate_stream of `<name>_stream` through moedeploy's own HTTP front (so a client that goes
 away stops its generation there, as any HTTP client's does). Triton's events come back as
 OpenAI's chunks (`data: {...}` then `data: [DONE]`), or are gathered into one answer, with
-usage counts (prompt and completion tokens) and finish_reason "stop" (an EOS id of the
-checkpoint) or "length". A bad request gets OpenAI's error object, `{"error": {"message",
+usage counts (prompt and completion tokens) and the stream model's finish_reason: "stop" (an
+EOS id of the checkpoint, or a stop string: the checkpoint's and the request's `stop`) or
+"length". A bad request gets OpenAI's error object, `{"error": {"message",
 "type", "param", "code"}}`, with status 400 (404 for an unknown model), and changes nothing
 for any other request. Served: every decoder artifact with a tokenizer, under its manifest name.
 """
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError
-from moedeploy.serving.specs import DEFAULT_MAX_NEW_TOKENS, STREAM_SUFFIX, ServingError
+from moedeploy.serving.specs import (
+    DEFAULT_MAX_NEW_TOKENS,
+    MAX_STOP_STRINGS,
+    STREAM_SUFFIX,
+    ServingError,
+)
 
 #: OpenAI's defaults where a request leaves a field out
 DEFAULT_TEMPERATURE = 1.0
@@ -89,8 +95,6 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     model = models[name]
     unsupported = [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
     unsupported += [k for k in ("logprobs", "echo", "tools", "suffix") if body.get(k) not in (None, False, [], 0)]
-    if body.get("stop") not in (None, [], ""):
-        unsupported.append("stop")
     if unsupported:
         raise ApiError(f"{unsupported[0]} is not supported by this server", unsupported[0])
     try:
@@ -113,6 +117,12 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
         options["top_p"] = float(top_p)
     if (seed := _number(body, "seed", int)) is not None:
         options["seed"] = seed
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    if stop := [s for s in stop if s]:
+        options["stop"] = stop
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be true or false", "stream")
@@ -215,8 +225,6 @@ class OpenAIFront:
         """(text piece, finish_reason or None) per generated token, from Triton's generate_stream."""
         payload = {"input_ids": generation.ids, "max_tokens": generation.max_tokens, **generation.options}
         url = f"{self.upstream}/v2/models/{generation.model.name}{STREAM_SUFFIX}/generate_stream"
-        eos = set(generation.model.codec.eos_token_ids)
-        count = 0
         async with self._session.post(url, json=payload) as upstream:
             if upstream.status != 200:
                 raise ApiError(await _triton_error(upstream), status=400 if upstream.status < 500 else 503)
@@ -229,11 +237,7 @@ class OpenAIFront:
                     raise ApiError(str(event["error"]).split("\n")[0])
                 if "output_ids" not in event:
                     continue
-                token = event["output_ids"]
-                token = token[0] if isinstance(token, list) else token
-                count += 1
-                finished = "stop" if token in eos else ("length" if count >= generation.max_tokens else None)
-                yield event.get("text_output", ""), finished
+                yield event.get("text_output", ""), event.get("finish_reason") or None
 
     def _whole(self, generation: Generation, text: str, tokens: int, finish: str) -> dict[str, Any]:
         usage = {"prompt_tokens": len(generation.ids), "completion_tokens": tokens,

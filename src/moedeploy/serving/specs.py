@@ -47,6 +47,9 @@ GENERATE_OPTIONS = {  # name -> dtype
 # carries the new token's id and its text piece (empty while a character is incomplete).
 STREAM_TEXT_INPUT = "text_input"
 STREAM_TEXT_OUTPUT = "text_output"
+STREAM_STOP_INPUT = "stop"  # stop strings, [1, n]: the text ends before the first one found
+STREAM_FINISH_OUTPUT = "finish_reason"  # "" until the last response: "stop" (EOS id, stop string) or "length"
+MAX_STOP_STRINGS = 16
 STREAM_OPTIONS = {  # name -> dtype
     "max_tokens": "int64",
     "temperature": "float32",
@@ -142,8 +145,10 @@ def stream_model(artifact: Artifact) -> ModelSpec:
     return ModelSpec(
         artifact.name + STREAM_SUFFIX,
         (TensorSpec(STREAM_TEXT_INPUT, "bytes", (1,), optional=True),
-         TensorSpec(GENERATE_INPUT, "int64", (-1,), optional=True), *options),
-        (TensorSpec(GENERATE_OUTPUT, "int64", (-1,)), TensorSpec(STREAM_TEXT_OUTPUT, "bytes", (1,))),
+         TensorSpec(GENERATE_INPUT, "int64", (-1,), optional=True), *options,
+         TensorSpec(STREAM_STOP_INPUT, "bytes", (-1,), optional=True)),
+        (TensorSpec(GENERATE_OUTPUT, "int64", (-1,)), TensorSpec(STREAM_TEXT_OUTPUT, "bytes", (1,)),
+         TensorSpec(STREAM_FINISH_OUTPUT, "bytes", (1,))),
         1,
     )
 
@@ -184,6 +189,8 @@ def request_limits(artifact: Artifact, model: ModelSpec, max_request_bytes: int)
         options = GENERATE_OPTIONS if model.name.endswith(GENERATE_SUFFIX) else [STREAM_TEXT_INPUT, *STREAM_OPTIONS]
         for name in options:
             inputs[name] = [[BATCH_DIM, 1, batch], ["one value", 1, 1]]
+        if model.name.endswith(STREAM_SUFFIX):
+            inputs[STREAM_STOP_INPUT] = [[BATCH_DIM, 1, batch], ["stop strings", 1, MAX_STOP_STRINGS]]
     else:
         for spec in artifact.manifest["inputs"]:
             inputs[spec["name"]] = [_range(artifact, d, batch) for d in spec["shape"]]

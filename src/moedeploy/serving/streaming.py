@@ -8,8 +8,11 @@ so a client sees the first token while the rest are still being made.
 The prompt is `text_input` (encoded with the artifact's own tokenizer, runtime/text.py) or
 `input_ids`; each response holds the token (`output_ids`, shape [1, 1]) and its text piece
 (`text_output`), detokenised incrementally so a character split over several tokens is sent
-whole, with the token that completes it. Generation stops at max_tokens or at one of the
-checkpoint's EOS ids (the EOS token is sent, its text is empty). A refused request gets one
+whole, with the token that completes it. Generation stops at max_tokens, at one of the
+checkpoint's EOS ids (the EOS token is sent, its text is empty) or at a stop string (the
+checkpoint's `stop_strings` and the request's `stop`; the text ends before it, and text that
+might begin one is held back until it is known not to); the last response's `finish_reason` says
+which: "length" or "stop". A refused request gets one
 error response with its one-line reason (stub_guard turns it into a Triton error, HTTP 400 /
 gRPC INVALID_ARGUMENT); the model takes one request per execution, so no other request
 shares its fate. A client that cancels (gRPC) or disconnects (HTTP, marked by the front)
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moedeploy.models.generation import SamplingConfig
-from moedeploy.runtime.text import IncrementalDetokenizer, TextCodec, TextError
+from moedeploy.runtime.text import IncrementalDetokenizer, StopStrings, TextCodec, TextError
 from moedeploy.serving.batching import (
     LOGGER,
     Cancelled,
@@ -44,19 +47,33 @@ from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
     GENERATE_OUTPUT,
+    STREAM_FINISH_OUTPUT,
     STREAM_OPTIONS,
+    STREAM_STOP_INPUT,
     STREAM_TEXT_INPUT,
     STREAM_TEXT_OUTPUT,
 )
 from moedeploy.serving.stub_guard import TOKEN_PARAMETER
 
 
-def _text(feed: Feed) -> str:
-    value = np.asarray(feed[STREAM_TEXT_INPUT]).reshape(-1)[0]
+def _strings(feed: Feed, name: str) -> list[str]:
     try:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in np.asarray(feed[name]).reshape(-1)]
     except UnicodeDecodeError:
-        raise RequestError(f"{STREAM_TEXT_INPUT} is not valid UTF-8") from None
+        raise RequestError(f"{name} is not valid UTF-8") from None
+
+
+def _text(feed: Feed) -> str:
+    return _strings(feed, STREAM_TEXT_INPUT)[0]
+
+
+def stop_strings_of(feed: Feed, codec: TextCodec | None) -> StopStrings | None:
+    """The checkpoint's stop strings and the request's (`stop`), or None when there are none."""
+    asked = _strings(feed, STREAM_STOP_INPUT) if STREAM_STOP_INPUT in feed else []
+    if asked and codec is None:
+        raise RequestError(f"{STREAM_STOP_INPUT} needs the model's tokenizer, and this artifact has none")
+    stops = (codec.stop_strings if codec is not None else []) + [s for s in asked if s]
+    return StopStrings(stops) if stops else None
 
 
 def prompt_ids(feed: Feed, shape: DecoderShape, codec: TextCodec | None) -> np.ndarray:
@@ -149,6 +166,7 @@ class StreamModel:
             ids = prompt_ids(feed, self.decoder.shape, self.codec)
             new = max_tokens_of(feed, ids.shape[1], self.decoder.shape)
             sampling = sampling_of(feed)
+            stops = stop_strings_of(feed, self.codec)
         except (RequestError, Unavailable, TextError) as e:
             error = e if not isinstance(e, TextError) else RequestError(str(e))
             if isinstance(error, RequestError):
@@ -158,13 +176,22 @@ class StreamModel:
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
         try:
             for n, token in enumerate(self.decoder.stream(ids, new, sampling, self._cancelled(request)), 1):
-                last = n == new or token in self.eos
+                eos = token in self.eos
+                last = n == new or eos
                 piece = ""
                 if text is not None:
-                    piece = "" if token in self.eos else text.push(token)
+                    piece = "" if eos else text.push(token)
                     piece += text.flush() if last else ""  # a character still incomplete goes out as it is
+                finish = "stop" if eos else "length" if last else ""
+                if stops is not None:
+                    piece = stops.push(piece)
+                    if stops.stopped:
+                        last, finish = True, "stop"
+                    elif last:
+                        piece += stops.flush()
                 yield {GENERATE_OUTPUT: np.array([[token]], dtype=np.int64),
-                       STREAM_TEXT_OUTPUT: np.array([[piece.encode("utf-8")]], dtype=np.bytes_)}
+                       STREAM_TEXT_OUTPUT: np.array([[piece.encode("utf-8")]], dtype=np.bytes_),
+                       STREAM_FINISH_OUTPUT: np.array([[finish.encode()]], dtype=np.bytes_)}
                 if last:
                     break
         except Cancelled:
