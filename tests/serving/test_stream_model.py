@@ -44,13 +44,13 @@ def parts(tmp_path_factory):
 
 def stream_model(artifact, runner, eos: list[int] | None = None, cancel_dir=None):
     from moedeploy.runtime.text import TextCodec
-    from moedeploy.serving.decoder import DecoderShape, RunnerDecoder
+    from moedeploy.serving.decoder import DecoderShape
     from moedeploy.serving.streaming import StreamModel
 
     codec = TextCodec.from_artifact(artifact)
     if eos is not None:
         codec.eos_token_ids = eos
-    return StreamModel("decoder_stream", RunnerDecoder(runner.infer, DecoderShape.of(artifact)), codec, cancel_dir)
+    return StreamModel("decoder_stream", runner.infer, DecoderShape.of(artifact), codec, cancel_dir)
 
 
 def request(max_tokens: int, parameters: dict | None = None) -> Request:
@@ -103,3 +103,23 @@ def test_draining_and_bad_requests_get_their_own_errors(parts) -> None:
     model.draining.set()
     (answer,), = model([request(4)])
     assert json.loads(answer[ERROR_OUTPUT][0])["code"] == "UNAVAILABLE"
+
+
+def test_concurrent_streams_iterated_in_turns_each_keep_their_own_cache(parts) -> None:
+    """PyTriton iterates the generators of concurrent requests to one instance in turns, a token
+    of each; each must still get the tokens it gets alone."""
+    _, artifact, runner = parts
+    model = stream_model(artifact, runner, eos=[])
+    prompts = [np.array([[5, 9, 2]], dtype=np.int64), np.array([[7, 1, 3, 3, 8]], dtype=np.int64)]
+
+    def request_for(prompt):
+        return Request({"input_ids": prompt, "max_tokens": np.array([[6]], dtype=np.int64)})
+
+    alone = [[int(a["output_ids"][0, 0]) for (a,) in model([request_for(p)])] for p in prompts]
+    streams = [model([request_for(p)]) for p in prompts]
+    together: list[list[int]] = [[], []]
+    for _ in range(6):
+        for i, stream in enumerate(streams):
+            (answer,) = next(stream)
+            together[i].append(int(answer["output_ids"][0, 0]))
+    assert together == alone and alone[0] != alone[1]

@@ -174,7 +174,7 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
         model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled)
     elif spec.name.endswith(STREAM_SUFFIX):  # a generator answering token by token: its own answers
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
-        return StreamModel(spec.name, RunnerDecoder(run, DecoderShape.of(artifact)), codec, cancel_dir, cancelled)
+        return StreamModel(spec.name, run, DecoderShape.of(artifact), codec, cancel_dir, cancelled)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)

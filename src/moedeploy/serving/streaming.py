@@ -35,6 +35,7 @@ from moedeploy.serving.batching import (
     Cancelled,
     Feed,
     RequestError,
+    RunFn,
     ServerError,
     Unavailable,
     error_answer,
@@ -118,10 +119,11 @@ def max_tokens_of(feed: Feed, prompt_len: int, shape: DecoderShape) -> int:
 class StreamModel:
     """The PyTriton callable of `<name>_stream` (a generator: one list of one response per token)."""
 
-    def __init__(self, model_name: str, decoder: RunnerDecoder, codec: TextCodec | None,
+    def __init__(self, model_name: str, run: RunFn, shape: DecoderShape, codec: TextCodec | None,
                  cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None) -> None:
         self.model_name = model_name
-        self.decoder = decoder
+        self.run = run
+        self.shape = shape
         self.codec = codec
         self.eos = set(codec.eos_token_ids) if codec is not None else set()
         self.cancel_dir = cancel_dir
@@ -163,8 +165,8 @@ class StreamModel:
             if problem := request_problem(request, []):
                 raise RequestError(problem)
             feed = {name: np.asarray(array) for name, array in request.items()}
-            ids = prompt_ids(feed, self.decoder.shape, self.codec)
-            new = max_tokens_of(feed, ids.shape[1], self.decoder.shape)
+            ids = prompt_ids(feed, self.shape, self.codec)
+            new = max_tokens_of(feed, ids.shape[1], self.shape)
             sampling = sampling_of(feed)
             stops = stop_strings_of(feed, self.codec)
         except (RequestError, Unavailable, TextError) as e:
@@ -174,8 +176,11 @@ class StreamModel:
             yield error_answer(error)
             return
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
+        # A decoder (and so a KV cache) of its own: PyTriton iterates the generators of concurrent
+        # requests to one instance in turns on its event loop, a token of one, then of another.
+        decoder = RunnerDecoder(self.run, self.shape)
         try:
-            for n, token in enumerate(self.decoder.stream(ids, new, sampling, self._cancelled(request)), 1):
+            for n, token in enumerate(decoder.stream(ids, new, sampling, self._cancelled(request)), 1):
                 eos = token in self.eos
                 last = n == new or eos
                 piece = ""
