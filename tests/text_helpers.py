@@ -39,3 +39,17 @@ def write_tokenizer(folder: Path, template_file: bool = False) -> dict[str, int]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["</s>"], ids["<|end|>"]]}))
     return ids
+
+
+def export_with_tokenizer(root: Path, seed: int = 2):
+    """(transformers model, fp32 artifact): a 2-layer Mixtral whose vocabulary covers the
+    tokenizer, saved with it into `root`/checkpoint and exported from there by moedeploy."""
+    from moedeploy.export.exporter import export
+    from tests.families.cases import cases, make_model, save_checkpoint
+
+    config = cases(n_layers=2)["mixtral-window"]
+    config.vocab_size = VOCAB + 8
+    hf = make_model(config, seed=seed)
+    checkpoint = save_checkpoint(hf, root / "checkpoint")
+    write_tokenizer(checkpoint)
+    return hf, export("decoder", root / "artifact", checkpoint=checkpoint, golden=False)

@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from moedeploy.export.artifact import Artifact, ArtifactError, first_manifest_problem
-from moedeploy.export.exporter import export
 from moedeploy.export.tokenizer_files import TokenizerFilesError, tokenizer_summary
 from moedeploy.runtime.text import (
     REPLACEMENT,
@@ -18,8 +17,7 @@ from moedeploy.runtime.text import (
     TextCodec,
     TextError,
 )
-from tests.families.cases import cases, make_model, save_checkpoint
-from tests.text_helpers import CORPUS, VOCAB, write_tokenizer
+from tests.text_helpers import CORPUS, SPECIALS, export_with_tokenizer, write_tokenizer
 
 TEXTS = ["hello world", "café 🙂 naïve", "日本語のテキスト", "unseen wörds ∑ 😀!"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve 🙂?"},
@@ -29,12 +27,12 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(checkpoint folder, artifact, special ids): a 2-layer Mixtral whose vocabulary covers the tokenizer."""
-    config = cases(n_layers=2)["mixtral-window"]
-    config.vocab_size = VOCAB + 8
+    from tokenizers import Tokenizer
+
     root = tmp_path_factory.mktemp("tokenizer")
-    checkpoint = save_checkpoint(make_model(config, seed=1), root / "checkpoint")
-    ids = write_tokenizer(checkpoint)
-    return checkpoint, export("decoder", root / "artifact", checkpoint=checkpoint, golden=False), ids
+    _, artifact = export_with_tokenizer(root, seed=1)
+    tokenizer = Tokenizer.from_file(str(root / "checkpoint" / "tokenizer.json"))
+    return root / "checkpoint", artifact, {token: tokenizer.token_to_id(token) for token in SPECIALS}
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.families.cases import cases, make_model, save_checkpoint
-from tests.text_helpers import VOCAB, write_tokenizer
+from tests.text_helpers import VOCAB, export_with_tokenizer
 
 PROMPT = "the cat sat"
 
@@ -27,16 +26,9 @@ class Request(dict):
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     """(transformers model, artifact, activated ONNX Runtime runner)."""
-    from moedeploy.export.exporter import export
     from moedeploy.serving.server import activated_runner
 
-    config = cases(n_layers=2)["mixtral-window"]
-    config.vocab_size = VOCAB + 8
-    root = tmp_path_factory.mktemp("stream-model")
-    hf = make_model(config, seed=2)
-    checkpoint = save_checkpoint(hf, root / "checkpoint")
-    write_tokenizer(checkpoint)
-    artifact = export("decoder", root / "artifact", checkpoint=checkpoint, golden=False)
+    hf, artifact = export_with_tokenizer(tmp_path_factory.mktemp("stream-model"))
     runner = activated_runner("ort", artifact)
     yield hf, artifact, runner
     runner.deactivate()

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.families.cases import cases, make_model, save_checkpoint
 from tests.serving.helpers import HOST, client, free_ports, infer
-from tests.text_helpers import VOCAB, write_tokenizer
+from tests.text_helpers import export_with_tokenizer
 
 MODEL = "decoder_stream"
 PROMPT = "café 🙂 and the cat"
@@ -28,16 +27,10 @@ def served(tmp_path_factory):
     """(server, transformers model, artifact): a 2-layer Mixtral with its tokenizer, exported and served."""
     pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
     pytest.importorskip("tritonclient.grpc", reason="the serving tests talk to Triton through tritonclient[all]")
-    from moedeploy.export.exporter import export
     from moedeploy.serving import ModelServer, ServeOptions
 
-    config = cases(n_layers=2)["mixtral-window"]
-    config.vocab_size = VOCAB + 8
     root = tmp_path_factory.mktemp("streaming")
-    hf = make_model(config, seed=2)
-    checkpoint = save_checkpoint(hf, root / "checkpoint")
-    write_tokenizer(checkpoint)
-    artifact = export("decoder", root / "artifact", checkpoint=checkpoint, golden=False)
+    hf, artifact = export_with_tokenizer(root)
     http, grpc, metrics, openai = free_ports(4)
     options = ServeOptions(backend="ort", host=HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
                            openai_port=openai, exit_timeout_s=1, log_file=root / "tritonserver.log")

@@ -13,10 +13,11 @@ EOS ids (generation_config's, else config's, else the tokenizer's eos_token), th
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+from moedeploy.utils.io import read_json_object
 
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
@@ -32,13 +33,7 @@ class TokenizerFilesError(ValueError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerFilesError(f"{path} is not readable JSON ({e}); fix or remove it, then export again") from None
-    if not isinstance(data, dict):
-        raise TokenizerFilesError(f"{path} holds a JSON {type(data).__name__}, not an object")
-    return data
+    return read_json_object(path, TokenizerFilesError)
 
 
 def _ids(value: Any) -> list[int]:

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families import Family, UnsupportedOption, family_for
 from moedeploy.models.families.base import Derived
-from moedeploy.utils.io import atomic_directory, atomic_write_json
+from moedeploy.utils.io import atomic_directory, atomic_write_json, read_json_object
 
 FORMAT = "moedeploy"
 WEIGHTS_FILE = "model.safetensors"
@@ -100,13 +100,7 @@ def _read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; is it a checkpoint folder?")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_file} is not readable JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file} must hold a JSON object")
-    return config
+    return read_json_object(config_file, CheckpointError)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -152,7 +152,31 @@ def request_problem(request: Any, required: Sequence[str]) -> str | None:
     return None
 
 
-class PerRequest:
+class InFlight:
+    """Counts the calls in progress; shutdown waits until `idle` before it unloads the model, and
+    `draining` set means new requests get UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.draining = threading.Event()
+        self._active = 0
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> bool:
+        """No call in progress."""
+        with self._lock:
+            return self._active == 0
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+
+class PerRequest(InFlight):
     """The PyTriton callable of one served model: every request gets its own answer or its own error.
 
     Refusals are logged as one line each; a request that arrives while the server drains gets
@@ -160,27 +184,17 @@ class PerRequest:
     """
 
     def __init__(self, model_name: str, model: Callable[[Sequence[Any]], list[Outcome]], required: Sequence[str]) -> None:
+        super().__init__()
         self.model_name = model_name
         self.model = model
         self.required = list(required)
-        self.draining = threading.Event()
-        self._active = 0
-        self._lock = threading.Lock()
-
-    @property
-    def idle(self) -> bool:
-        """No call in progress (shutdown waits for this before it unloads the model)."""
-        with self._lock:
-            return self._active == 0
 
     def __call__(self, requests: Sequence[Any]) -> list[Feed]:
-        with self._lock:
-            self._active += 1
+        self._enter()
         try:
             return self._answer_all(requests)
         finally:
-            with self._lock:
-                self._active -= 1
+            self._leave()
 
     def _answer_all(self, requests: Sequence[Any]) -> list[Feed]:
         outcomes: dict[int, Outcome] = {}

@@ -99,33 +99,69 @@ def too_big_message(limit: int, size: int | None) -> str:
     return f"{body} is over the server's limit of {limit} bytes ({limit / 2**20:g} MiB); {LIMIT_FLAG} raises it"
 
 
-class HttpFront:
-    """The HTTP proxy, on its own event loop in a daemon thread: `start()`, `stop()`."""
+class LoopServer:
+    """An aiohttp server on its own event loop in a daemon thread: `start()`, `stop()`.
 
-    def __init__(self, host: str, port: int, upstream: str, max_bytes: int, generation_models: Collection[str],
-                 cancelled: CancelledRequests) -> None:
+    Subclasses build their app and client session in `_start` (on the loop) and name what they
+    serve; stopping closes the listener, every connection and the session, then the loop."""
+
+    what = "http"  # for the "cannot listen" message and the thread's name
+    flag = "--http-port"
+    thread_name = "moedeploy-http-front"
+
+    def __init__(self, host: str, port: int, upstream: str) -> None:
         self.host, self.port, self.upstream = host, port, upstream.rstrip("/")
-        self.max_bytes = max_bytes
-        self.generation_models = frozenset(generation_models)
-        self.cancelled = cancelled
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: Any = None
         self._session: Any = None
 
+    async def _start(self) -> None:
+        raise NotImplementedError
+
     def start(self) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="moedeploy-http-front", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=self.thread_name, daemon=True)
         self._thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         except OSError as e:
             self.stop()
-            raise ServingError(f"cannot listen on {self.host}:{self.port} for http ({e.strerror or e}); "
-                               "choose another --http-port") from None
+            raise ServingError(f"cannot listen on {self.host}:{self.port} for {self.what} ({e.strerror or e}); "
+                               f"choose another {self.flag}") from None
         except BaseException:
             self.stop()
             raise
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop listening, close every connection (in both directions) and the loop's thread."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout=timeout_s)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        if not loop.is_running():
+            loop.close()
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+
+class HttpFront(LoopServer):
+    """The HTTP proxy in front of Triton's HTTP endpoint."""
+
+    def __init__(self, host: str, port: int, upstream: str, max_bytes: int, generation_models: Collection[str],
+                 cancelled: CancelledRequests) -> None:
+        super().__init__(host, port, upstream)
+        self.max_bytes = max_bytes
+        self.generation_models = frozenset(generation_models)
+        self.cancelled = cancelled
 
     async def _start(self) -> None:
         import aiohttp
@@ -147,25 +183,6 @@ class HttpFront:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, reuse_port=False)
         await site.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop listening, close every connection (in both directions) and the loop's thread."""
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout=timeout_s)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-        if not loop.is_running():
-            loop.close()
-
-    async def _stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
 
     def _refusal(self, status: int, message: str):
         from aiohttp import web

@@ -15,10 +15,7 @@ for any other request. Served: every decoder artifact with a tokenizer, under it
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError
+from moedeploy.serving.front import LoopServer
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_STOP_STRINGS,
@@ -131,30 +129,16 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     return Generation(model, ids, max_tokens, options, stream, include_usage, chat)
 
 
-class OpenAIFront:
-    """The API on its own event loop in a daemon thread: `start()`, `stop()`."""
+class OpenAIFront(LoopServer):
+    """The API, in front of moedeploy's HTTP front (`upstream`)."""
+
+    what = "the OpenAI API"
+    flag = "--openai-port"
+    thread_name = "moedeploy-openai"
 
     def __init__(self, host: str, port: int, upstream: str, models: list[ServedModel]) -> None:
-        self.host, self.port, self.upstream = host, port, upstream.rstrip("/")
+        super().__init__(host, port, upstream)
         self.models = {m.name: m for m in models}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: Any = None
-        self._session: Any = None
-
-    def start(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="moedeploy-openai", daemon=True)
-        self._thread.start()
-        try:
-            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
-        except OSError as e:
-            self.stop()
-            raise ServingError(f"cannot listen on {self.host}:{self.port} for the OpenAI API ({e.strerror or e}); "
-                               "choose another --openai-port") from None
-        except BaseException:
-            self.stop()
-            raise
 
     async def _start(self) -> None:
         import aiohttp
@@ -169,24 +153,6 @@ class OpenAIFront:
                                      shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout=timeout_s)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-        if not loop.is_running():
-            loop.close()
-
-    async def _stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
 
     async def _list_models(self, request):
         from aiohttp import web

@@ -21,7 +21,6 @@ stops its generation before the next token.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from moedeploy.serving.batching import (
     LOGGER,
     Cancelled,
     Feed,
+    InFlight,
     RequestError,
     RunFn,
     ServerError,
@@ -116,11 +116,12 @@ def max_tokens_of(feed: Feed, prompt_len: int, shape: DecoderShape) -> int:
     return new
 
 
-class StreamModel:
+class StreamModel(InFlight):
     """The PyTriton callable of `<name>_stream` (a generator: one list of one response per token)."""
 
     def __init__(self, model_name: str, run: RunFn, shape: DecoderShape, codec: TextCodec | None,
                  cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None) -> None:
+        super().__init__()
         self.model_name = model_name
         self.run = run
         self.shape = shape
@@ -128,25 +129,15 @@ class StreamModel:
         self.eos = set(codec.eos_token_ids) if codec is not None else set()
         self.cancel_dir = cancel_dir
         self.cancelled = cancelled
-        self.draining = threading.Event()
-        self._active = 0
-        self._lock = threading.Lock()
-
-    @property
-    def idle(self) -> bool:
-        with self._lock:
-            return self._active == 0
 
     def __call__(self, requests: Sequence[Any]) -> Iterator[list[Feed]]:
-        with self._lock:
-            self._active += 1
+        self._enter()
         try:
             # max_batch_size 1 and no dynamic batcher: Triton hands over one request at a time
             for request in requests:
                 yield from ([answer] for answer in self._answer(request))
         finally:
-            with self._lock:
-                self._active -= 1
+            self._leave()
 
     def _cancelled(self, request: Any) -> Callable[[], bool]:
         parameters = getattr(request, "parameters", None) or {}

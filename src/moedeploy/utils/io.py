@@ -41,6 +41,17 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
+    """A JSON file that must hold an object, or `error` with one line naming the file and the fault."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} must hold a JSON object")
+    return data
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
