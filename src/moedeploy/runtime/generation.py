@@ -15,7 +15,7 @@ from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
-from moedeploy.runtime.gqa import PAST_LENGTH
+from moedeploy.runtime.gqa import PAST_LENGTHS
 from moedeploy.runtime.lowering import (
     AttentionLowering,
     KVCache,
@@ -149,7 +149,7 @@ class OrtDecoder(KVDecoder):
                              "reset with a larger capacity")
         self._binding.bind_output("logits")  # unallocated again: its shape follows the step's tokens
         self._binding.bind_cpu_input("input_ids", ids.cpu().numpy().astype(np.int64))
-        self._binding.bind_cpu_input(PAST_LENGTH, np.array(start_pos, dtype=np.int64))
+        self._binding.bind_cpu_input(PAST_LENGTHS, np.full(ids.shape[0], start_pos, dtype=np.int64))
         self.lowered.session.run_with_iobinding(self._binding)
         self._length += ids.shape[1]
         return torch.from_numpy(self._binding.get_outputs()[0].numpy())

@@ -21,8 +21,11 @@ handling runs either graph; `compare` checks the lowered graph against eager PyT
 
 With shared_cache (OrtDecoder(kv_cache="inplace")), each layer's past and present are one
 preallocated buffer bound to both, which GroupQueryAttention appends to in place, so no step
-copies the cache; the cached length then comes from a `past_sequence_length` input, and the
-lowering refuses a graph in which anything else reads the buffers' sequence length.
+copies the cache; the cached length of each row then comes from a `past_sequence_lengths`
+input of shape (batch,), and the lowering refuses a graph in which anything else reads the
+buffers' sequence length. Rows may hold different lengths: GroupQueryAttention rotates, writes
+and attends each row at its own positions, which is what in-flight batching needs (rows of
+requests that joined at different times decoded in one step, runtime/inflight.py).
 """
 
 from __future__ import annotations
@@ -79,11 +82,12 @@ def rotary_tables(config: DecoderConfig, np_dtype: type) -> tuple[np.ndarray, np
 
 class _Lengths:
     """seqlens_k and total_sequence_length for every layer's node, built once from the graph's
-    inputs: the cache holds P positions, S tokens arrive, every row has P + S after the step."""
+    inputs: row b's cache holds P_b positions, S tokens arrive, the row has P_b + S after the step."""
 
     def __init__(self, graph: ir.Graph, input_ids: ir.Value, past_key: ir.Value,
-                 past_length: ir.Value | None = None) -> None:
-        """past_length: a graph input holding P (a shared cache buffer's length is its capacity)."""
+                 past_lengths: ir.Value | None = None) -> None:
+        """past_lengths: a graph input holding each row's P_b, (batch,) (a shared cache buffer's
+        length is its capacity); without it every row holds the past's length."""
         self.nodes: list[ir.Node] = []
 
         def add(op: str, inputs: list, **attrs) -> ir.Value:
@@ -96,21 +100,24 @@ class _Lengths:
 
         ids_shape = add("Shape", [input_ids])
         seq = add("Gather", [ids_shape, const(1)], axis=0)
-        past = past_length if past_length is not None else add("Gather", [add("Shape", [past_key]), const(2)], axis=0)
-        total = add("Cast", [add("Add", [past, seq])], to=ir.DataType.INT32)  # scalar
         batch = add("Slice", [ids_shape, add("Constant", [], value=ir.tensor([0], dtype=ir.DataType.INT64)),
                               add("Constant", [], value=ir.tensor([1], dtype=ir.DataType.INT64))])
-        one = add("Constant", [], value=ir.tensor(1, dtype=ir.DataType.INT32))
-        self.total = total
-        self.seqlens_k = add("Expand", [add("Sub", [total, one]), batch])  # (B,) int32: total - 1
+        if past_lengths is None:
+            past = add("Expand", [add("Gather", [add("Shape", [past_key]), const(2)], axis=0), batch])
+        else:
+            past = past_lengths
+        totals = add("Add", [past, seq])  # (B,) int64: each row's length after the step
+        self.total = add("Cast", [add("ReduceMax", [totals], keepdims=0)], to=ir.DataType.INT32)  # scalar
+        self.seqlens_k = add("Cast", [add("Sub", [totals, const(1)])], to=ir.DataType.INT32)  # (B,): total - 1
         # every row's S tokens are real: without this input the kernel refuses a batch of
         # multi-token steps over a cache
         self.query_seqlens = add("Expand", [add("Cast", [seq], to=ir.DataType.INT32), batch])
         graph.insert_before(graph.node(0), self.nodes)
 
 
-#: the graph input a shared-buffer cache adds: how many positions the buffers hold so far
-PAST_LENGTH = "past_sequence_length"
+#: the graph input a shared-buffer cache adds: how many positions each row of the buffers holds
+#: so far, (batch,) int64
+PAST_LENGTHS = "past_sequence_lengths"
 
 
 def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool = False) -> int:
@@ -118,8 +125,8 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
 
     shared_cache: the past and present of each layer are to be one preallocated buffer of
     capacity positions (bound to both with ONNX Runtime's IO binding), which GroupQueryAttention
-    appends to in place; the graph then takes the cached length as the scalar input
-    `past_sequence_length` (int64), since the buffer's shape no longer says it."""
+    appends to in place; the graph then takes each row's cached length as the input
+    `past_sequence_lengths` ((batch,) int64), since the buffer's shape no longer says it."""
     if eligible(config) is not None:
         return 0
     inputs = {v.name: v for v in graph.inputs}
@@ -144,11 +151,12 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
             continue
         (q, k, v, past_k, past_v), (attn_out, present_k, present_v) = found
         if lengths is None:
-            past_length = None
+            past_lengths = None
             if shared_cache:
-                past_length = ir.Value(name=PAST_LENGTH, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64))
-                graph.inputs.append(past_length)
-            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"], past_length)
+                past_lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([inputs["input_ids"].shape[0]]),
+                                        type=ir.TensorType(ir.DataType.INT64))
+                graph.inputs.append(past_lengths)
+            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"], past_lengths)
         gqa = ir.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, cos_cache, sin_cache,

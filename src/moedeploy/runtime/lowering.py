@@ -66,8 +66,9 @@ KVCache = Literal["copy", "inplace"]
 #: 4: moe opset 3, whose clamped SwiGLU is passed on to com.microsoft::MoE; 5: routings the
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
-#: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering).
-LOWERING_VERSION = 9
+#: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
+#: 10: a shared-buffer cache takes a past length per row).
+LOWERING_VERSION = 10
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")

@@ -1,0 +1,272 @@
+"""In-flight (continuous) batching: concurrent generations share each decode step.
+
+One scheduler thread owns a row cache (runtime/inflight.RowCacheDecoder). Between two decode
+steps it drops the sequences that finished or whose client went away (their row is filled
+by the last row, so the running rows stay packed), admits waiting requests into free rows
+(prompts of one length are prefilled together), then runs one step that decodes a token for
+every running sequence, each at its own position with its own sampling settings and
+generator. So a request's tokens are those it would get alone: greedy rows do not influence
+each other's argmax, and a seeded row draws from its own generator exactly as
+`models.generation.iterate_tokens` does for a request alone (the same `next_token`).
+
+Limits keep memory bounded: at most `slots` sequences run and `max_queued` wait; a request
+beyond that is refused at once with a "busy" error (Unavailable: HTTP 503 / gRPC
+UNAVAILABLE) instead of queueing without end. A step that fails is retried row by row, so a
+backend failure fails only the rows that fail alone.
+
+Each request's events go to its own `on_event` callback, called on the scheduler thread:
+every token id as it is chosen, then one `Finished` (why it ended) or an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from moedeploy.models.generation import SamplingConfig, next_token
+from moedeploy.runtime.inflight import RowCacheDecoder
+from moedeploy.serving.batching import LOGGER, ServerError, Unavailable, first_line
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a generation: "stop" (an EOS id), "length" (max_new_tokens),
+    "cancelled" (its client went away or the consumer closed it)."""
+
+    reason: Literal["stop", "length", "cancelled"]
+
+
+Event = int | Finished | BaseException
+EventFn = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A generation in the scheduler: its request and where it stands."""
+
+    prompt: np.ndarray  # (S,) int64
+    max_new_tokens: int
+    sampling: SamplingConfig
+    eos: frozenset[int]
+    on_event: EventFn
+    cancelled: Callable[[], bool]
+    generator: torch.Generator | None = None
+    length: int = 0  # positions in its cache row
+    last: int = -1  # the token to feed next
+    produced: int = 0
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    def close(self) -> None:
+        """The consumer stops reading (say at a stop string): the row is freed before the next step."""
+        self.closed.set()
+
+    def gone(self) -> bool:
+        return self.closed.is_set() or self.cancelled()
+
+
+class InflightScheduler:
+    """Runs every submitted generation on one row cache, batching their decode steps."""
+
+    def __init__(self, decoder: RowCacheDecoder, max_queued: int = 64, name: str = "decoder") -> None:
+        self.decoder = decoder
+        self.slots = decoder.slots
+        self.capacity = decoder.capacity
+        self.max_queued = max_queued
+        self.name = name
+        self._rows: list[Sequence] = []  # row i of the cache holds _rows[i]
+        self._waiting: deque[Sequence] = deque()
+        self._joining: list[Sequence] = []  # taken from the queue, being prefilled into rows
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"inflight-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, prompt: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, on_event: EventFn,
+               eos: frozenset[int] = frozenset(), cancelled: Callable[[], bool] | None = None) -> Sequence:
+        """Queue one sequence's generation, (S,) prompt ids; raises Unavailable when the server
+        is busy (every row taken and the queue full) or stopping, ValueError when the prompt and
+        its tokens do not fit a row."""
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if prompt.size + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({max_new_tokens}) exceeds the "
+                             f"server's {self.capacity} positions per sequence")
+        sequence = Sequence(prompt, max_new_tokens, sampling, eos, on_event, cancelled or (lambda: False))
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the server is shutting down; retry on another replica")
+            free_rows = max(0, self.slots - len(self._rows) - len(self._joining))
+            if len(self._waiting) >= self.max_queued + free_rows:
+                raise Unavailable(f"the server is busy: {len(self._rows)} sequences running and "
+                                  f"{len(self._waiting)} waiting (the limits); retry later")
+            self._waiting.append(sequence)
+            self._cond.notify()
+        return sequence
+
+    def stream(self, prompt: np.ndarray, max_new_tokens: int, sampling: SamplingConfig,
+               eos: frozenset[int] = frozenset(), cancelled: Callable[[], bool] | None = None) -> Iterator[int]:
+        """A blocking iterator over one generation's tokens (for callers on their own thread);
+        closing it early frees the row. Raises what the generation failed with."""
+        import queue
+
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        sequence = self.submit(prompt, max_new_tokens, sampling, events.put, eos, cancelled)
+        try:
+            while True:
+                event = events.get()
+                if isinstance(event, Finished):
+                    return
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+        finally:
+            sequence.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Finish what runs and is queued, then end the thread (new submissions are refused)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # -- the scheduler thread --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._rows and not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._rows and not self._waiting:
+                    return
+                joining = self._joining = []
+                while self._waiting and len(self._rows) + len(joining) < self.slots:
+                    joining.append(self._waiting.popleft())
+            try:
+                self._release(lambda s: s.gone(), "cancelled")
+                self._admit([s for s in joining if not self._dropped(s)])
+                with self._cond:
+                    self._joining = []
+                if self._rows:
+                    self._decode()
+            except Exception as e:  # a bug here must not leave every client waiting forever
+                LOGGER.exception("%s: the in-flight scheduler failed", self.name)
+                for s in self._rows + joining:
+                    s.on_event(ServerError(f"generation failed: {first_line(e)}"))
+                self._rows, self._joining = [], []
+
+    def _dropped(self, sequence: Sequence) -> bool:
+        if sequence.gone():
+            sequence.on_event(Finished("cancelled"))
+            return True
+        return False
+
+    def _release(self, done: Callable[[Sequence], bool], reason: Literal["stop", "length", "cancelled"] | None) -> None:
+        """Free the rows of the sequences `done` picks (the last row fills each gap); `reason`:
+        the Finished event they get (None: they were told already)."""
+        i = 0
+        while i < len(self._rows):
+            sequence = self._rows[i]
+            if not done(sequence):
+                i += 1
+                continue
+            if reason is not None:
+                sequence.on_event(Finished(reason))
+            last = self._rows.pop()
+            if last is not sequence:  # keep the rows packed: the last one moves into the gap
+                self.decoder.move(len(self._rows), i, last.length)
+                self._rows[i] = last
+
+    def _admit(self, joining: list[Sequence]) -> None:
+        """Prefill the joining sequences into the next free rows, prompts of one length together."""
+        by_length: dict[int, list[Sequence]] = {}
+        for s in joining:
+            by_length.setdefault(s.prompt.size, []).append(s)
+        for group in by_length.values():
+            first = len(self._rows)
+            try:
+                logits = self.decoder.prefill(first, np.stack([s.prompt for s in group]))
+                admitted = group
+            except Exception:  # retried one by one: only a prompt that fails alone fails
+                admitted, rows = [], []
+                for s in group:
+                    try:
+                        rows.append(self.decoder.prefill(first + len(admitted), s.prompt[None])[0])
+                        admitted.append(s)
+                    except Exception as e:
+                        self._fail(s, e)
+                if not admitted:
+                    continue
+                logits = np.stack(rows)
+            for s in admitted:
+                s.length = s.prompt.size
+            self._rows.extend(admitted)
+            self._emit(admitted, logits)
+        self._release(self._finished, None)
+
+    def _decode(self) -> None:
+        """One token for every running row, each at its own position."""
+        rows = self._rows
+        tokens = np.array([s.last for s in rows], dtype=np.int64)
+        lengths = np.array([s.length for s in rows], dtype=np.int64)
+        try:
+            logits = self.decoder.decode(0, tokens, lengths)
+            ok = rows
+        except Exception:  # retried row by row: a row that fails alone fails, the others go on
+            ok, parts = [], []
+            for i, s in enumerate(rows):
+                try:
+                    parts.append(self.decoder.decode(i, tokens[i:i + 1], lengths[i:i + 1])[0])
+                    ok.append(s)
+                except Exception as e:
+                    self._fail(s, e)
+            if not ok:
+                self._release(lambda s: s.closed.is_set(), None)
+                return
+            logits = np.stack(parts)
+        for s in ok:
+            s.length += 1
+        self._emit(ok, logits)
+        self._release(self._finished, None)
+
+    def _fail(self, sequence: Sequence, error: Exception) -> None:
+        LOGGER.error("%s: a generation failed: %s", self.name, first_line(error))
+        sequence.on_event(ServerError(f"generation failed: {first_line(error)}"))
+        sequence.close()
+
+    def _emit(self, sequences: list[Sequence], logits: np.ndarray) -> None:
+        """Choose each sequence's next token from its row of logits (V,) and send it on."""
+        for s, row in zip(sequences, torch.from_numpy(logits), strict=True):
+            if s.closed.is_set():
+                continue
+            token = int(next_token(row[None], s.sampling, s.generator)[0])
+            s.last = token
+            s.produced += 1
+            s.on_event(token)
+
+    def _finished(self, sequence: Sequence) -> bool:
+        """Whether a sequence just ended (told its Finished event) or was closed before."""
+        if sequence.closed.is_set():
+            return True
+        reason = "stop" if sequence.last in sequence.eos else "length" if sequence.produced >= sequence.max_new_tokens else None
+        if reason is None:
+            return False
+        sequence.on_event(Finished(reason))
+        sequence.closed.set()
+        return True

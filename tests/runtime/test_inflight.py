@@ -1,0 +1,215 @@
+"""In-flight batching: a KV cache of rows at different positions (runtime/inflight.RowCacheDecoder)
+and the scheduler that runs concurrent generations on it (serving/inflight.InflightScheduler).
+
+The references are independent of both: transformers' own model of the same checkpoint (its
+logits over each whole sequence, its greedy `generate`), and for seeded sampling the request
+generated alone by OrtDecoder.generate, which runs no scheduler and no row cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moedeploy.export.exporter import export
+from moedeploy.models.generation import SamplingConfig
+from moedeploy.runtime.generation import OrtDecoder
+from moedeploy.runtime.inflight import RowCacheDecoder
+from moedeploy.runtime.lowering import LoweringError
+from moedeploy.serving.batching import ServerError, Unavailable
+from moedeploy.serving.inflight import Finished, InflightScheduler
+
+from ..families.cases import _family_config, make_model, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    config = _family_config("mixtral", 2, num_key_value_heads=2, head_dim=16, intermediate_size=30,
+                            num_local_experts=4, num_experts_per_tok=2)
+    hf = make_model(config, seed=4)
+    root = tmp_path_factory.mktemp("inflight")
+    return hf, export("decoder", root / "artifact", checkpoint=save_checkpoint(hf, root / "checkpoint"))
+
+
+def _ids(vocab: int, length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, length)
+
+
+@torch.no_grad()
+def test_rows_at_different_positions_decode_together_as_transformers_computes_each(exported) -> None:
+    """Three prompts of 5, 9 and 3 tokens prefilled into rows 0-2 one at a time, then decoded
+    in steps of all rows at once, each at its own position; after row 0 ends, row 2 moves into
+    its place and the two go on. Every row's logits are transformers' for its whole sequence."""
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    decoder = RowCacheDecoder(artifact, slots=4, capacity=32)
+    sequences = [list(_ids(vocab, n, seed)) for n, seed in ((5, 1), (9, 2), (3, 3))]
+    got: list[list[np.ndarray]] = [[] for _ in sequences]
+    for row, ids in enumerate(sequences):
+        got[row].append(decoder.prefill(row, np.array([ids]))[0])
+    rows = [0, 1, 2]  # which sequence each cache row holds
+    for step in range(6):
+        if step == 3:  # sequence 0 ends: the last row fills its place
+            decoder.move(2, 0, len(sequences[2]))
+            rows = [2, 1]
+        tokens = [int(got[s][-1].argmax()) for s in rows]
+        lengths = [len(sequences[s]) for s in rows]
+        for s, token in zip(rows, tokens, strict=True):
+            sequences[s].append(token)
+        logits = decoder.decode(0, np.array(tokens), np.array(lengths))
+        for s, row_logits in zip(rows, logits, strict=True):
+            got[s].append(row_logits)
+    for s, ids in enumerate(sequences):
+        expected = hf(torch.tensor([ids])).logits[0]  # (len, V): the logits after each position
+        n = len(got[s])
+        assert expected.abs().max() > 0.5
+        torch.testing.assert_close(torch.from_numpy(np.stack(got[s])), expected[-n:], atol=1e-4, rtol=0)
+
+
+def test_a_row_cache_refuses_attention_groupqueryattention_cannot_take(tmp_path) -> None:
+    config = _family_config("mixtral", 1, num_key_value_heads=2, head_dim=12, intermediate_size=30,
+                            num_local_experts=4, num_experts_per_tok=2, hidden_size=48)  # head_dim not a multiple of 16
+    artifact = export("decoder", tmp_path / "a", checkpoint=save_checkpoint(make_model(config, seed=1), tmp_path / "c"))
+    with pytest.raises(LoweringError):
+        RowCacheDecoder(artifact, slots=2)
+
+
+@pytest.fixture(scope="module")
+def scheduler(exported):
+    _, artifact = exported
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=3, capacity=64), max_queued=16)
+    yield scheduler
+    scheduler.stop()
+
+
+@torch.no_grad()
+def test_concurrent_greedy_generations_are_each_transformers_alone(exported, scheduler) -> None:
+    """Seven requests of different lengths and budgets from seven threads, started a few ms
+    apart, on three rows: they join and leave between steps, some wait for a row, and each
+    gets the tokens transformers' greedy generate gives it alone."""
+    hf, _ = exported
+    vocab = hf.config.vocab_size
+    requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate([(4, 12), (9, 3), (4, 20), (2, 1), (13, 9),
+                                                                              (6, 15), (4, 6)])]
+    expected = [hf.generate(torch.from_numpy(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+                for p, new in requests]
+    got: list[list[int] | None] = [None] * len(requests)
+
+    def client(i: int) -> None:
+        time.sleep(0.003 * i)
+        got[i] = list(scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == expected
+    assert scheduler.running == 0 and scheduler.queued == 0
+
+
+def test_a_seeded_sampled_generation_is_the_same_beside_others(exported, scheduler) -> None:
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    prompt = _ids(vocab, 7, 11)
+    alone = OrtDecoder(artifact).generate(prompt, max_new_tokens=16, temperature=0.9, top_k=20, seed=5)[7:].tolist()
+    sampling = SamplingConfig(0.9, 20, None, 5)
+    results: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        results[i] = list(scheduler.stream(prompt if i == 0 else _ids(vocab, 3 + i, i), 16,
+                                           sampling if i == 0 else SamplingConfig(1.0, None, 0.9, i)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0] == alone
+    assert len(set(alone)) > 3  # really sampled, not one token repeated
+
+
+def _events(scheduler: InflightScheduler, prompt, new, **kw) -> tuple[list, threading.Event]:
+    events: list = []
+    done = threading.Event()
+
+    def on_event(event) -> None:
+        events.append(event)
+        if not isinstance(event, int):
+            done.set()
+
+    scheduler.submit(prompt, new, SamplingConfig(), on_event, **kw)
+    return events, done
+
+
+@torch.no_grad()
+def test_generation_stops_at_an_eos_id_and_says_why(exported, scheduler) -> None:
+    hf, _ = exported
+    prompt = _ids(hf.config.vocab_size, 5, 21)
+    greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 5:].tolist()
+    eos = greedy[3]
+    events, done = _events(scheduler, prompt, 10, eos=frozenset({eos}))
+    assert done.wait(30)
+    stop = greedy.index(eos) + 1
+    assert events == [*greedy[:stop], Finished("stop")]
+    events, done = _events(scheduler, prompt, 4)
+    assert done.wait(30)
+    assert events == [*greedy[:4], Finished("length")]
+
+
+def test_a_cancelled_generation_frees_its_row_and_the_others_go_on(exported, scheduler) -> None:
+    hf, _ = exported
+    vocab = hf.config.vocab_size
+    flag = threading.Event()
+    cancelled_events, cancelled_done = _events(scheduler, _ids(vocab, 4, 31), 50, cancelled=flag.is_set)
+    other = _ids(vocab, 6, 32)
+    other_events, other_done = _events(scheduler, other, 30)
+    while len(cancelled_events) < 2:
+        time.sleep(0.001)
+    flag.set()
+    assert cancelled_done.wait(30) and other_done.wait(30)
+    assert cancelled_events[-1] == Finished("cancelled") and len(cancelled_events) < 50
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([other]), max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, 6:]
+    assert other_events == [*expected.tolist(), Finished("length")]
+    assert scheduler.running == 0
+
+
+def test_beyond_the_rows_and_the_queue_a_request_is_refused_busy(exported) -> None:
+    hf, artifact = exported
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=1, capacity=64), max_queued=1)
+    try:
+        vocab = hf.config.vocab_size
+        stop = threading.Event()
+        _events(scheduler, _ids(vocab, 3, 1), 60, cancelled=stop.is_set)
+        second, second_done = _events(scheduler, _ids(vocab, 3, 2), 2)
+        with pytest.raises(Unavailable, match=r"the server is busy: .* retry later"):
+            scheduler.submit(_ids(vocab, 3, 3), 2, SamplingConfig(), lambda e: None)
+        stop.set()
+        assert second_done.wait(30) and second[-1] == Finished("length") and len(second) == 3
+        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(5\) exceeds the server's 64 positions"):
+            scheduler.submit(_ids(vocab, 60, 3), 5, SamplingConfig(), lambda e: None)
+    finally:
+        scheduler.stop()
+    with pytest.raises(Unavailable, match="shutting down"):
+        scheduler.submit(_ids(vocab, 3, 3), 2, SamplingConfig(), lambda e: None)
+
+
+@torch.no_grad()
+def test_a_prompt_that_fails_in_the_backend_fails_alone(exported, scheduler) -> None:
+    """A token id outside the vocabulary (one that slipped past the request checks) makes ONNX
+    Runtime's Gather fail; prefilled with two good prompts of its length, only it fails."""
+    hf, _ = exported
+    vocab = hf.config.vocab_size
+    good = [_ids(vocab, 5, 41), _ids(vocab, 5, 42)]
+    bad = np.array([1, 2, vocab + 7, 3, 4])
+    runs = [_events(scheduler, p, 5) for p in (good[0], bad, good[1])]
+    for _, done in runs:
+        assert done.wait(30)
+    assert isinstance(runs[1][0][-1], ServerError) and "generation failed" in str(runs[1][0][-1])
+    for (events, _), prompt in zip((runs[0], runs[2]), good, strict=True):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, 5:]
+        assert events == [*expected.tolist(), Finished("length")]
