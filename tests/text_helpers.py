@@ -41,14 +41,16 @@ def write_tokenizer(folder: Path, template_file: bool = False) -> dict[str, int]
     return ids
 
 
-def export_with_tokenizer(root: Path, seed: int = 2):
+def export_with_tokenizer(root: Path, seed: int = 2, sliding_window: int | None = None):
     """(transformers model, fp32 artifact): a 2-layer Mixtral whose vocabulary covers the
-    tokenizer, saved with it into `root`/checkpoint and exported from there by moedeploy."""
+    tokenizer, saved with it into `root`/checkpoint and exported from there by moedeploy. Its
+    attention runs on GroupQueryAttention (so the server batches its streams in flight) unless
+    it has a sliding window."""
     from moedeploy.export.exporter import export
-    from tests.families.cases import cases, make_model, save_checkpoint
+    from tests.families.cases import _family_config, make_model, save_checkpoint
 
-    config = cases(n_layers=2)["mixtral-window"]
-    config.vocab_size = VOCAB + 8
+    config = _family_config("mixtral", 2, head_dim=16, intermediate_size=33, num_local_experts=5,
+                            num_experts_per_tok=2, sliding_window=sliding_window, vocab_size=VOCAB + 8)
     hf = make_model(config, seed=seed)
     checkpoint = save_checkpoint(hf, root / "checkpoint")
     write_tokenizer(checkpoint)

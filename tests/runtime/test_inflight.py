@@ -190,7 +190,7 @@ def test_beyond_the_rows_and_the_queue_a_request_is_refused_busy(exported) -> No
             scheduler.submit(_ids(vocab, 3, 3), 2, SamplingConfig(), lambda e: None)
         stop.set()
         assert second_done.wait(30) and second[-1] == Finished("length") and len(second) == 3
-        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(5\) exceeds the server's 64 positions"):
+        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(5\) exceeds the 64 positions a sequence may hold"):
             scheduler.submit(_ids(vocab, 60, 3), 5, SamplingConfig(), lambda e: None)
     finally:
         scheduler.stop()

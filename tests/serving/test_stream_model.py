@@ -1,10 +1,14 @@
 """The stream model's callable without a server (the real ONNX Runtime runner on a real artifact,
-called as PyTriton calls it): it stops at an EOS id of the checkpoint, stops before the next token
-once its client cancelled, and answers while draining with UNAVAILABLE."""
+called as PyTriton calls it: an async generator on an event loop), on both token sources: a
+request at a time (SerialTokens) and in-flight batching (InflightTokens over a scheduler). It
+stops at an EOS id of the checkpoint, stops before the next token once its client cancelled,
+answers while draining with UNAVAILABLE, and concurrent streams get what they get alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -23,18 +27,28 @@ class Request(dict):
         self.parameters = parameters or {}
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """(transformers model, artifact, activated ONNX Runtime runner)."""
+@pytest.fixture(scope="module", params=["serial", "inflight"])
+def parts(request, tmp_path_factory):
+    """(transformers model, artifact, token source): the activated ONNX Runtime runner a request
+    at a time, or an in-flight scheduler of 3 rows."""
+    from moedeploy.runtime.inflight import RowCacheDecoder
+    from moedeploy.serving.decoder import DecoderShape
+    from moedeploy.serving.inflight import InflightScheduler
     from moedeploy.serving.server import activated_runner
+    from moedeploy.serving.streaming import InflightTokens, SerialTokens
 
     hf, artifact = export_with_tokenizer(tmp_path_factory.mktemp("stream-model"))
-    runner = activated_runner("ort", artifact)
-    yield hf, artifact, runner
-    runner.deactivate()
+    if request.param == "serial":
+        runner = activated_runner("ort", artifact)
+        yield hf, artifact, SerialTokens(runner.infer, DecoderShape.of(artifact))
+        runner.deactivate()
+    else:
+        scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=3), max_queued=4)
+        yield hf, artifact, InflightTokens(scheduler)
+        scheduler.stop()
 
 
-def stream_model(artifact, runner, eos: list[int] | None = None, cancel_dir=None):
+def stream_model(artifact, source, eos: list[int] | None = None, cancel_dir=None):
     from moedeploy.runtime.text import TextCodec
     from moedeploy.serving.decoder import DecoderShape
     from moedeploy.serving.streaming import StreamModel
@@ -42,7 +56,32 @@ def stream_model(artifact, runner, eos: list[int] | None = None, cancel_dir=None
     codec = TextCodec.from_artifact(artifact)
     if eos is not None:
         codec.eos_token_ids = eos
-    return StreamModel("decoder_stream", runner.infer, DecoderShape.of(artifact), codec, cancel_dir)
+    return StreamModel("decoder_stream", source, DecoderShape.of(artifact), codec, cancel_dir)
+
+
+class Responses:
+    """A stream's async generator driven from a test: `next()` one response, `rest()` the others."""
+
+    def __init__(self, generator, loop: asyncio.AbstractEventLoop) -> None:
+        self.generator, self.loop = generator, loop
+
+    def next(self) -> dict:
+        (answer,) = self.loop.run_until_complete(anext(self.generator))
+        return answer
+
+    def rest(self) -> list[dict]:
+        async def drain():
+            return [answer async for (answer,) in self.generator]
+
+        return self.loop.run_until_complete(drain())
+
+
+def run(model, requests, loop: asyncio.AbstractEventLoop | None = None) -> Responses:
+    return Responses(model(requests), loop or asyncio.new_event_loop())
+
+
+def answers_of(model, requests) -> list[dict]:
+    return run(model, requests).rest()
 
 
 def request(max_tokens: int, parameters: dict | None = None) -> Request:
@@ -59,15 +98,15 @@ def greedy(hf, artifact, n: int) -> list[int]:
 
 
 def test_generation_stops_at_an_eos_id_with_finish_reason_stop(parts) -> None:
-    hf, artifact, runner = parts
+    hf, artifact, source = parts
     expected = greedy(hf, artifact, 8)
     eos = expected[3]  # as if the checkpoint's EOS were the 4th greedy token
     stop_at = expected.index(eos)
-    (answers,) = zip(*stream_model(artifact, runner, eos=[eos])([request(8)]), strict=True)
+    answers = answers_of(stream_model(artifact, source, eos=[eos]), [request(8)])
     assert [int(a["output_ids"][0, 0]) for a in answers] == expected[:stop_at + 1]
     assert [a["finish_reason"][0, 0] for a in answers] == [b""] * stop_at + [b"stop"]
     assert answers[-1]["text_output"][0, 0] == b""  # the EOS token's own text is not sent
-    (answers,) = zip(*stream_model(artifact, runner, eos=[])([request(8)]), strict=True)
+    answers = answers_of(stream_model(artifact, source, eos=[]), [request(8)])
     assert [int(a["output_ids"][0, 0]) for a in answers] == expected
     assert answers[-1]["finish_reason"][0, 0] == b"length"
 
@@ -75,43 +114,71 @@ def test_generation_stops_at_an_eos_id_with_finish_reason_stop(parts) -> None:
 def test_a_cancelled_stream_stops_before_its_next_token(parts, tmp_path) -> None:
     from moedeploy.serving.stub_guard import TOKEN_PARAMETER
 
-    _, artifact, runner = parts
-    model = stream_model(artifact, runner, eos=[], cancel_dir=tmp_path)
-    answers = model([request(20, {TOKEN_PARAMETER: "abc"})])
-    got = [next(answers), next(answers)]
+    _, artifact, source = parts
+    model = stream_model(artifact, source, eos=[], cancel_dir=tmp_path)
+    answers = run(model, [request(60, {TOKEN_PARAMETER: "abc"})])
+    got = [answers.next(), answers.next()]
     (tmp_path / "abc").touch()  # what stub_guard does when Triton reports the request cancelled
-    got += list(answers)
+    got += answers.rest()
     assert len(got) == 2 and model.idle
+    if hasattr(source, "scheduler"):  # its row is freed at the scheduler's next step
+        deadline = time.monotonic() + 10
+        while source.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert source.scheduler.running == 0
 
 
 def test_draining_and_bad_requests_get_their_own_errors(parts) -> None:
     from moedeploy.serving.stub_guard import ERROR_OUTPUT
 
-    _, artifact, runner = parts
-    model = stream_model(artifact, runner)
-    (answer,), = model([Request({"input_ids": np.array([[1, VOCAB + 100]], dtype=np.int64)})])
+    _, artifact, source = parts
+    model = stream_model(artifact, source)
+    (answer,) = answers_of(model, [Request({"input_ids": np.array([[1, VOCAB + 100]], dtype=np.int64)})])
     assert json.loads(answer[ERROR_OUTPUT][0]) == {
         "code": "INVALID_ARG", "message": f"input_ids holds token id {VOCAB + 100}, outside the vocabulary [0, {VOCAB + 8})"}
     model.draining.set()
-    (answer,), = model([request(4)])
+    (answer,) = answers_of(model, [request(4)])
     assert json.loads(answer[ERROR_OUTPUT][0])["code"] == "UNAVAILABLE"
 
 
-def test_concurrent_streams_iterated_in_turns_each_keep_their_own_cache(parts) -> None:
-    """PyTriton iterates the generators of concurrent requests to one instance in turns, a token
-    of each; each must still get the tokens it gets alone."""
-    _, artifact, runner = parts
-    model = stream_model(artifact, runner, eos=[])
+def test_concurrent_streams_iterated_in_turns_each_get_what_they_get_alone(parts) -> None:
+    """PyTriton iterates the generators of concurrent requests to one instance in turns on one
+    event loop; each must still get the tokens it gets alone (serial: its own cache; in flight:
+    its own row of a step they share)."""
+    _, artifact, source = parts
+    model = stream_model(artifact, source, eos=[])
     prompts = [np.array([[5, 9, 2]], dtype=np.int64), np.array([[7, 1, 3, 3, 8]], dtype=np.int64)]
 
     def request_for(prompt):
         return Request({"input_ids": prompt, "max_tokens": np.array([[6]], dtype=np.int64)})
 
-    alone = [[int(a["output_ids"][0, 0]) for (a,) in model([request_for(p)])] for p in prompts]
-    streams = [model([request_for(p)]) for p in prompts]
+    alone = [[int(a["output_ids"][0, 0]) for a in answers_of(model, [request_for(p)])] for p in prompts]
+    loop = asyncio.new_event_loop()
+    streams = [run(model, [request_for(p)], loop) for p in prompts]
     together: list[list[int]] = [[], []]
     for _ in range(6):
         for i, stream in enumerate(streams):
-            (answer,) = next(stream)
-            together[i].append(int(answer["output_ids"][0, 0]))
+            together[i].append(int(stream.next()["output_ids"][0, 0]))
     assert together == alone and alone[0] != alone[1]
+
+
+def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -> None:
+    from moedeploy.serving.stub_guard import ERROR_OUTPUT
+
+    _, artifact, source = parts
+    if not hasattr(source, "scheduler"):
+        pytest.skip("only in-flight batching has a queue")
+    model = stream_model(artifact, source, eos=[])
+    scheduler = source.scheduler
+    loop = asyncio.new_event_loop()
+    with scheduler._cond:  # the scheduler takes no request off its queue meanwhile: they stay counted
+        held = [model([request(8)]) for _ in range(scheduler.slots + scheduler.max_queued)]
+        firsts = [loop.create_task(anext(stream)) for stream in held]
+        loop.run_until_complete(asyncio.sleep(0.05))  # each submitted, waiting for its first token
+        assert scheduler.queued == len(held)
+        (answer,) = run(model, [request(4)], loop).rest()
+    error = json.loads(answer[ERROR_OUTPUT][0])
+    assert error["code"] == "UNAVAILABLE" and error["message"].startswith("the server is busy")
+    for first, stream in zip(firsts, held, strict=True):
+        answers = [loop.run_until_complete(first)[0], *Responses(stream, loop).rest()]
+        assert len(answers) == 8 and answers[-1]["finish_reason"][0, 0] == b"length"

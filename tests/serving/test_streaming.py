@@ -135,6 +135,45 @@ def test_a_bad_stream_request_gets_its_own_one_line_error(served) -> None:
     assert len(tokens) == 3
 
 
+@torch.no_grad()
+def test_concurrent_streams_are_batched_in_flight_and_each_gets_its_tokens_alone(served) -> None:
+    """Six gRPC streams at once with prompts and budgets of their own: the server decodes them
+    in shared steps (its scheduler ran several rows at once) and each gets transformers' greedy
+    tokens for its prompt alone."""
+    import threading
+
+    from moedeploy.runtime.text import TextCodec
+
+    server, hf, artifact = served
+    (scheduler,) = server._schedulers
+    rng = np.random.default_rng(3)
+    requests = [(rng.integers(0, hf.config.vocab_size, int(n)).tolist(), int(new))
+                for n, new in zip(rng.integers(2, 12, 6), rng.integers(8, 30, 6), strict=True)]
+    eos = set(TextCodec.from_artifact(artifact).eos_token_ids)
+
+    def until_eos(tokens: list[int]) -> list[int]:  # the stream ends with the checkpoint's first EOS id
+        return next((tokens[:i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+
+    expected = [until_eos(hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                          [0, len(ids):].tolist()) for ids, new in requests]
+    got: list = [None] * len(requests)
+
+    def stream(i: int) -> None:
+        ids, new = requests[i]
+        got[i] = tokens_and_text(grpc_stream(server, {"input_ids": np.array([ids], dtype=np.int64),
+                                                      "max_tokens": np.array([[new]], dtype=np.int64)}))[0]
+
+    peak_before = scheduler.peak_running
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+    assert scheduler.peak_running > 1 or peak_before > 1
+    assert scheduler.running == 0
+
+
 @pytest.fixture(scope="module")
 def openai_client(served):
     """The official `openai` client on the server's OpenAI-compatible port."""

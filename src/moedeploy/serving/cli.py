@@ -33,6 +33,9 @@ def register(app: typer.Typer) -> None:
         exit_timeout: int = typer.Option(5, "--exit-timeout", help="Seconds shutdown waits for in-flight requests."),
         max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Largest request (MiB): an HTTP body or gRPC message over it is refused (HTTP 413, gRPC RESOURCE_EXHAUSTED) before Triton reads it; tensors holding more are refused (400) too. Shapes are also held to the artifact's dynamic ranges."),
         openai_port: int = typer.Option(None, "--openai-port", help="Also serve the OpenAI-compatible API on this port: /v1/models, /v1/completions, /v1/chat/completions (with stream), for every decoder exported with its tokenizer; it forwards to the Triton models."),
+        max_sequences: int = typer.Option(32, "--max-sequences", help="In-flight batching: the most generations a decoder's stream model runs at once, sharing each decode step (ONNX Runtime, attention on GroupQueryAttention)."),
+        max_queued: int = typer.Option(128, "--max-queued", help="In-flight batching: the most stream requests that wait for a free sequence; beyond it a request is answered busy (HTTP 503, gRPC UNAVAILABLE)."),
+        max_context: int = typer.Option(4096, "--max-context", help="In-flight batching: positions (prompt + max_tokens) each sequence may reach, at most the model's max_positions; its KV cache is preallocated (and touched as it fills)."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -47,7 +50,8 @@ def register(app: typer.Typer) -> None:
         text_output piece; optional max_tokens, temperature, top_k, top_p, seed; over gRPC
         streaming or POST /v2/models/<name>_stream/generate_stream, server-sent events; text
         needs an artifact exported from a checkpoint with its tokenizer, and generation stops
-        at the checkpoint's EOS ids). A bad request gets HTTP 400 /
+        at the checkpoint's EOS ids; on ONNX Runtime concurrent streams are batched in flight,
+        joining and leaving between decode steps). A bad request gets HTTP 400 /
         gRPC INVALID_ARGUMENT with its reason and fails alone. A generation stops at its next
         token when its HTTP client disconnects or its gRPC client cancels. Runs until SIGINT or SIGTERM.
 
@@ -61,7 +65,7 @@ def register(app: typer.Typer) -> None:
             backend=backend, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
             instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
-            openai_port=openai_port,
+            openai_port=openai_port, max_sequences=max_sequences, max_queued=max_queued, max_context=max_context,
         )
         if log_file is not None:
             check_writable(log_file.parent)

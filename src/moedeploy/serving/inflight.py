@@ -88,6 +88,10 @@ class InflightScheduler:
         self._joining: list[Sequence] = []  # taken from the queue, being prefilled into rows
         self._cond = threading.Condition()
         self._stopping = False
+        #: counters since start: tokens made, sequences ended by reason, the most rows one step ran
+        self.tokens_generated = 0
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
+        self.peak_running = 0
         self._thread = threading.Thread(target=self._loop, name=f"inflight-{name}", daemon=True)
         self._thread.start()
 
@@ -107,7 +111,7 @@ class InflightScheduler:
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if prompt.size + max_new_tokens > self.capacity:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({max_new_tokens}) exceeds the "
-                             f"server's {self.capacity} positions per sequence")
+                             f"{self.capacity} positions a sequence may hold on this server (its --max-context)")
         sequence = Sequence(prompt, max_new_tokens, sampling, eos, on_event, cancelled or (lambda: False))
         with self._cond:
             if self._stopping:
@@ -173,9 +177,13 @@ class InflightScheduler:
 
     def _dropped(self, sequence: Sequence) -> bool:
         if sequence.gone():
-            sequence.on_event(Finished("cancelled"))
+            self._tell(sequence, Finished("cancelled"))
             return True
         return False
+
+    def _tell(self, sequence: Sequence, event: Finished) -> None:
+        self.finished[event.reason] += 1
+        sequence.on_event(event)
 
     def _release(self, done: Callable[[Sequence], bool], reason: Literal["stop", "length", "cancelled"] | None) -> None:
         """Free the rows of the sequences `done` picks (the last row fills each gap); `reason`:
@@ -187,7 +195,7 @@ class InflightScheduler:
                 i += 1
                 continue
             if reason is not None:
-                sequence.on_event(Finished(reason))
+                self._tell(sequence, Finished(reason))
             last = self._rows.pop()
             if last is not sequence:  # keep the rows packed: the last one moves into the gap
                 self.decoder.move(len(self._rows), i, last.length)
@@ -223,6 +231,7 @@ class InflightScheduler:
     def _decode(self) -> None:
         """One token for every running row, each at its own position."""
         rows = self._rows
+        self.peak_running = max(self.peak_running, len(rows))
         tokens = np.array([s.last for s in rows], dtype=np.int64)
         lengths = np.array([s.length for s in rows], dtype=np.int64)
         try:
@@ -247,6 +256,7 @@ class InflightScheduler:
 
     def _fail(self, sequence: Sequence, error: Exception) -> None:
         LOGGER.error("%s: a generation failed: %s", self.name, first_line(error))
+        self.finished["failed"] += 1
         sequence.on_event(ServerError(f"generation failed: {first_line(error)}"))
         sequence.close()
 
@@ -258,6 +268,7 @@ class InflightScheduler:
             token = int(next_token(row[None], s.sampling, s.generator)[0])
             s.last = token
             s.produced += 1
+            self.tokens_generated += 1
             s.on_event(token)
 
     def _finished(self, sequence: Sequence) -> bool:
@@ -267,6 +278,6 @@ class InflightScheduler:
         reason = "stop" if sequence.last in sequence.eos else "length" if sequence.produced >= sequence.max_new_tokens else None
         if reason is None:
             return False
-        sequence.on_event(Finished(reason))
+        self._tell(sequence, Finished(reason))
         sequence.closed.set()
         return True

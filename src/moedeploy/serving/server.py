@@ -20,6 +20,11 @@ Triton listens on loopback only, on private ports; the user's HTTP and gRPC port
 moedeploy's front (`front`), which refuses a request over `--max-request-mb` before Triton reads
 it and cancels the generation of an HTTP client that went away. The front opens once Triton is
 ready and closes first when the server stops. Prometheus metrics come from Triton directly.
+
+A decoder's `<name>_stream` on ONNX Runtime runs in-flight batching when its attention can run
+on GroupQueryAttention (serving/inflight.py): concurrent streams share each decode step, at
+most --max-sequences run, --max-queued wait, and a request beyond that is answered "busy"
+(HTTP 503 / gRPC UNAVAILABLE). Its rows hold --max-context positions each.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ import numpy as np
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
 from moedeploy.runtime.text import TextCodec
 from moedeploy.serving import stub_guard, triton_output
-from moedeploy.serving.batching import BatchedModel, PerRequest
+from moedeploy.serving.batching import LOGGER, BatchedModel, PerRequest, first_line
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
+from moedeploy.serving.inflight import InflightScheduler
 from moedeploy.serving.openai_api import OpenAIFront, served_models_of
 from moedeploy.serving.specs import (
     GENERATE_SUFFIX,
@@ -57,7 +63,7 @@ from moedeploy.serving.specs import (
     request_limits,
     served_models,
 )
-from moedeploy.serving.streaming import StreamModel
+from moedeploy.serving.streaming import InflightTokens, SerialTokens, StreamModel, TokenSource
 
 BACKENDS = ("ort", "trt", "torch")
 UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
@@ -91,6 +97,9 @@ class ServeOptions:
     max_request_mb: float = 64.0  # the most tensor bytes one request may carry, in MiB
     log_file: Path | None = None  # Triton's own log; None prints it to stdout, less known-harmless lines
     openai_port: int | None = None  # the OpenAI-compatible API (serving/openai_api.py); None: not served
+    max_sequences: int = 32  # in-flight batching: the most generations one decoder's stream model runs at once
+    max_queued: int = 128  # ... and the most that wait for a row; beyond: "busy" (503)
+    max_context: int = 4096  # ... positions (prompt + new tokens) each row holds, at most the model's max_positions
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -115,6 +124,12 @@ class ServeOptions:
             raise ServingError(f"--max-request-mb must be > 0, got {self.max_request_mb}")
         if self.exit_timeout_s < 0:
             raise ServingError(f"the exit timeout must be >= 0 s, got {self.exit_timeout_s}")
+        if self.max_sequences < 1:
+            raise ServingError(f"--max-sequences must be >= 1, got {self.max_sequences}")
+        if self.max_queued < 0:
+            raise ServingError(f"--max-queued must be >= 0, got {self.max_queued}")
+        if self.max_context < 2:
+            raise ServingError(f"--max-context must be >= 2 (a prompt token and a new one), got {self.max_context}")
 
 
 def check_port_free(host: str, port: int, label: str) -> None:
@@ -162,10 +177,12 @@ def activated_runner(backend: str, artifact: Artifact):
 
 
 def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None,
-                   cancelled: CancelledRequests | None = None) -> PerRequest | StreamModel:
+                   cancelled: CancelledRequests | None = None,
+                   scheduler: InflightScheduler | None = None) -> PerRequest | StreamModel:
     """The PyTriton callable of one served model over one runner; generation stops early once
     stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
-    in `cancelled`."""
+    in `cancelled`. A stream model runs on `scheduler` when there is one (in-flight batching),
+    else a request at a time on `runner`."""
     run = runner.infer
     required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
@@ -174,7 +191,9 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
         model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled)
     elif spec.name.endswith(STREAM_SUFFIX):  # a generator answering token by token: its own answers
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
-        return StreamModel(spec.name, run, DecoderShape.of(artifact), codec, cancel_dir, cancelled)
+        shape = DecoderShape.of(artifact)
+        source: TokenSource = InflightTokens(scheduler) if scheduler is not None else SerialTokens(run, shape)
+        return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -317,6 +336,7 @@ class ModelServer:
         if duplicates:
             raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
         self._runners: list[Any] = []
+        self._schedulers: list[InflightScheduler] = []
         self._callables: list[PerRequest] = []
         self._triton: Any = None
         self._workspace: Any = None
@@ -382,15 +402,18 @@ class ModelServer:
             callables = []
             generation_runners: dict[Path, list[Any]] = {}
             for artifact, spec in self.specs:
+                scheduler = None
                 if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort":
-                    # the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
-                    runners = generation_runners[artifact.path]
+                    scheduler = self._inflight_scheduler(artifact, spec.name)
+                    # else the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
+                    runners = generation_runners[artifact.path][:1] if scheduler else generation_runners[artifact.path]
                 else:
                     runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
                     self._runners += runners
                 if spec.name.endswith(GENERATE_SUFFIX):
                     generation_runners[artifact.path] = runners
-                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled) for r in runners])
+                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled, scheduler)
+                                  for r in runners])
             self._triton_ports = tuple(loopback_ports(2, avoid=(o.http_port, o.grpc_port, o.metrics_port)))
             self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
@@ -407,6 +430,22 @@ class ModelServer:
                 raise ServingError(f"Triton Inference Server did not start: {first}{log}") from e
             raise
         return self
+
+    def _inflight_scheduler(self, artifact: Artifact, name: str) -> InflightScheduler | None:
+        """In-flight batching for a decoder's stream model, or None where its attention cannot run on
+        GroupQueryAttention (the stream model then decodes a request at a time, and says so)."""
+        from moedeploy.runtime.inflight import RowCacheDecoder
+        from moedeploy.runtime.lowering import LoweringError
+
+        o = self.options
+        try:
+            decoder = RowCacheDecoder(artifact, slots=o.max_sequences, capacity=o.max_context)
+        except LoweringError as e:
+            LOGGER.warning("%s: no in-flight batching (%s); concurrent streams take turns", name, first_line(e))
+            return None
+        scheduler = InflightScheduler(decoder, max_queued=o.max_queued, name=name)
+        self._schedulers.append(scheduler)
+        return scheduler
 
     def _start_fronts(self) -> None:
         """The user's HTTP and gRPC ports, once Triton is ready (so they too open only then)."""
@@ -506,6 +545,9 @@ class ModelServer:
         if self._output is not None:  # after Triton's last line
             triton_output.uninstall(self._output)
             self._output = None
+        for scheduler in self._schedulers:  # drained above: each ends what still runs, then its thread
+            scheduler.stop()
+        self._schedulers = []
         for runner in self._runners:
             with contextlib.suppress(Exception):
                 runner.deactivate()

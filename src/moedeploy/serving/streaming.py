@@ -17,13 +17,20 @@ error response with its one-line reason (stub_guard turns it into a Triton error
 gRPC INVALID_ARGUMENT); the model takes one request per execution, so no other request
 shares its fate. A client that cancels (gRPC) or disconnects (HTTP, marked by the front)
 stops its generation before the next token.
+
+Where the tokens come from is a `TokenSource`: on ONNX Runtime with GroupQueryAttention,
+`InflightTokens` (every stream joins one scheduler that decodes all running streams in one
+step, serving/inflight.py); elsewhere `SerialTokens` (each request decodes on its own cache,
+and concurrent streams take turns a token at a time). The callable is an async generator, so
+PyTriton's event loop serves every open stream while the scheduler works on its own thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,6 +51,7 @@ from moedeploy.serving.batching import (
 )
 from moedeploy.serving.decoder import DecoderShape, RunnerDecoder, option_value
 from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
+from moedeploy.serving.inflight import Finished, InflightScheduler
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -116,26 +124,94 @@ def max_tokens_of(feed: Feed, prompt_len: int, shape: DecoderShape) -> int:
     return new
 
 
-class StreamModel(InFlight):
-    """The PyTriton callable of `<name>_stream` (a generator: one list of one response per token)."""
+class TokenSource(Protocol):
+    """Makes one request's tokens; `open` checks and queues it (raising RequestError or
+    Unavailable before any token), the iterator yields each token id and raises Cancelled once
+    `cancelled()` says so."""
 
-    def __init__(self, model_name: str, run: RunFn, shape: DecoderShape, codec: TextCodec | None,
+    def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
+             cancelled: Callable[[], bool]) -> AsyncIterator[int]: ...
+
+
+class SerialTokens:
+    """Each request on a cache of its own over a runner's graph: a step at a time on the caller's
+    thread, so concurrent streams take turns (any backend)."""
+
+    def __init__(self, run: RunFn, shape: DecoderShape) -> None:
+        self.run = run
+        self.shape = shape
+
+    def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
+             cancelled: Callable[[], bool]) -> AsyncIterator[int]:
+        # A decoder (and so a KV cache) of its own: PyTriton iterates the generators of concurrent
+        # requests to one instance in turns on its event loop, a token of one, then of another.
+        decoder = RunnerDecoder(self.run, self.shape)
+
+        async def tokens() -> AsyncIterator[int]:
+            for token in decoder.stream(ids, max_new_tokens, sampling, cancelled):
+                yield token
+                await asyncio.sleep(0)  # let the event loop send it, and serve the other streams
+
+        return tokens()
+
+
+class InflightTokens:
+    """Every request joins one in-flight scheduler: concurrent streams share each decode step."""
+
+    def __init__(self, scheduler: InflightScheduler) -> None:
+        self.scheduler = scheduler
+
+    def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
+             cancelled: Callable[[], bool]) -> AsyncIterator[int]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            sequence = self.scheduler.submit(ids.reshape(-1), max_new_tokens, sampling,
+                                             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                                             eos, cancelled)
+        except ValueError as e:  # it does not fit the server's rows
+            raise RequestError(str(e)) from None
+
+        async def tokens() -> AsyncIterator[int]:
+            try:
+                while True:
+                    event = await events.get()
+                    if isinstance(event, Finished):
+                        if event.reason == "cancelled":
+                            raise Cancelled("the client cancelled the request")
+                        return
+                    if isinstance(event, BaseException):
+                        raise event
+                    if cancelled():  # tokens made ahead of a slow reader are not sent once it has gone
+                        raise Cancelled("the client cancelled the request")
+                    yield event
+            finally:  # read to the end, stopped at a stop string, or the stream was closed: the row is free
+                sequence.close()
+
+        return tokens()
+
+
+class StreamModel(InFlight):
+    """The PyTriton callable of `<name>_stream` (an async generator: one list of one response per token)."""
+
+    def __init__(self, model_name: str, source: TokenSource, shape: DecoderShape, codec: TextCodec | None,
                  cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None) -> None:
         super().__init__()
         self.model_name = model_name
-        self.run = run
+        self.source = source
         self.shape = shape
         self.codec = codec
-        self.eos = set(codec.eos_token_ids) if codec is not None else set()
+        self.eos = frozenset(codec.eos_token_ids) if codec is not None else frozenset()
         self.cancel_dir = cancel_dir
         self.cancelled = cancelled
 
-    def __call__(self, requests: Sequence[Any]) -> Iterator[list[Feed]]:
+    async def __call__(self, requests: Sequence[Any]) -> AsyncIterator[list[Feed]]:
         self._enter()
         try:
             # max_batch_size 1 and no dynamic batcher: Triton hands over one request at a time
             for request in requests:
-                yield from ([answer] for answer in self._answer(request))
+                async for answer in self._answer(request):
+                    yield [answer]
         finally:
             self._leave()
 
@@ -149,7 +225,7 @@ class StreamModel(InFlight):
             checks.append(lambda: self.cancelled.is_cancelled(str(request_id)))
         return lambda: any(check() for check in checks)
 
-    def _answer(self, request: Any) -> Iterator[Feed]:
+    async def _answer(self, request: Any) -> AsyncIterator[Feed]:
         try:
             if self.draining.is_set():
                 raise Unavailable("the server is shutting down; retry on another replica")
@@ -160,6 +236,7 @@ class StreamModel(InFlight):
             new = max_tokens_of(feed, ids.shape[1], self.shape)
             sampling = sampling_of(feed)
             stops = stop_strings_of(feed, self.codec)
+            tokens = self.source.open(ids, new, sampling, self.eos, self._cancelled(request))
         except (RequestError, Unavailable, TextError) as e:
             error = e if not isinstance(e, TextError) else RequestError(str(e))
             if isinstance(error, RequestError):
@@ -167,11 +244,10 @@ class StreamModel(InFlight):
             yield error_answer(error)
             return
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
-        # A decoder (and so a KV cache) of its own: PyTriton iterates the generators of concurrent
-        # requests to one instance in turns on its event loop, a token of one, then of another.
-        decoder = RunnerDecoder(self.run, self.shape)
+        n = 0
         try:
-            for n, token in enumerate(decoder.stream(ids, new, sampling, self._cancelled(request)), 1):
+            async for token in tokens:
+                n += 1
                 eos = token in self.eos
                 last = n == new or eos
                 piece = ""
@@ -194,5 +270,7 @@ class StreamModel(InFlight):
             return  # nobody reads the answer
         except Exception as e:  # a backend failure mid-stream: this request's error, the server goes on
             LOGGER.error("%s: a stream failed: %s", self.model_name, first_line(e))
-            yield error_answer(ServerError(f"generation failed: {first_line(e)}"))
+            yield error_answer(e if isinstance(e, ServerError) else ServerError(f"generation failed: {first_line(e)}"))
+        finally:
+            await tokens.aclose()  # frees its row (in flight) or its cache (serial) now, not when collected
 
