@@ -6,11 +6,18 @@ thread with its own tritonclient gRPC stream, sending `--requests` requests one 
 (`--prompt-len` random prompt ids, `--new-tokens` greedy tokens). Per level: aggregate decode
 tokens/s (every token received / the level's wall time), time to first token (request sent ->
 first response) and inter-token latency (gaps between one request's responses), p50 and p99,
-and the speed of one client for comparison. Beside them, the roofline: the model alone on ONNX
-Runtime, one sequence at a time (tokens/s of a bare decode loop in this process). Measured in
+and the speed of one client for comparison. Beside them: the model alone on ONNX Runtime, one
+sequence at a time (tokens/s of a bare decode loop in this process), and the in-flight
+scheduler alone at each level (its clients as threads in this process, no Triton). Measured in
 one run on one machine, never asserted in tests.
 
-    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--json out.json]
+--bad-client adds one more client that sends malformed requests throughout every level (token
+ids outside the vocabulary, a prompt + max_tokens over max_positions, no prompt, a negative
+temperature): each must get one error naming its own problem, and the good requests none. The
+server's memory (the RSS of its whole process tree) is sampled after the warm-up and after each
+level: it should stay flat.
+
+    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--bad-client] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,13 +63,75 @@ def one_stream(client, model: str, prompt: np.ndarray, new_tokens: int, answers:
         arrivals.append(arrived)
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (Triton and its model stubs), in MB."""
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+    return total / 1024
+
+
+def bad_requests(vocab: int, max_positions: int) -> list[tuple[dict[str, np.ndarray], str]]:
+    """Malformed stream requests and a piece of the error each must get."""
+    return [
+        ({"input_ids": np.array([[1, vocab + 5]], dtype=np.int64)}, "outside the vocabulary"),
+        ({"input_ids": np.array([[1, 2]], dtype=np.int64), "max_tokens": np.array([[max_positions]], dtype=np.int64)},
+         "exceeds max_positions"),
+        ({"max_tokens": np.array([[4]], dtype=np.int64)}, "send the prompt as"),
+        ({"input_ids": np.array([[1, 2]], dtype=np.int64), "temperature": np.array([[-1.0]], dtype=np.float32)},
+         "temperature must be >= 0"),
+    ]
+
+
+def bad_client(server: Server, model: str, vocab: int, max_positions: int, stop: threading.Event, tally: dict) -> None:
+    """Sends malformed requests until `stop`, each on a fresh stream; tallies what came back."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    cases = bad_requests(vocab, max_positions)
+    i = 0
+    while not stop.is_set():
+        inputs, expected = cases[i % len(cases)]
+        i += 1
+        answers: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.url["grpc"])
+        client.start_stream(callback=lambda result, error, answers=answers: answers.put((result, error)))
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        _, error = answers.get(timeout=60)
+        ok = error is not None and expected in str(error)
+        tally["answered_own_error" if ok else "wrong_answer"] += 1
+        if not ok and len(tally["examples"]) < 3:
+            tally["examples"].append(str(error)[:200] if error is not None else "a response, not an error")
+        client.stop_stream()
+        client.close()
+
+
 def level(server: Server, model: str, clients: int, requests: int, prompt_len: int, new_tokens: int,
-          vocab: int) -> dict:
+          vocab: int, max_positions: int | None = None) -> dict:
+    """One concurrency level; max_positions given: a bad client sends malformed requests meanwhile."""
     import tritonclient.grpc as grpcclient
 
     ttft, itl, tokens, errors = [], [], [0], []
     lock = threading.Lock()
     barrier = threading.Barrier(clients + 1)
+    bad = {"answered_own_error": 0, "wrong_answer": 0, "examples": []}
+    stop_bad = threading.Event()
+    bad_thread = None
+    if max_positions is not None:
+        bad_thread = threading.Thread(target=bad_client, args=(server, model, vocab, max_positions, stop_bad, bad))
+        bad_thread.start()
 
     def client_loop(seed: int) -> None:
         answers: queue.Queue = queue.Queue()
@@ -93,8 +162,12 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    stop_bad.set()
+    if bad_thread is not None:
+        bad_thread.join()
     return {
         "clients": clients, "requests": clients * requests, "errors": len(errors), "first_errors": errors[:3],
+        "bad_requests": bad if bad_thread is not None else None, "server_rss_mb": tree_rss_mb(server.proc.pid),
         "tokens": tokens[0], "wall_s": wall, "tokens_per_s": tokens[0] / wall,
         "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
         "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
@@ -115,6 +188,40 @@ def bare_decode(artifact, prompt_len: int, new_tokens: int) -> float:
     return new_tokens / (time.perf_counter() - start)
 
 
+def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int, new_tokens: int) -> dict[int, float]:
+    """Tokens/s of the in-flight scheduler in this process, without Triton: clients as threads
+    reading `InflightScheduler.stream` (the same level shape as the served run). What the served
+    run loses beside it is the cost of sending every token through PyTriton, Triton and gRPC."""
+    from moedeploy.models.generation import SamplingConfig
+    from moedeploy.runtime.inflight import RowCacheDecoder
+    from moedeploy.serving.inflight import InflightScheduler
+
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=max(levels), capacity=prompt_len + new_tokens))
+    vocab = artifact.manifest["config"]["vocab_size"]
+    results = {}
+    try:
+        list(scheduler.stream(np.arange(8), 4, SamplingConfig()))  # warm-up
+        for clients in levels:
+            counts = [0] * clients
+
+            def client(i: int, counts: list[int] = counts) -> None:
+                rng = np.random.default_rng(i)
+                for _ in range(requests):
+                    counts[i] += len(list(scheduler.stream(rng.integers(0, vocab, prompt_len), new_tokens,
+                                                           SamplingConfig())))
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            results[clients] = sum(counts) / (time.perf_counter() - start)
+    finally:
+        scheduler.stop()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=None, help="a decoder artifact (default: the 'small' preset, "
@@ -124,6 +231,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--backend", default="ort")
+    parser.add_argument("--bad-client", action="store_true", help="one more client sending malformed requests throughout")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     for name, value in (("max_queue_delay_us", 100), ("instances", 1), ("max_batch_size", None)):
@@ -138,19 +246,28 @@ def main() -> None:
         artifact, _ = prepare("small", ["ort"], 1, args.prompt_len, args.new_tokens, print)
     name = artifact.name
     vocab = artifact.manifest["config"]["vocab_size"]
+    max_positions = artifact.manifest["config"]["max_positions"] if args.bad_client else None
     bare = bare_decode(artifact, args.prompt_len, args.new_tokens)
+    levels = [int(c) for c in args.clients.split(",")]
+    alone = scheduler_alone(artifact, levels, args.requests, args.prompt_len, args.new_tokens)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(artifact.path, args, dynamic=True, log=Path(tmp) / "triton.log")
         try:
             server.wait_ready(f"{name}_stream")
             level(server, f"{name}_stream", 1, 1, args.prompt_len, 4, vocab)  # warm-up
-            for clients in (int(c) for c in args.clients.split(",")):
-                r = level(server, f"{name}_stream", clients, args.requests, args.prompt_len, args.new_tokens, vocab)
+            warm_rss = tree_rss_mb(server.proc.pid)
+            print(f"server RSS after warm-up: {warm_rss:.0f} MB", flush=True)
+            for clients in levels:
+                r = level(server, f"{name}_stream", clients, args.requests, args.prompt_len, args.new_tokens, vocab,
+                          max_positions)
                 results.append(r)
+                bad = r["bad_requests"]
+                bad_text = (f"  bad requests: {bad['answered_own_error']} own errors, {bad['wrong_answer']} wrong"
+                            if bad else "")
                 print(f"{clients:>3} clients: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} "
                       f"p99 {r['ttft_p99_ms']:8.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  "
-                      f"errors {r['errors']}", flush=True)
+                      f"errors {r['errors']}  server RSS {r['server_rss_mb']:.0f} MB{bad_text}", flush=True)
         finally:
             server.stop()
     one = results[0]["tokens_per_s"] if results and results[0]["clients"] == 1 else None
@@ -158,10 +275,14 @@ def main() -> None:
     for r in results:
         r["vs_one_client"] = r["tokens_per_s"] / one if one else None
         r["of_bare_decode"] = r["tokens_per_s"] / bare
+        r["scheduler_alone_tokens_per_s"] = alone[r["clients"]]
+    print("the in-flight scheduler without Triton: " + ", ".join(f"{c} clients {t:.1f}" for c, t in alone.items())
+          + " tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                                "settings": vars(args) | {"artifact": str(artifact.path)},
-                                               "bare_decode_tokens_per_s": bare, "levels": results}, indent=2,
+                                               "bare_decode_tokens_per_s": bare, "server_rss_mb_after_warmup": warm_rss,
+                                               "levels": results}, indent=2,
                                               default=str))
 
 

@@ -149,7 +149,7 @@ def _events(scheduler: InflightScheduler, prompt, new, **kw) -> tuple[list, thre
 def test_generation_stops_at_an_eos_id_and_says_why(exported, scheduler) -> None:
     hf, _ = exported
     prompt = _ids(hf.config.vocab_size, 5, 21)
-    greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 5:].tolist()
+    greedy = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 5:].tolist()
     eos = greedy[3]
     events, done = _events(scheduler, prompt, 10, eos=frozenset({eos}))
     assert done.wait(30)
@@ -173,7 +173,7 @@ def test_a_cancelled_generation_frees_its_row_and_the_others_go_on(exported, sch
     assert cancelled_done.wait(30) and other_done.wait(30)
     assert cancelled_events[-1] == Finished("cancelled") and len(cancelled_events) < 50
     with torch.no_grad():
-        expected = hf.generate(torch.tensor([other]), max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, 6:]
+        expected = hf.generate(torch.from_numpy(other)[None], max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, 6:]
     assert other_events == [*expected.tolist(), Finished("length")]
     assert scheduler.running == 0
 
@@ -211,5 +211,5 @@ def test_a_prompt_that_fails_in_the_backend_fails_alone(exported, scheduler) -> 
         assert done.wait(30)
     assert isinstance(runs[1][0][-1], ServerError) and "generation failed" in str(runs[1][0][-1])
     for (events, _), prompt in zip((runs[0], runs[2]), good, strict=True):
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, 5:]
+        expected = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, 5:]
         assert events == [*expected.tolist(), Finished("length")]

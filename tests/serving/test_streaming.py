@@ -174,6 +174,46 @@ def test_concurrent_streams_are_batched_in_flight_and_each_gets_its_tokens_alone
     assert scheduler.running == 0
 
 
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """Every sample on the metrics port, by (name, sorted labels), parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_the_metrics_port_counts_tokens_and_times_first_token_and_gaps(served) -> None:
+    """One stream of NEW tokens and one refused request move moedeploy's metrics by exactly that
+    much; Triton's own metrics stay on the same page; nothing runs or waits afterwards."""
+    server, *_ = served
+    label = (("model", MODEL),)
+    before = scrape(server)
+    got = grpc_stream(server, {"input_ids": np.array([[5, 6, 7]], dtype=np.int64),
+                               "max_tokens": np.array([[NEW]], dtype=np.int64)})
+    tokens, _ = tokens_and_text(got)
+    (_, _, error), = grpc_stream(server, {"max_tokens": np.array([[4]], dtype=np.int64)})
+    assert error is not None
+    after = scrape(server)
+
+    def delta(name: str, labels=label) -> float:
+        labels = tuple(sorted(labels))
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert delta("moedeploy_generated_tokens_total") == len(tokens) > 0
+    assert delta("moedeploy_time_to_first_token_seconds_count") == 1
+    assert delta("moedeploy_inter_token_latency_seconds_count") == len(tokens) - 1
+    assert 0 < delta("moedeploy_time_to_first_token_seconds_sum") < 30
+    # a histogram's buckets are cumulative: the +Inf bucket holds every observation
+    assert delta("moedeploy_inter_token_latency_seconds_bucket", (*label, ("le", "+Inf"))) == len(tokens) - 1
+    assert delta("moedeploy_stream_requests_total", (*label, ("outcome", "finished"))) == 1
+    assert delta("moedeploy_stream_requests_total", (*label, ("outcome", "refused"))) == 1
+    assert after[("moedeploy_running_sequences", label)] == 0 and after[("moedeploy_queued_sequences", label)] == 0
+    # Triton's own, on the same page (the parser names a counter's sample <name>_total)
+    assert after[("nv_inference_request_success_total", (("model", MODEL), ("version", "1")))] >= 1
+
+
 @pytest.fixture(scope="module")
 def openai_client(served):
     """The official `openai` client on the server's OpenAI-compatible port."""

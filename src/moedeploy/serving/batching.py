@@ -164,8 +164,13 @@ class InFlight:
     @property
     def idle(self) -> bool:
         """No call in progress."""
+        return self.active == 0
+
+    @property
+    def active(self) -> int:
+        """Calls in progress."""
         with self._lock:
-            return self._active == 0
+            return self._active
 
     def _enter(self) -> None:
         with self._lock:

@@ -19,7 +19,9 @@ at start-up: its endpoints (health included) open only once every model is loade
 Triton listens on loopback only, on private ports; the user's HTTP and gRPC ports belong to
 moedeploy's front (`front`), which refuses a request over `--max-request-mb` before Triton reads
 it and cancels the generation of an HTTP client that went away. The front opens once Triton is
-ready and closes first when the server stops. Prometheus metrics come from Triton directly.
+ready and closes first when the server stops. The metrics port is moedeploy's too: Triton's
+Prometheus metrics (from its private port) and the generation metrics of `metrics.py` (tokens,
+time to first token, inter-token latency, running and queued sequences).
 
 A decoder's `<name>_stream` on ONNX Runtime runs in-flight batching when its attention can run
 on GroupQueryAttention (serving/inflight.py): concurrent streams share each decode step, at
@@ -54,6 +56,7 @@ from moedeploy.serving.batching import LOGGER, BatchedModel, PerRequest, first_l
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
 from moedeploy.serving.inflight import InflightScheduler
+from moedeploy.serving.metrics import GenerationMetrics, MetricsFront
 from moedeploy.serving.openai_api import OpenAIFront, served_models_of
 from moedeploy.serving.specs import (
     GENERATE_SUFFIX,
@@ -67,7 +70,7 @@ from moedeploy.serving.streaming import InflightTokens, SerialTokens, StreamMode
 
 BACKENDS = ("ort", "trt", "torch")
 UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
-INSTALL_HINT = "serving needs nvidia-pytriton and tritonclient: pip install 'moedeploy[serve]'"
+INSTALL_HINT = "serving needs nvidia-pytriton, tritonclient and prometheus-client: pip install 'moedeploy[serve]'"
 TRITON_HOST = "127.0.0.1"  # Triton's HTTP and gRPC endpoints: loopback only, behind the front
 
 
@@ -76,7 +79,7 @@ class ServingUnavailable(RuntimeError):
 
 
 def require_pytriton() -> None:
-    if importlib.util.find_spec("pytriton") is None:
+    if importlib.util.find_spec("pytriton") is None or importlib.util.find_spec("prometheus_client") is None:
         raise ServingUnavailable(INSTALL_HINT)
 
 
@@ -178,7 +181,8 @@ def activated_runner(backend: str, artifact: Artifact):
 
 def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None,
                    cancelled: CancelledRequests | None = None,
-                   scheduler: InflightScheduler | None = None) -> PerRequest | StreamModel:
+                   scheduler: InflightScheduler | None = None,
+                   metrics: GenerationMetrics | None = None) -> PerRequest | StreamModel:
     """The PyTriton callable of one served model over one runner; generation stops early once
     stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
     in `cancelled`. A stream model runs on `scheduler` when there is one (in-flight batching),
@@ -193,7 +197,7 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
         shape = DecoderShape.of(artifact)
         source: TokenSource = InflightTokens(scheduler) if scheduler is not None else SerialTokens(run, shape)
-        return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled)
+        return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled, metrics)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -343,7 +347,8 @@ class ModelServer:
         self._output: triton_output.TritonOutputFilter | None = None
         self.cancelled = CancelledRequests()  # HTTP generations whose client went away
         self._fronts: list[HttpFront | GrpcFront | OpenAIFront] = []
-        self._triton_ports: tuple[int, int] | None = None  # Triton's own (http, grpc), behind the front
+        self._triton_ports: tuple[int, int, int] | None = None  # Triton's own (http, grpc, metrics), behind the fronts
+        self.metrics: GenerationMetrics | None = None
 
     @property
     def model_names(self) -> list[str]:
@@ -372,7 +377,7 @@ class ModelServer:
     def triton_grpc_url(self) -> str:
         return f"{TRITON_HOST}:{self._private_ports()[1]}"
 
-    def _private_ports(self) -> tuple[int, int]:
+    def _private_ports(self) -> tuple[int, int, int]:
         if self._triton_ports is None:
             raise ServingError("the server is not running")
         return self._triton_ports
@@ -401,6 +406,7 @@ class ModelServer:
             cancel_dir.mkdir()
             callables = []
             generation_runners: dict[Path, list[Any]] = {}
+            self.metrics = GenerationMetrics()
             for artifact, spec in self.specs:
                 scheduler = None
                 if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort":
@@ -412,9 +418,11 @@ class ModelServer:
                     self._runners += runners
                 if spec.name.endswith(GENERATE_SUFFIX):
                     generation_runners[artifact.path] = runners
-                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled, scheduler)
+                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled, scheduler, self.metrics)
                                   for r in runners])
-            self._triton_ports = tuple(loopback_ports(2, avoid=(o.http_port, o.grpc_port, o.metrics_port)))
+                if spec.name.endswith(STREAM_SUFFIX):
+                    self._watch(spec.name, scheduler, callables[-1])
+            self._triton_ports = tuple(loopback_ports(3, avoid=(o.http_port, o.grpc_port, o.metrics_port)))
             self._callables = [c for per_model in callables for c in per_model]
             gpu = triton_output.cuda_visible()
             self._triton = self._bind(callables, gpu_metrics=gpu)
@@ -447,6 +455,14 @@ class ModelServer:
         self._schedulers.append(scheduler)
         return scheduler
 
+    def _watch(self, name: str, scheduler: InflightScheduler | None, models: list[StreamModel]) -> None:
+        """The running and queued gauges of a stream model: its scheduler's rows and queue, or
+        (a request at a time) the calls in progress and no queue."""
+        if scheduler is not None:
+            self.metrics.watch(name, lambda: scheduler.running, lambda: scheduler.queued)
+        else:
+            self.metrics.watch(name, lambda: sum(m.active for m in models), lambda: 0)
+
     def _start_fronts(self) -> None:
         """The user's HTTP and gRPC ports, once Triton is ready (so they too open only then)."""
         o = self.options
@@ -456,6 +472,9 @@ class ModelServer:
                                       self.cancelled))
         self._fronts[-1].start()
         self._fronts.append(GrpcFront(o.host, o.grpc_port, self.triton_grpc_url, max_bytes))
+        self._fronts[-1].start()
+        self._fronts.append(MetricsFront(o.host, o.metrics_port, f"http://{TRITON_HOST}:{self._private_ports()[2]}",
+                                         self.metrics))
         self._fronts[-1].start()
         if o.openai_port is not None:  # forwards to the HTTP front above, so a client that goes away cancels there too
             self._fronts.append(OpenAIFront(o.host, o.openai_port, f"http://{self.http_url}", self.openai_models))
@@ -474,10 +493,10 @@ class ModelServer:
         from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
 
         o = self.options
-        triton_http, triton_grpc = self._private_ports()
+        triton_http, triton_grpc, triton_metrics = self._private_ports()
         config = TritonConfig(
-            http_address=TRITON_HOST, grpc_address=TRITON_HOST, metrics_address=o.host,
-            http_port=triton_http, grpc_port=triton_grpc, metrics_port=o.metrics_port,
+            http_address=TRITON_HOST, grpc_address=TRITON_HOST, metrics_address=TRITON_HOST,
+            http_port=triton_http, grpc_port=triton_grpc, metrics_port=triton_metrics,
             # the front's request id reaches the model as a request parameter (HTTP cancellation)
             http_header_forward_pattern=TRITON_FORWARD_PATTERN,
             # Our drain waits exit_timeout_s for requests in flight; Triton's own exit timeout

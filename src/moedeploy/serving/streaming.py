@@ -52,6 +52,7 @@ from moedeploy.serving.batching import (
 from moedeploy.serving.decoder import DecoderShape, RunnerDecoder, option_value
 from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
 from moedeploy.serving.inflight import Finished, InflightScheduler
+from moedeploy.serving.metrics import GenerationMetrics
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -195,9 +196,11 @@ class StreamModel(InFlight):
     """The PyTriton callable of `<name>_stream` (an async generator: one list of one response per token)."""
 
     def __init__(self, model_name: str, source: TokenSource, shape: DecoderShape, codec: TextCodec | None,
-                 cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None) -> None:
+                 cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None,
+                 metrics: GenerationMetrics | None = None) -> None:
         super().__init__()
         self.model_name = model_name
+        self.metrics = metrics
         self.source = source
         self.shape = shape
         self.codec = codec
@@ -226,6 +229,7 @@ class StreamModel(InFlight):
         return lambda: any(check() for check in checks)
 
     async def _answer(self, request: Any) -> AsyncIterator[Feed]:
+        timer = self.metrics.request(self.model_name) if self.metrics is not None else _NoTimer()
         try:
             if self.draining.is_set():
                 raise Unavailable("the server is shutting down; retry on another replica")
@@ -241,6 +245,7 @@ class StreamModel(InFlight):
             error = e if not isinstance(e, TextError) else RequestError(str(e))
             if isinstance(error, RequestError):
                 LOGGER.warning("%s: refused a request: %s", self.model_name, first_line(error))
+            timer.done("refused")
             yield error_answer(error)
             return
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
@@ -261,16 +266,29 @@ class StreamModel(InFlight):
                         last, finish = True, "stop"
                     elif last:
                         piece += stops.flush()
+                timer.tokens(1)
                 yield {GENERATE_OUTPUT: np.array([[token]], dtype=np.int64),
                        STREAM_TEXT_OUTPUT: np.array([[piece.encode("utf-8")]], dtype=np.bytes_),
                        STREAM_FINISH_OUTPUT: np.array([[finish.encode()]], dtype=np.bytes_)}
                 if last:
                     break
+            timer.done("finished")
         except Cancelled:
+            timer.done("cancelled")
             return  # nobody reads the answer
         except Exception as e:  # a backend failure mid-stream: this request's error, the server goes on
             LOGGER.error("%s: a stream failed: %s", self.model_name, first_line(e))
+            timer.done("failed")
             yield error_answer(e if isinstance(e, ServerError) else ServerError(f"generation failed: {first_line(e)}"))
         finally:
             await tokens.aclose()  # frees its row (in flight) or its cache (serial) now, not when collected
 
+
+class _NoTimer:
+    """What a stream model without metrics records: nothing."""
+
+    def tokens(self, n: int = 1) -> None:
+        pass
+
+    def done(self, outcome: str) -> None:
+        pass
