@@ -71,7 +71,11 @@ class Server:
             cmd.append("--no-dynamic-batching")
         if args.max_batch_size:
             cmd += ["--max-batch-size", str(args.max_batch_size)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # the server's console goes to a file: a pipe nobody reads until the end fills up (64 KiB of
+        # "refused a request" lines) and then blocks the server's next log line, and with it the model
+        self.console = log.with_name(log.name + ".console")
+        with self.console.open("w") as console:
+            self.proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, text=True)
         self.url = {"http": f"{HOST}:{self.http}", "grpc": f"{HOST}:{self.grpc}"}
         self.metrics_url = f"http://{HOST}:{self.metrics}/metrics"
 
@@ -82,7 +86,7 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("the server exited:\n" + self.proc.communicate()[0])
+                raise RuntimeError("the server exited:\n" + self.console.read_text())
             try:
                 if client.is_model_ready(model):
                     return
@@ -95,10 +99,10 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.communicate(timeout=60)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.communicate()
+                self.proc.wait()
 
 
 def make_request(protocol: str, inputs: dict[str, np.ndarray]):

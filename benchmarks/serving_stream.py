@@ -14,7 +14,7 @@ one run on one machine, never asserted in tests.
 --bad-client adds one more client that sends malformed requests throughout every level (token
 ids outside the vocabulary, a prompt + max_tokens over max_positions, no prompt, a negative
 temperature): each must get one error naming its own problem, and the good requests none. The
-server's memory (the RSS of its whole process tree) is sampled after the warm-up and after each
+server's memory (the PSS of its whole process tree) is sampled after the warm-up and after each
 level: it should stay flat.
 
     python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--bad-client] [--json out.json]
@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_soak import tree_pss_mb  # the server's memory: its process tree's PSS
+
 from serving import Server  # the `moedeploy serve` subprocess of benchmarks/serving.py
 
 
@@ -61,21 +63,6 @@ def one_stream(client, model: str, prompt: np.ndarray, new_tokens: int, answers:
         if result.get_response().parameters["triton_final_response"].bool_param:
             return arrivals[0] - sent, arrivals
         arrivals.append(arrived)
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants (Triton and its model stubs), in MB."""
-    total, todo = 0, [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration):  # gone meanwhile
-            continue
-    return total / 1024
 
 
 def bad_requests(vocab: int, max_positions: int) -> list[tuple[dict[str, np.ndarray], str]]:
@@ -167,7 +154,7 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
         bad_thread.join()
     return {
         "clients": clients, "requests": clients * requests, "errors": len(errors), "first_errors": errors[:3],
-        "bad_requests": bad if bad_thread is not None else None, "server_rss_mb": tree_rss_mb(server.proc.pid),
+        "bad_requests": bad if bad_thread is not None else None, "server_pss_mb": tree_pss_mb(server.proc.pid),
         "tokens": tokens[0], "wall_s": wall, "tokens_per_s": tokens[0] / wall,
         "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
         "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
@@ -256,8 +243,8 @@ def main() -> None:
         try:
             server.wait_ready(f"{name}_stream")
             level(server, f"{name}_stream", 1, 1, args.prompt_len, 4, vocab)  # warm-up
-            warm_rss = tree_rss_mb(server.proc.pid)
-            print(f"server RSS after warm-up: {warm_rss:.0f} MB", flush=True)
+            warm_pss = tree_pss_mb(server.proc.pid)
+            print(f"server PSS after warm-up: {warm_pss:.0f} MB", flush=True)
             for clients in levels:
                 r = level(server, f"{name}_stream", clients, args.requests, args.prompt_len, args.new_tokens, vocab,
                           max_positions)
@@ -267,7 +254,7 @@ def main() -> None:
                             if bad else "")
                 print(f"{clients:>3} clients: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} "
                       f"p99 {r['ttft_p99_ms']:8.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  "
-                      f"errors {r['errors']}  server RSS {r['server_rss_mb']:.0f} MB{bad_text}", flush=True)
+                      f"errors {r['errors']}  server PSS {r['server_pss_mb']:.0f} MB{bad_text}", flush=True)
         finally:
             server.stop()
     one = results[0]["tokens_per_s"] if results and results[0]["clients"] == 1 else None
@@ -281,7 +268,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                                "settings": vars(args) | {"artifact": str(artifact.path)},
-                                               "bare_decode_tokens_per_s": bare, "server_rss_mb_after_warmup": warm_rss,
+                                               "bare_decode_tokens_per_s": bare, "server_pss_mb_after_warmup": warm_pss,
                                                "levels": results}, indent=2,
                                               default=str))
 
