@@ -50,7 +50,8 @@ def export_with_tokenizer(root: Path, seed: int = 2, sliding_window: int | None 
     from tests.families.cases import _family_config, make_model, save_checkpoint
 
     config = _family_config("mixtral", 2, head_dim=16, intermediate_size=33, num_local_experts=5,
-                            num_experts_per_tok=2, sliding_window=sliding_window, vocab_size=VOCAB + 8)
+                            num_experts_per_tok=2, sliding_window=sliding_window, vocab_size=VOCAB + 8,
+                            max_position_embeddings=2048)  # room for a generation long enough to abandon
     hf = make_model(config, seed=seed)
     checkpoint = save_checkpoint(hf, root / "checkpoint")
     write_tokenizer(checkpoint)

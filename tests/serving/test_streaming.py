@@ -214,6 +214,63 @@ def test_the_metrics_port_counts_tokens_and_times_first_token_and_gaps(served) -
     assert after[("nv_inference_request_success_total", (("model", MODEL), ("version", "1")))] >= 1
 
 
+def test_stream_clients_that_go_away_free_their_rows(served) -> None:
+    """An SSE client that closes its connection after two events, and a gRPC client that cancels
+    its stream after two responses: each generation stops long before its 2,000 tokens (outcome
+    "cancelled" on the metrics port) and its row of the in-flight cache is free again."""
+    import http.client
+
+    import tritonclient.grpc as grpcclient
+
+    server, *_ = served
+    (scheduler,) = server._schedulers
+    label = (("model", MODEL),)
+    cancelled_key = ("moedeploy_stream_requests_total", tuple(sorted((*label, ("outcome", "cancelled")))))
+    tokens_key = ("moedeploy_generated_tokens_total", label)
+    before = scrape(server)
+
+    def wait_for_cancelled(n: int) -> dict:
+        deadline = time.monotonic() + 30
+        while True:
+            now = scrape(server)
+            if now.get(cancelled_key, 0) - before.get(cancelled_key, 0) >= n or time.monotonic() > deadline:
+                return now
+            time.sleep(0.02)
+
+    connection = http.client.HTTPConnection(HOST, server.options.http_port, timeout=60)
+    connection.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                       json.dumps({"input_ids": [5, 6, 7], "max_tokens": 2000}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    events = 0
+    while events < 2:
+        events += response.readline().startswith(b"data: ")
+    connection.close()  # the client goes away mid-stream
+    after_http = wait_for_cancelled(1)
+
+    answers: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    tensors = []
+    for name, array in {"input_ids": np.array([[5, 6, 7]], dtype=np.int64),
+                        "max_tokens": np.array([[2000]], dtype=np.int64)}.items():
+        tensors.append(grpcclient.InferInput(name, list(array.shape), "INT64"))
+        tensors[-1].set_data_from_numpy(array)
+    c.async_stream_infer(MODEL, tensors)
+    answers.get(timeout=60)
+    answers.get(timeout=60)
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    after = wait_for_cancelled(2)
+
+    assert after_http[cancelled_key] - before.get(cancelled_key, 0) == 1
+    assert after[cancelled_key] - before.get(cancelled_key, 0) == 2
+    assert after[tokens_key] - before.get(tokens_key, 0) < 2 * 1000  # both stopped well before their 2,000 tokens
+    deadline = time.monotonic() + 10
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running == 0
+
+
 @pytest.fixture(scope="module")
 def openai_client(served):
     """The official `openai` client on the server's OpenAI-compatible port."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -235,7 +236,16 @@ class HttpFront(LoopServer):
         body: Any = None
         if request.body_exists:
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
-            if size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
+            if request_id is not None and infer[2] != "infer":
+                # Triton forwards no header to a model through its generate extension: the id goes
+                # in the request's JSON "parameters" instead (read whole, up to the limit)
+                body = await self._whole_body(request)
+                if body is None:
+                    return self._refusal(413, too_big_message(self.max_bytes, None))
+                body = with_parameter(bytes(body), REQUEST_ID_HEADER, request_id)
+                headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
+                headers.append(("Content-Length", str(len(body))))
+            elif size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
                 body = await self._whole_body(request)
                 if body is None:
                     return self._refusal(413, too_big_message(self.max_bytes, None))
@@ -265,6 +275,8 @@ class HttpFront(LoopServer):
             raise
         except (ClientError, OSError, asyncio.TimeoutError) as e:
             if response is not None:  # mid-answer: the status is sent; cut the connection
+                if request_id is not None:  # a write to a client that went away fails here, not as a cancel
+                    self.cancelled.cancel(request_id)
                 if request.transport is not None:
                     request.transport.abort()
                 return response
@@ -273,6 +285,20 @@ class HttpFront(LoopServer):
             LOGGER.warning("http front: no answer from Triton for %s %s: %s", request.method, request.path,
                            _one_line(e))
             return self._refusal(503, f"the model server is unavailable ({_one_line(e)}); retry")
+
+
+def with_parameter(body: bytes, name: str, value: str) -> bytes:
+    """A generate request's JSON body with `name` set in its "parameters" object (Triton hands
+    those to the model as request parameters); a body that is not a JSON object passes unchanged,
+    for Triton to refuse in its own words."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(payload, dict) or not isinstance(payload.get("parameters", {}), dict):
+        return body
+    payload["parameters"] = {**payload.get("parameters", {}), name: value}
+    return json.dumps(payload).encode()
 
 
 def _one_line(error: BaseException) -> str:

@@ -205,7 +205,7 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
 
 #: What stub_guard.install replaces in PyTriton's proxy model.py (as PyTriton 0.7 spells it).
 PROXY_HOOKS = ("def _wrap_response(", "class TritonRequestsServer", "def _wrap_request(", "class TritonPythonModel",
-               "def execute(")
+               "def execute(", "class DecoupledResponsesHandler", "async def handle_responses(")
 
 
 def install_guard(version_dir: Path, limits: dict) -> None:

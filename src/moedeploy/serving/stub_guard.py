@@ -15,7 +15,8 @@ to it that call `install`, which replaces two of that module's functions:
   for a request they refuse) becomes that one request's own Triton error, with its code
   (INVALID_ARG answers HTTP 400 and gRPC INVALID_ARGUMENT);
 - `TritonPythonModel.execute`: every request in execution gets a token (passed on in its
-  parameters as `TOKEN_PARAMETER`), and a watcher thread creates `<cancel_dir>/<token>` when
+  parameters as `TOKEN_PARAMETER`; a decoupled model's request keeps it until its final
+  response, `DecoupledResponsesHandler.handle_responses`), and a watcher thread creates `<cancel_dir>/<token>` when
   Triton reports the request cancelled (a gRPC client cancelled it or went away; Triton 2.51
   detects no cancellation over HTTP, for which moedeploy's front marks the request itself, see
   `front`). A generation polls for that file between tokens.
@@ -87,10 +88,25 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
     def execute(self: Any, triton_requests: Any) -> Any:
         for request in triton_requests:
             tokens.add(request)
+        decoupled = bool(getattr(self, "_decoupled_model", False))
         try:
             return original_execute(self, triton_requests)
+        except BaseException:
+            decoupled = False
+            raise
         finally:
-            for request in triton_requests:
+            if not decoupled:  # a decoupled model answers after execute returns: see handle_responses
+                for request in triton_requests:
+                    tokens.remove(request)
+
+    async def handle_responses(self: Any, scope: Any, responses_queue: Any, responses_future: Any) -> Any:
+        """A decoupled model's requests keep their tokens (and so their cancellation watch) until
+        their final response is sent."""
+        requests = list(self._requests_map.get(scope["requests_id"], []))
+        try:
+            return await original_handle(self, scope, responses_queue, responses_future)
+        finally:
+            for request in requests:
                 tokens.remove(request)
 
     def wrap_request(self: Any, triton_request: Any, inputs: Any, span: Any = None) -> Any:
@@ -129,6 +145,9 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
     namespace["_wrap_response"] = wrap_response
     if tokens.cancel_dir is not None:
         model_type.execute = execute
+        decoupled_type = namespace["DecoupledResponsesHandler"]
+        original_handle = decoupled_type.handle_responses
+        decoupled_type.handle_responses = handle_responses
         threading.Thread(target=tokens.watch, name="moedeploy-cancel-watch", daemon=True).start()
 
 
