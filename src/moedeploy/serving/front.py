@@ -16,9 +16,11 @@ last token.
   the memory of whatever it has buffered, so it never gets part of a refused body. Every other status, header and body
   passes through unchanged. An inference request to a generation model gets a fresh
   `REQUEST_ID_HEADER`, which Triton forwards to the model as a request parameter
-  (`--http-header-forward-pattern`); when its client disconnects before the answer, the id is
-  marked in `CancelledRequests`, which the generation loop (running in this same process, as
-  PyTriton's callables do) checks before every token.
+  (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
+  the id goes into the JSON body's "parameters" instead); when its client disconnects before
+  the answer (or, streaming, before the last token), the id is marked in `CancelledRequests`,
+  which the generation loop (running in this same process, as PyTriton's callables do) checks
+  before every token.
 - gRPC (grpcio): a generic proxy that forwards every method's raw bytes (unary-unary, and the
   stream-stream ModelStreamInfer). grpcio refuses a message over the limit itself, with
   RESOURCE_EXHAUSTED, before it reaches a handler; a client's cancellation (or deadline)
