@@ -328,14 +328,14 @@ def given(ctx: typer.Context, param: str) -> bool:
 
 
 def _split_backends(value: str) -> list[str]:
-    from moedeploy.runtime.runners import BACKENDS
+    from moedeploy.compare.api import COMPARE_BACKENDS
 
-    choices = ", ".join(BACKENDS[1:])  # not torch: the reference every backend is compared with
+    choices = ", ".join(COMPARE_BACKENDS[1:])  # not torch: the reference every backend is compared with
     backends = [b.strip() for b in value.split(",") if b.strip()]
     if not backends:
         raise UserError(f"--backend needs at least one of: {choices}")
     for b in backends:
-        if b not in BACKENDS[1:]:
+        if b not in COMPARE_BACKENDS[1:]:
             raise UserError(f"unknown backend {b!r} in --backend; choose from: {choices}")
     return backends
 
@@ -365,6 +365,11 @@ def _print_report(report: dict) -> None:
             table.add_row(backend, *quantization_cells(m), "[green]pass[/green]" if m["passed"] else "[red]FAIL[/red]")
         out.print(table)
         out.print(escape(quantization_intro(q)), highlight=False)
+    if f := report.get("inflight"):
+        from moedeploy.compare.report import inflight_text
+
+        verdict = "[green]pass[/green]" if f["passed"] else "[red]FAIL[/red]"
+        out.print(f"in-flight batching ({f['backend']}): {verdict}  {escape(inflight_text(f))}", highlight=False)
     if report.get("first_divergent_layer"):
         from moedeploy.compare.report import divergence_note, plain, routing_note
 
@@ -394,7 +399,8 @@ def compare_cmd(
     backend: str = typer.Option("ort", "--backend", help="Comma-separated backends to check against eager PyTorch: ort "
                                 "(the default lowering), ort-contrib (every MoE on com.microsoft::MoE), ort-gqa (a "
                                 "decoder's attention on GroupQueryAttention), ort-skipnorm (residual + RMSNorm on "
-                                "SkipSimplifiedLayerNormalization), trt."),
+                                "SkipSimplifiedLayerNormalization), trt, ort-inflight (a decoder's sequences of different lengths decoded "
+                                "together on the in-flight batching row cache, each against eager PyTorch run whole)."),
     atol: float = typer.Option(None, "--atol", help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
     rtol: float = typer.Option(None, "--rtol", help="Relative tolerance for every output (default: the manifest's, by dtype)."),
     iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),

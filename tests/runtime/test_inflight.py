@@ -70,11 +70,34 @@ def test_rows_at_different_positions_decode_together_as_transformers_computes_ea
 
 
 def test_a_row_cache_refuses_attention_groupqueryattention_cannot_take(tmp_path) -> None:
+    from moedeploy.compare.api import compare
+
     config = _family_config("mixtral", 1, num_key_value_heads=2, head_dim=12, intermediate_size=30,
                             num_local_experts=4, num_experts_per_tok=2, hidden_size=48)  # head_dim not a multiple of 16
     artifact = export("decoder", tmp_path / "a", checkpoint=save_checkpoint(make_model(config, seed=1), tmp_path / "c"))
     with pytest.raises(LoweringError):
         RowCacheDecoder(artifact, slots=2)
+    inflight = compare(artifact, ["ort-inflight"], iterations=1)["inflight"]  # compare says why it did not run
+    assert inflight["passed"] and "head_dim 12 is not a multiple of 16" in inflight["skipped"]
+
+
+def test_compare_checks_in_flight_batching_against_eager_and_can_fail(exported, tmp_path) -> None:
+    """compare --backend ort-inflight: rows joining, leaving and moving, against eager PyTorch per
+    sequence; the same check against the eager model of other weights fails."""
+    from moedeploy.compare.api import compare, eager_reference
+    from moedeploy.compare.inflight import inflight_accuracy
+
+    _, artifact = exported
+    report = compare(artifact, ["ort-inflight"], iterations=1)
+    inflight = report["inflight"]
+    assert report["passed"] and inflight["passed"] and inflight["skipped"] is None
+    assert inflight["most_rows_in_a_step"] == 4 and inflight["positions"] == 4 * 7
+    assert inflight["max_abs_error"] < 1e-4 and inflight["within_tolerance"] == 1.0
+    assert "In-flight batching (ort-inflight): pass" in (artifact.path / "report" / "report.md").read_text()
+    hf_other = make_model(exported[0].config, seed=5)  # the same shape, other weights
+    other = export("decoder", tmp_path / "other", checkpoint=save_checkpoint(hf_other, tmp_path / "other-checkpoint"))
+    broken = inflight_accuracy(artifact, eager_reference(other), atol=1e-4, rtol=1e-4)
+    assert not broken["passed"] and broken["max_abs_error"] > 1e-2
 
 
 @pytest.fixture(scope="module")

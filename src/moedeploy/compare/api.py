@@ -18,6 +18,8 @@ import numpy as np
 from torch import nn
 
 from moedeploy.compare.data import ArtifactDataLoader
+from moedeploy.compare.inflight import BACKEND as INFLIGHT
+from moedeploy.compare.inflight import inflight_accuracy
 from moedeploy.compare.layerwise import localize
 from moedeploy.compare.metrics import error_stats
 from moedeploy.compare.quantization import quantization_accuracy
@@ -49,6 +51,10 @@ Progress = Callable[[str], None]
 #: What the first localised comparison tells report.json about where outputs start to diverge.
 LAYERWISE_KEYS = ("first_divergent_layer", "first_divergent_module", "first_divergent_routing_flips",
                   "first_divergent_routing_modules")
+
+
+#: what `compare --backend` takes: every runner but the reference, and the in-flight batching check
+COMPARE_BACKENDS = (*BACKENDS, INFLIGHT)
 
 
 def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | None) -> dict[str, tuple[float, float]]:
@@ -180,10 +186,10 @@ def compare(
 
     progress = progress or (lambda _: None)
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
-    unknown = [b for b in backends if b not in BACKENDS or b == "torch"]
+    unknown = [b for b in backends if b not in COMPARE_BACKENDS or b == "torch"]
     if unknown:
-        raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from {', '.join(BACKENDS[1:])}")
-    if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in DECODER_ONLY]):
+        raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from {', '.join(COMPARE_BACKENDS[1:])}")
+    if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in (*DECODER_ONLY, INFLIGHT)]):
         raise ValueError(f"--backend {decoder_only[0]} lowers a decoder's attention or residual norms; "
                          f"{artifact.path} holds a {artifact.kind!r}: compare it with ort, ort-contrib or trt")
     if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
@@ -199,7 +205,7 @@ def compare(
 
     progress("building the eager PyTorch reference")
     reference = TorchRunner(artifact, module_loader=handed_out_once(rebuild(), rebuild))  # checked before any run
-    runners = [reference] + [make_runner(b, artifact) for b in backends]
+    runners = [reference] + [make_runner(b, artifact) for b in backends if b != INFLIGHT]
 
     progress(f"running {', '.join(r.name for r in runners)} on {iterations} seeded inputs")
     compare_func = SimpleCompareFunc(
@@ -250,6 +256,12 @@ def compare(
         if report["first_divergent_layer"] is None:
             for key in LAYERWISE_KEYS:
                 report[key] = comparison["layerwise"][key]
+
+    report["inflight"] = None
+    if INFLIGHT in backends:
+        progress("decoding sequences of different lengths together on ONNX Runtime's row cache (in-flight batching)")
+        report["inflight"] = inflight_accuracy(artifact, rebuild(), *tolerances["logits"], seed=seed)
+        report["passed"] = report["passed"] and report["inflight"]["passed"]
 
     report["quantization"] = None
     if artifact.kind == "decoder" and artifact.manifest.get("quantization"):

@@ -105,6 +105,24 @@ def quantization_cells(m: dict[str, Any]) -> list[str]:
             fmt(m["max_logit_error"], "%.3f"), fmt(m["greedy_agreement"], "%.3f"), str(m["greedy_prefix"])]
 
 
+def inflight_text(f: dict[str, Any]) -> str:
+    """One paragraph: what the in-flight batching check ran and what it found."""
+    if f.get("skipped"):
+        return f"Not run: {f['skipped']}."
+    lengths = ", ".join(map(str, f["prompt_lengths"]))
+    return (f"{f['sequences']} prompts of {lengths} tokens joined one per decode step, each ran {f['decode_steps']} "
+            f"steps beside the others at its own position (up to {f['most_rows_in_a_step']} rows in one step; the "
+            f"first to finish left and the last row moved into its place), seeded tokens fed; {f['positions']} logit "
+            f"rows against eager PyTorch on each whole sequence: max abs error {fmt(f['max_abs_error'])}, "
+            f"{100 * f['within_tolerance']:.2f}% within atol {f['atol']:.0e} + rtol {f['rtol']:.0e} * |eager|.")
+
+
+def _inflight_markdown(f: dict[str, Any] | None) -> list[str]:
+    if not f:
+        return []
+    return [f"## In-flight batching ({f['backend']}): {_mark(f['passed'])}", "", inflight_text(f), ""]
+
+
 def _quantization_markdown(q: dict[str, Any] | None) -> list[str]:
     if not q:
         return []
@@ -152,6 +170,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += [f"| `{m['module']}` | {fmt(m['max_abs'])} | {_flips(m)} | {_mark(m['passed'])} |"
                       for m in c["layerwise"]["modules"]]
         lines.append("")
+    lines += _inflight_markdown(report.get("inflight"))
     lines += _quantization_markdown(report.get("quantization"))
     return "\n".join(lines)
 
@@ -178,7 +197,7 @@ def render_html(report: dict[str, Any], values: dict[str, dict[str, tuple[np.nda
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
     return env.from_string(template_text).render(
-        r=view, fmt=fmt, flips=_flips, quantization_intro=quantization_intro, quantization_cells=quantization_cells,
+        r=view, fmt=fmt, flips=_flips, quantization_intro=quantization_intro, quantization_cells=quantization_cells, inflight_text=inflight_text,
         quantization_columns=QUANTIZATION_COLUMNS, checkpoint_clause=_checkpoint_clause(report), divergence_note=_html_note(divergence_note(report, _code)),
         routing_note=_html_note(routing_note(report, _code)),
     )
