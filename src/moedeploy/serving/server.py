@@ -205,7 +205,8 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
 
 #: What stub_guard.install replaces in PyTriton's proxy model.py (as PyTriton 0.7 spells it).
 PROXY_HOOKS = ("def _wrap_response(", "class TritonRequestsServer", "def _wrap_request(", "class TritonPythonModel",
-               "def execute(", "class DecoupledResponsesHandler", "async def handle_responses(")
+               "def execute(", "class DecoupledResponsesHandler", "async def handle_responses(",
+               "PyTritonResponseFlags")
 
 
 def install_guard(version_dir: Path, limits: dict) -> None:

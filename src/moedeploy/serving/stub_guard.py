@@ -101,13 +101,20 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
 
     async def handle_responses(self: Any, scope: Any, responses_queue: Any, responses_future: Any) -> Any:
         """A decoupled model's requests keep their tokens (and so their cancellation watch) until
-        their final response is sent."""
+        their final response: the tokens go just before it is sent, since Triton frees a
+        request's response factory with the final response, and asking a freed one whether it
+        was cancelled crashes tritonserver (TRITONBACKEND_ResponseFactoryIsCancelled)."""
         requests = list(self._requests_map.get(scope["requests_id"], []))
-        try:
-            return await original_handle(self, scope, responses_queue, responses_future)
-        finally:
+
+        def release() -> None:
             for request in requests:
-                tokens.remove(request)
+                tokens.remove(request)  # waits for a check in progress (under `ipc`)
+
+        try:
+            return await original_handle(self, scope, _BeforeFinal(responses_queue, eos_flag, release),
+                                         responses_future)
+        finally:
+            release()
 
     def wrap_request(self: Any, triton_request: Any, inputs: Any, span: Any = None) -> Any:
         with tokens.ipc:
@@ -145,10 +152,34 @@ def install(namespace: dict[str, Any], limits_json: str) -> None:
     namespace["_wrap_response"] = wrap_response
     if tokens.cancel_dir is not None:
         model_type.execute = execute
+        eos_flag = namespace["PyTritonResponseFlags"].EOS
         decoupled_type = namespace["DecoupledResponsesHandler"]
         original_handle = decoupled_type.handle_responses
         decoupled_type.handle_responses = handle_responses
         threading.Thread(target=tokens.watch, name="moedeploy-cancel-watch", daemon=True).start()
+
+
+class _BeforeFinal:
+    """A decoupled handler's responses queue that calls `before()` when it hands over the last
+    responses (flag EOS), or when the handler is cancelled: before the final response is sent."""
+
+    def __init__(self, queue: Any, eos_flag: int, before: Any) -> None:
+        self._queue, self._eos_flag, self._before = queue, eos_flag, before
+
+    async def get(self) -> Any:
+        import asyncio
+
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self._before()
+            raise
+        if item[0] & self._eos_flag:
+            self._before()
+        return item
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
 
 
 class Tokens:
