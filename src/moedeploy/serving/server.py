@@ -553,10 +553,11 @@ class ModelServer:
             self._drain()
         self._stop_fronts()
         if self._triton is not None:
-            if not self._stop_tritonserver():
+            exited = self._stop_tritonserver()
+            if not exited:
                 with contextlib.suppress(Exception):  # best effort: the server may be gone already
                     self._unload_models()
-            self._triton.stop()
+            self._stop_pytriton(exited)
             self._triton = None
         if self._workspace is not None:  # PyTriton's stop cleaned it; a failed start may not have
             with contextlib.suppress(Exception):
@@ -574,6 +575,24 @@ class ModelServer:
         self._runners = []
         self._callables = []
         self._triton_ports = None
+
+    def _stop_pytriton(self, exited: bool) -> None:
+        """PyTriton's stop (its inference handlers, its workspace) once tritonserver has exited.
+
+        PyTriton signals tritonserver if its process handle says it is alive; between that check
+        and the signal the exited process can be reaped, and os.kill raises ProcessLookupError. So
+        first wait until the handle knows (asking it reaps the exited process), and should the race
+        still happen, finish what the interrupted stop left: the inference handlers."""
+        server = getattr(self._triton, "_triton_server", None)
+        deadline = time.monotonic() + 5.0
+        with contextlib.suppress(Exception):
+            while exited and server is not None and server.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        try:
+            self._triton.stop()
+        except ProcessLookupError:
+            with contextlib.suppress(Exception):
+                self._triton._model_manager.clean()
 
     def _drain(self) -> None:
         for model in self._callables:
