@@ -37,7 +37,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_soak import tree_pss_mb  # the server's memory: its process tree's PSS
 
-from serving import Server  # the `moedeploy serve` subprocess of benchmarks/serving.py
+from serving import (  # the `moedeploy serve` subprocess of benchmarks/serving.py
+    Server,
+    make_request,
+)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,7 +83,6 @@ def bad_requests(vocab: int, max_positions: int) -> list[tuple[dict[str, np.ndar
 def bad_client(server: Server, model: str, vocab: int, max_positions: int, stop: threading.Event, tally: dict) -> None:
     """Sends malformed requests until `stop`, each on a fresh stream; tallies what came back."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
 
     cases = bad_requests(vocab, max_positions)
     i = 0
@@ -90,11 +92,7 @@ def bad_client(server: Server, model: str, vocab: int, max_positions: int, stop:
         answers: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(server.url["grpc"])
         client.start_stream(callback=lambda result, error, answers=answers: answers.put((result, error)))
-        tensors = []
-        for name, array in inputs.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
+        _, tensors = make_request("grpc", inputs)
         client.async_stream_infer(model, tensors, enable_empty_final_response=True)
         _, error = answers.get(timeout=60)
         ok = error is not None and expected in str(error)

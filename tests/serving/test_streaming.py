@@ -244,7 +244,9 @@ def test_stream_clients_that_go_away_free_their_rows(served) -> None:
     response = connection.getresponse()
     events = 0
     while events < 2:
-        events += response.readline().startswith(b"data: ")
+        line = response.readline()
+        assert line, "the stream ended before two events"
+        events += line.startswith(b"data: ")
     connection.close()  # the client goes away mid-stream
     after_http = wait_for_cancelled(1)
 

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from moedeploy.export.artifact import Artifact
-from moedeploy.export.decoder import past_shapes
 from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime import gqa
 
@@ -69,7 +68,7 @@ def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rto
             got[s].append(logits)
     worst, within, total = 0.0, 0, 0
     for s, ids in enumerate(sequences):
-        expected = _eager_logits(reference, config, ids)[-len(got[s]):]
+        expected = _eager_logits(reference, artifact, ids)[-len(got[s]):]
         actual = np.stack(got[s]).astype(np.float64)
         error = np.abs(actual - expected)
         worst = max(worst, float(error.max()))
@@ -81,10 +80,10 @@ def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rto
             "passed": within == total}
 
 
-@torch.no_grad()
-def _eager_logits(reference: nn.Module, config: DecoderConfig, ids: list[int]) -> np.ndarray:
+def _eager_logits(reference: nn.Module, artifact: Artifact, ids: list[int]) -> np.ndarray:
     """(len(ids), vocab) logits of one whole sequence from an empty cache."""
-    dtype = next(reference.parameters()).dtype
-    key, value = (torch.zeros(shape, dtype=dtype) for shape in past_shapes(config, 1, 0))
-    logits, _ = reference(torch.tensor([ids]), [(key, value)] * config.n_layers)
-    return logits[0].double().numpy()
+    from moedeploy.runtime.generation import EagerDecoder
+
+    eager = EagerDecoder(artifact, reference)
+    eager.reset(1)
+    return eager.step(torch.tensor([ids]), 0)[0].double().numpy()

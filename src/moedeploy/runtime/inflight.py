@@ -71,7 +71,7 @@ class RowCacheDecoder:
         if self._bound == (first, count):
             return
         binding = self._binding
-        binding.bind_output("logits")
+        binding.bind_output("logits")  # first, so it is get_outputs()[0] (rebinding keeps its place)
         for name, buffer in zip(self.names, self.buffers, strict=True):
             view = ort.OrtValue.ortvalue_from_numpy(buffer[first:first + count])  # the rows themselves, no copy
             binding.bind_ortvalue_input(name, view)

@@ -238,19 +238,15 @@ class HttpFront(LoopServer):
         body: Any = None
         if request.body_exists:
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
-            if request_id is not None and infer[2] != "infer":
-                # Triton forwards no header to a model through its generate extension: the id goes
-                # in the request's JSON "parameters" instead (read whole, up to the limit)
+            # Triton forwards no header to a model through its generate extension: the id goes in
+            # the request's JSON "parameters" instead, so that body is read whole (up to the limit)
+            generate = request_id is not None and infer[2] != "infer"
+            if generate or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
                 body = await self._whole_body(request)
                 if body is None:
                     return self._refusal(413, too_big_message(self.max_bytes, None))
-                body = with_parameter(bytes(body), REQUEST_ID_HEADER, request_id)
-                headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
-                headers.append(("Content-Length", str(len(body))))
-            elif size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
-                body = await self._whole_body(request)
-                if body is None:
-                    return self._refusal(413, too_big_message(self.max_bytes, None))
+                if generate:
+                    body = with_parameter(bytes(body), REQUEST_ID_HEADER, request_id)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
             else:  # streamed through; aiohttp stops at the stated length
