@@ -1,5 +1,5 @@
-"""Weight-only int8/int4 beside fp32, and beside llama.cpp's f32/q8_0/q4_0, on the same weights, in
-one interleaved run: decode tokens/s, prefill, the bytes of weights a decode token reads, and the
+"""Weight-only int8/int4 beside fp32, and beside llama.cpp's f32/q8_0/q4_0 and OpenVINO's
+fp32/int8/int4, on the same weights, in one interleaved run: decode tokens/s, prefill, the bytes of weights a decode token reads, and the
 accuracy of each against the fp32 eager model.
 
 moedeploy's int8/int4 artifacts are exported from the same preset (`moedeploy export decoder
@@ -7,8 +7,13 @@ moedeploy's int8/int4 artifacts are exported from the same preset (`moedeploy ex
 q4_0 keeps its output at Q6_K and K/V at Q8_0 for a MoE model) and run on ONNX Runtime through the MatMulNBits lowering, timed at accuracy level 4
 (int8 activations, as bench runs a quantized artifact; accuracy is reported at 4 and at the
 float level 0, `*_level0` in the JSON); llama.cpp's q8_0/q4_0 are
-made by llama.cpp's own quantizer from the f32 GGUF `bench --peers` writes. Every system runs in
-fresh worker processes, interleaved over --rounds, like `moedeploy bench --rounds`.
+made by llama.cpp's own quantizer from the f32 GGUF `bench --peers` writes. OpenVINO's rows run
+the graph `ort` runs (the fp32 peer of `bench --peers`), its int8/int4 compressed by NNCF as
+optimum-intel's --weight-format does (int8 per output channel, int4 in groups of --block-size,
+NNCF keeping the embedding and LM head at int8; `moedeploy.bench.openvino_peer.compressed_ir`),
+at f32 activations with OpenVINO's default dynamic quantization of them for compressed weights.
+Every system runs in fresh worker processes, interleaved over --rounds, like `moedeploy bench
+--rounds`.
 
 Accuracy, on a fixed seeded token stream of --stream tokens (one teacher-forced pass): mean and
 max KL(fp32 || system) of the next-token distributions, top-1 agreement with fp32, the max
@@ -16,13 +21,14 @@ logit error; and greedy agreement: the share of 64 greedy tokens (after a 128-to
 equal to fp32 eager's. The small preset has random weights, so its logits are near flat and
 top-1 flips easily: this measures the formats against each other, not a trained model's loss.
 
-    python benchmarks/quantized.py small [--backend ort-gqa] [--rounds 3] [--stream 512] [--json out.json]
+    python benchmarks/quantized.py small [--backend ort-gqa] [--rounds 3] [--stream 512] [--no-llama] [--no-openvino] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -32,6 +38,8 @@ import torch
 
 #: llama.cpp's type, bits per weight with its scale, and its output (LM head) tensor's (q4_0 keeps it at Q6_K)
 LLAMA_FORMATS = {"int8": ("q8_0", 8.5, 8.5), "int4": ("q4_0", 4.5, 6.5625)}
+#: OpenVINO's (NNCF's) bits per weight with its fp16 scales, and its LM head's (int8 per channel)
+OPENVINO_BITS = {"int8": (8.0, 8.0), "int4": (4.5, 8.0)}
 
 
 def llama_quantized(f32_gguf: Path, kind: str) -> Path:
@@ -50,11 +58,11 @@ def llama_quantized(f32_gguf: Path, kind: str) -> Path:
     return out
 
 
-def llama_step_bytes(config, context: int, bits: float, head_bits: float) -> float:
-    """Bytes a llama.cpp decode token reads: the weights moedeploy quantizes (attention, experts,
-    the LM head) at llama.cpp's bits per weight, scales included (`bits`, the LM head at
+def peer_step_bytes(config, context: int, bits: float, head_bits: float) -> float:
+    """Bytes a peer's decode token reads: the weights moedeploy quantizes (attention, experts,
+    the LM head) at the peer's bits per weight, scales included (`bits`, the LM head at
     `head_bits`), the router, norms and KV cache in fp32: moedeploy's arithmetic (bench's
-    roofline) with llama.cpp's formats."""
+    roofline) with the peer's formats."""
     from moedeploy.bench.roofline import decode_step_bytes
 
     total = decode_step_bytes(config, 1, context)
@@ -84,6 +92,16 @@ def llama_logits(gguf: Path, tokens: torch.Tensor, threads: int) -> np.ndarray:
     return np.array(llm.scores[:n], dtype=np.float32)
 
 
+def openvino_logits(artifact, compressed: Path | None, tokens: torch.Tensor, threads: int) -> np.ndarray:
+    """Teacher-forced logits of every position, a token per step through the stateful model
+    (its graph computes the LM head on the last position only)."""
+    from moedeploy.bench.openvino_peer import openvino_stepper
+
+    reset, step = openvino_stepper(artifact, threads, str(compressed) if compressed else None)
+    reset(1, tokens.shape[1])
+    return np.concatenate([step(tokens[:, i:i + 1], i).numpy() for i in range(tokens.shape[1])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", nargs="?", default="small")
@@ -94,6 +112,7 @@ def main() -> None:
     parser.add_argument("--stream", type=int, default=512, help="tokens of the teacher-forced accuracy stream")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -119,6 +138,13 @@ def main() -> None:
         systems["llama.cpp f32"] = (fp32, "llama.cpp", f32, None)
         for kind, kind_bits, head_bits in LLAMA_FORMATS.values():
             systems[f"llama.cpp {kind}"] = (fp32, "llama.cpp", llama_quantized(f32, kind), (kind_bits, head_bits))
+    if not args.no_openvino and missing("openvino") is None and importlib.util.find_spec("nncf") is not None:
+        from moedeploy.bench.openvino_peer import compressed_ir
+
+        systems["openvino fp32"] = (fp32, "openvino", None, None)
+        for kind, scheme in schemes.items():
+            systems[f"openvino {kind}"] = (fp32, "openvino", compressed_ir(fp32, scheme, cache_dir() / "bench", progress),
+                                           OPENVINO_BITS[kind])
 
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for round_no in range(1, args.rounds + 1):
@@ -137,10 +163,12 @@ def main() -> None:
     rows = []
     bandwidth = measure_bandwidth_gbs(args.threads)
     context = 128 + 32
-    for name, (artifact, _, peer_model, b) in systems.items():
+    for name, (artifact, backend, peer_model, b) in systems.items():
         r = timed[name]
-        if peer_model:
+        if backend == "llama.cpp":
             acc = distribution_metrics(reference, llama_logits(peer_model, stream, args.threads))
+        elif backend == "openvino":
+            acc = distribution_metrics(reference, openvino_logits(artifact, peer_model, stream, args.threads))
         else:  # at the accuracy level bench times (4: int8 activations), and at 0 (float compute) beside it
             acc = distribution_metrics(reference, ort_logits(artifact, stream, args.threads, 4))
             exact = distribution_metrics(reference, ort_logits(artifact, stream, args.threads, 0))
@@ -149,7 +177,7 @@ def main() -> None:
             rows.append({"system": name, "error": r["error"], **acc})
             continue
         greedy = float(np.mean(np.array(r["tokens"]) == np.array(eager_tokens))) if eager_tokens else float("nan")
-        nbytes = llama_step_bytes(config, context, *b) if b else \
+        nbytes = peer_step_bytes(config, context, *b) if b else \
             decode_step_bytes(config, 1, context, 4, artifact.manifest.get("quantization"))
         rows.append({"system": name, "decode_tokens_per_s": r["decode_tokens_per_s"], "prefill_ms": r["prefill_ms"],
                      "decode_all": r["decode_tokens_per_s_all"], "step_mb": nbytes / 1e6,
@@ -163,7 +191,8 @@ def main() -> None:
         if "error" in row:
             print(f"{row['system']:20s} error: {row['error']}")
             continue
-        own_fp32 = base.get("llama.cpp f32" if row["system"].startswith("llama") else "moedeploy fp32")
+        family = row["system"].split()[0]
+        own_fp32 = base.get(f"{family} f32" if family == "llama.cpp" else f"{family} fp32")
         print(f"{row['system']:20s} {row['decode_tokens_per_s']:12.1f} {row['decode_tokens_per_s'] / own_fp32:7.2f} "
               f"{row['prefill_ms']:10.1f} {row['step_mb']:8.1f} {row['kl_mean']:9.5f} {row['kl_max']:8.4f} "
               f"{row['top1']:6.3f} {row['greedy_vs_fp32']:6.3f}"

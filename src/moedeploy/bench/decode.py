@@ -35,7 +35,7 @@ class Settings:
     repeat: int = 3
     seed: int = 0
     checkpoint: str | None = None  # eager torch reads this folder (else the one the manifest names)
-    peer_model: str | None = None  # the weights in a peer's own format (llama.cpp: the GGUF file)
+    peer_model: str | None = None  # the weights in a peer's own format (llama.cpp: a GGUF; openvino: a compressed IR)
 
 
 def _reset_peak_rss() -> None:
@@ -145,7 +145,7 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
     if settings.backend == "openvino":
         from moedeploy.bench.openvino_peer import openvino_stepper
 
-        return openvino_stepper(artifact, settings.threads)
+        return openvino_stepper(artifact, settings.threads, settings.peer_model)
     if settings.backend == "trt":
         from moedeploy.runtime.generation import TrtDecoder
 

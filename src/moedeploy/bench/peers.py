@@ -46,7 +46,8 @@ def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool =
             raise ValueError("backend 'llama.cpp' is benchmarked at --batch 1 (one sequence per context)")
     if peer == "openvino" and (quantized or dtype != "fp32"):
         raise ValueError(f"backend 'openvino' is the fp32 comparison (the graph `ort` runs, at f32 inference "
-                         f"precision), not this {'quantized' if quantized else dtype} artifact's")
+                         f"precision), not this {'quantized' if quantized else dtype} artifact's; OpenVINO's own "
+                         "int8/int4 are compared in `python benchmarks/quantized.py`")
 
 
 def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) -> Path:
