@@ -5,7 +5,9 @@ The server runs in its own process (`moedeploy serve`, as users run it); each cl
 thread with its own tritonclient gRPC stream, sending `--requests` requests one after another
 (`--prompt-len` random prompt ids, `--new-tokens` greedy tokens). Per level: aggregate decode
 tokens/s (every token received / the level's wall time), time to first token (request sent ->
-first response) and inter-token latency (gaps between one request's responses), p50 and p99,
+first response) and inter-token latency (gaps between one request's tokens as they arrive: a
+response holding several tokens, which a client that falls behind gets, counts its first after
+the gap and the others after 0), p50 and p99,
 and the speed of one client for comparison. Beside them: the model alone on ONNX Runtime, one
 sequence at a time (tokens/s of a bare decode loop in this process), and the in-flight
 scheduler alone at each level (its clients as threads in this process, no Triton). Measured in
@@ -49,7 +51,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def one_stream(client, model: str, prompt: np.ndarray, new_tokens: int, answers: queue.Queue) -> tuple[float, list[float]]:
-    """(time to first token, arrival times) of one streamed request on an open gRPC stream."""
+    """(time to first token, arrival times: one per token) of one streamed request on an open gRPC stream."""
     import tritonclient.grpc as grpcclient
 
     ids = grpcclient.InferInput("input_ids", [1, prompt.size], "INT64")
@@ -65,7 +67,7 @@ def one_stream(client, model: str, prompt: np.ndarray, new_tokens: int, answers:
             raise RuntimeError(str(error))
         if result.get_response().parameters["triton_final_response"].bool_param:
             return arrivals[0] - sent, arrivals
-        arrivals.append(arrived)
+        arrivals += [arrived] * result.as_numpy("output_ids").size  # a response holds the tokens made since the last
 
 
 def bad_requests(vocab: int, max_positions: int) -> list[tuple[dict[str, np.ndarray], str]]:

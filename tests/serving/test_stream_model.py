@@ -76,6 +76,11 @@ class Responses:
         return self.loop.run_until_complete(drain())
 
 
+def ids_of(answers: list[dict]) -> list[int]:
+    """The token ids of a stream's responses, in order (a response holds one or more)."""
+    return [int(t) for a in answers for t in a["output_ids"].reshape(-1)]
+
+
 def run(model, requests, loop: asyncio.AbstractEventLoop | None = None) -> Responses:
     return Responses(model(requests), loop or asyncio.new_event_loop())
 
@@ -103,11 +108,12 @@ def test_generation_stops_at_an_eos_id_with_finish_reason_stop(parts) -> None:
     eos = expected[3]  # as if the checkpoint's EOS were the 4th greedy token
     stop_at = expected.index(eos)
     answers = answers_of(stream_model(artifact, source, eos=[eos]), [request(8)])
-    assert [int(a["output_ids"][0, 0]) for a in answers] == expected[:stop_at + 1]
-    assert [a["finish_reason"][0, 0] for a in answers] == [b""] * stop_at + [b"stop"]
-    assert answers[-1]["text_output"][0, 0] == b""  # the EOS token's own text is not sent
+    assert ids_of(answers) == expected[:stop_at + 1]
+    assert [a["finish_reason"][0, 0] for a in answers] == [b""] * (len(answers) - 1) + [b"stop"]
+    if answers[-1]["output_ids"].size == 1:
+        assert answers[-1]["text_output"][0, 0] == b""  # the EOS token's own text is not sent
     answers = answers_of(stream_model(artifact, source, eos=[]), [request(8)])
-    assert [int(a["output_ids"][0, 0]) for a in answers] == expected
+    assert ids_of(answers) == expected
     assert answers[-1]["finish_reason"][0, 0] == b"length"
 
 
@@ -152,14 +158,37 @@ def test_concurrent_streams_iterated_in_turns_each_get_what_they_get_alone(parts
     def request_for(prompt):
         return Request({"input_ids": prompt, "max_tokens": np.array([[6]], dtype=np.int64)})
 
-    alone = [[int(a["output_ids"][0, 0]) for a in answers_of(model, [request_for(p)])] for p in prompts]
+    alone = [ids_of(answers_of(model, [request_for(p)])) for p in prompts]
     loop = asyncio.new_event_loop()
     streams = [run(model, [request_for(p)], loop) for p in prompts]
     together: list[list[int]] = [[], []]
     for _ in range(6):
         for i, stream in enumerate(streams):
-            together[i].append(int(stream.next()["output_ids"][0, 0]))
-    assert together == alone and alone[0] != alone[1]
+            if len(together[i]) < 6:
+                together[i] += ids_of([stream.next()])
+    assert together == alone and alone[0] != alone[1] and len(alone[0]) == 6
+
+
+def test_a_stream_read_slower_than_made_gets_the_waiting_tokens_in_one_response(parts) -> None:
+    """In flight, the scheduler makes tokens whether or not the stream's responses have gone
+    out: a reader that falls behind gets, in one response, every token made since its last one,
+    with their text and the finish reason; tokens and text are those of a prompt reader."""
+    _, artifact, source = parts
+    if not hasattr(source, "scheduler"):
+        pytest.skip("a serial stream makes its next token only when the last has been taken")
+    model = stream_model(artifact, source, eos=[])
+    prompt_reader = answers_of(model, [request(12)])
+    slow = run(model, [request(12)])
+    first = slow.next()
+    deadline = time.monotonic() + 30
+    while source.scheduler.running and time.monotonic() < deadline:  # the rest is made meanwhile
+        time.sleep(0.005)
+    rest = slow.rest()
+    assert len(rest) == 1 and rest[0]["output_ids"].shape == (1, 12 - first["output_ids"].size)
+    assert ids_of([first, *rest]) == ids_of(prompt_reader) and len(ids_of(prompt_reader)) == 12
+    text = b"".join(a["text_output"][0, 0] for a in prompt_reader)
+    assert first["text_output"][0, 0] + rest[0]["text_output"][0, 0] == text and text
+    assert rest[0]["finish_reason"][0, 0] == b"length"
 
 
 def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -> None:
@@ -181,4 +210,4 @@ def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -
     assert error["code"] == "UNAVAILABLE" and error["message"].startswith("the server is busy")
     for first, stream in zip(firsts, held, strict=True):
         answers = [loop.run_until_complete(first)[0], *Responses(stream, loop).rest()]
-        assert len(answers) == 8 and answers[-1]["finish_reason"][0, 0] == b"length"
+        assert len(ids_of(answers)) == 8 and answers[-1]["finish_reason"][0, 0] == b"length"

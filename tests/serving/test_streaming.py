@@ -89,8 +89,10 @@ def test_grpc_stream_sends_transformers_tokens_one_by_one_with_their_text(served
                                "max_tokens": np.array([[NEW]], dtype=np.int64)})
     tokens, pieces = tokens_and_text(got)
     assert tokens == expected.tolist()
-    assert len(got) == NEW + 1  # one response per token, then the empty final one
-    assert got[0][0] < got[NEW - 1][0]  # the first token arrived before the last was sent
+    # a response per token as it is made (several tokens in one only when the client falls
+    # behind, tests/serving/test_stream_model.py), then the empty final one
+    assert 2 < len(got) <= NEW + 1
+    assert got[0][0] < got[-2][0]  # the first token arrived before the last was sent
     # the pieces join to the decode of all tokens (random weights make arbitrary byte tokens, so that
     # decode may itself hold U+FFFD; that no piece splits a character is tests/export/test_tokenizer.py's)
     assert "".join(pieces) == codec.decode(tokens)
@@ -118,7 +120,10 @@ def test_http_generate_stream_sends_server_sent_events(served) -> None:
                 events.append(json.loads(line[len(b"data: "):]))
     grpc_tokens, grpc_pieces = tokens_and_text(grpc_stream(server, {
         "text_input": np.array([[PROMPT.encode()]], dtype=np.object_), "max_tokens": np.array([[NEW]], dtype=np.int64)}))
-    assert [e["output_ids"] for e in events if "output_ids" in e] == grpc_tokens
+    # Triton's JSON holds a one-token response's id as a number, several as a list
+    sse_tokens = [t for e in events if "output_ids" in e
+                  for t in (e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]])]
+    assert sse_tokens == grpc_tokens
     assert "".join(e["text_output"] for e in events if "text_output" in e) == "".join(grpc_pieces)
 
 

@@ -65,11 +65,16 @@ class RequestTimer:
         self.sent = 0
 
     def tokens(self, n: int = 1) -> None:
+        """A response of `n` tokens goes out: the latencies a client sees, a token at a time (the
+        first token of a response after the time since the last response, the others after 0)."""
         now = time.perf_counter()
+        itl = self.metrics.itl.labels(self.model)
         if self.sent == 0:
             self.metrics.ttft.labels(self.model).observe(now - self.start)
         else:
-            self.metrics.itl.labels(self.model).observe(now - self.last)
+            itl.observe(now - self.last)
+        for _ in range(n - 1):
+            itl.observe(0.0)
         self.last = now
         self.sent += n
         self.metrics.tokens.labels(self.model).inc(n)

@@ -179,16 +179,17 @@ class OpenAIFront(LoopServer):
             if generation.stream:
                 return await self._stream(request, generation)
             pieces, tokens, finish = [], 0, "length"
-            async for piece, finish_reason in self._tokens(generation):
+            async for piece, finish_reason, count in self._tokens(generation):
                 pieces.append(piece)
-                tokens += 1
+                tokens += count
                 finish = finish_reason or finish
             return web.json_response(self._whole(generation, "".join(pieces), tokens, finish))
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
 
-    async def _tokens(self, generation: Generation) -> AsyncIterator[tuple[str, str | None]]:
-        """(text piece, finish_reason or None) per generated token, from Triton's generate_stream."""
+    async def _tokens(self, generation: Generation) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text, finish_reason or None, tokens) per response of Triton's generate_stream: the
+        tokens made since the last response (one, or several for a stream the server batched)."""
         payload = {"input_ids": generation.ids, "max_tokens": generation.max_tokens, **generation.options}
         url = f"{self.upstream}/v2/models/{generation.model.name}{STREAM_SUFFIX}/generate_stream"
         async with self._session.post(url, json=payload) as upstream:
@@ -203,7 +204,8 @@ class OpenAIFront(LoopServer):
                     raise ApiError(str(event["error"]).split("\n")[0])
                 if "output_ids" not in event:
                     continue
-                yield event.get("text_output", ""), event.get("finish_reason") or None
+                ids = event["output_ids"]
+                yield event.get("text_output", ""), event.get("finish_reason") or None, len(ids) if isinstance(ids, list) else 1
 
     def _whole(self, generation: Generation, text: str, tokens: int, finish: str) -> dict[str, Any]:
         usage = {"prompt_tokens": len(generation.ids), "completion_tokens": tokens,
@@ -247,10 +249,10 @@ class OpenAIFront(LoopServer):
         tokens = 0
         try:
             if first is not None:
-                tokens += 1
+                tokens += first[2]
                 await send({**head, "choices": [choice(first[0], first[1], True)]})
-                async for piece, finish in events:
-                    tokens += 1
+                async for piece, finish, count in events:
+                    tokens += count
                     await send({**head, "choices": [choice(piece, finish, False)]})
             if generation.include_usage:
                 await send({**head, "choices": [], "usage": {

@@ -6,9 +6,13 @@ its HTTP generate extension (`/v2/models/<name>_stream/generate_stream`, server-
 so a client sees the first token while the rest are still being made.
 
 The prompt is `text_input` (encoded with the artifact's own tokenizer, runtime/text.py) or
-`input_ids`; each response holds the token (`output_ids`, shape [1, 1]) and its text piece
-(`text_output`), detokenised incrementally so a character split over several tokens is sent
-whole, with the token that completes it. Generation stops at max_tokens, at one of the
+`input_ids`; each response holds the tokens made since the last response (`output_ids`, shape
+[1, n]) and their text (`text_output`), detokenised incrementally so a character split over
+several tokens is sent whole, with the token that completes it. A stream that keeps up gets a
+token per response; one whose tokens come faster than its responses go out (many concurrent
+streams on few cores) gets what has been made since, in one response, as vLLM's output
+collector does: every token still arrives, in order, and the per-response cost (PyTriton,
+Triton's Python backend, gRPC or HTTP) is paid once per response instead of once per token. Generation stops at max_tokens, at one of the
 checkpoint's EOS ids (the EOS token is sent, its text is empty) or at a stop string (the
 checkpoint's `stop_strings` and the request's `stop`; the text ends before it, and text that
 might begin one is held back until it is known not to); the last response's `finish_reason` says
@@ -127,11 +131,11 @@ def max_tokens_of(feed: Feed, prompt_len: int, shape: DecoderShape) -> int:
 
 class TokenSource(Protocol):
     """Makes one request's tokens; `open` checks and queues it (raising RequestError or
-    Unavailable before any token), the iterator yields each token id and raises Cancelled once
-    `cancelled()` says so."""
+    Unavailable before any token), the iterator yields the token ids made since its last item (at
+    least one, in order) and raises Cancelled once `cancelled()` says so."""
 
     def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
-             cancelled: Callable[[], bool]) -> AsyncIterator[int]: ...
+             cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]: ...
 
 
 class SerialTokens:
@@ -143,14 +147,14 @@ class SerialTokens:
         self.shape = shape
 
     def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
-             cancelled: Callable[[], bool]) -> AsyncIterator[int]:
+             cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
         # A decoder (and so a KV cache) of its own: PyTriton iterates the generators of concurrent
         # requests to one instance in turns on its event loop, a token of one, then of another.
         decoder = RunnerDecoder(self.run, self.shape)
 
-        async def tokens() -> AsyncIterator[int]:
+        async def tokens() -> AsyncIterator[list[int]]:
             for token in decoder.stream(ids, max_new_tokens, sampling, cancelled):
-                yield token
+                yield [token]
                 await asyncio.sleep(0)  # let the event loop send it, and serve the other streams
 
         return tokens()
@@ -163,7 +167,7 @@ class InflightTokens:
         self.scheduler = scheduler
 
     def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
-             cancelled: Callable[[], bool]) -> AsyncIterator[int]:
+             cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
@@ -173,19 +177,24 @@ class InflightTokens:
         except ValueError as e:  # it does not fit the server's rows
             raise RequestError(str(e)) from None
 
-        async def tokens() -> AsyncIterator[int]:
+        async def tokens() -> AsyncIterator[list[int]]:
             try:
                 while True:
-                    event = await events.get()
-                    if isinstance(event, Finished):
-                        if event.reason == "cancelled":
-                            raise Cancelled("the client cancelled the request")
-                        return
-                    if isinstance(event, BaseException):
-                        raise event
+                    made = [await events.get()]
+                    while not events.empty() and isinstance(made[-1], int):  # what else is ready
+                        made.append(events.get_nowait())
                     if cancelled():  # tokens made ahead of a slow reader are not sent once it has gone
                         raise Cancelled("the client cancelled the request")
-                    yield event
+                    ready = [event for event in made if isinstance(event, int)]
+                    if ready:
+                        yield ready
+                    end = made[-1]
+                    if isinstance(end, Finished):
+                        if end.reason == "cancelled":
+                            raise Cancelled("the client cancelled the request")
+                        return
+                    if isinstance(end, BaseException):
+                        raise end
             finally:  # read to the end, stopped at a stop string, or the stream was closed: the row is free
                 sequence.close()
 
@@ -193,7 +202,8 @@ class InflightTokens:
 
 
 class StreamModel(InFlight):
-    """The PyTriton callable of `<name>_stream` (an async generator: one list of one response per token)."""
+    """The PyTriton callable of `<name>_stream` (an async generator: one list of one response per
+    item its token source yields: the tokens made since the last response)."""
 
     def __init__(self, model_name: str, source: TokenSource, shape: DecoderShape, codec: TextCodec | None,
                  cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None,
@@ -249,26 +259,32 @@ class StreamModel(InFlight):
             yield error_answer(error)
             return
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
-        n = 0
+        n, last = 0, False
         try:
-            async for token in tokens:
-                n += 1
-                eos = token in self.eos
-                last = n == new or eos
-                piece = ""
-                if text is not None:
-                    piece = "" if eos else text.push(token)
-                    piece += text.flush() if last else ""  # a character still incomplete goes out as it is
-                finish = "stop" if eos else "length" if last else ""
-                if stops is not None:
-                    piece = stops.push(piece)
-                    if stops.stopped:
-                        last, finish = True, "stop"
-                    elif last:
-                        piece += stops.flush()
-                timer.tokens(1)
-                yield {GENERATE_OUTPUT: np.array([[token]], dtype=np.int64),
-                       STREAM_TEXT_OUTPUT: np.array([[piece.encode("utf-8")]], dtype=np.bytes_),
+            async for made in tokens:
+                sent, pieces, finish = [], [], ""
+                for token in made:
+                    n += 1
+                    sent.append(token)
+                    eos = token in self.eos
+                    last = n == new or eos
+                    piece = ""
+                    if text is not None:
+                        piece = "" if eos else text.push(token)
+                        piece += text.flush() if last else ""  # a character still incomplete goes out as it is
+                    finish = "stop" if eos else "length" if last else ""
+                    if stops is not None:
+                        piece = stops.push(piece)
+                        if stops.stopped:
+                            last, finish = True, "stop"
+                        elif last:
+                            piece += stops.flush()
+                    pieces.append(piece)
+                    if last:
+                        break
+                timer.tokens(len(sent))
+                yield {GENERATE_OUTPUT: np.array([sent], dtype=np.int64),
+                       STREAM_TEXT_OUTPUT: np.array([["".join(pieces).encode("utf-8")]], dtype=np.bytes_),
                        STREAM_FINISH_OUTPUT: np.array([[finish.encode()]], dtype=np.bytes_)}
                 if last:
                     break
