@@ -71,6 +71,8 @@ class Server:
             cmd.append("--no-dynamic-batching")
         if args.max_batch_size:
             cmd += ["--max-batch-size", str(args.max_batch_size)]
+        if getattr(args, "stream_interval", None):  # benchmarks/serving_stream.py's
+            cmd += ["--stream-interval", str(args.stream_interval)]
         # the server's console goes to a file: a pipe nobody reads until the end fills up (64 KiB of
         # "refused a request" lines) and then blocks the server's next log line, and with it the model
         self.console = log.with_name(log.name + ".console")

@@ -19,7 +19,7 @@ temperature): each must get one error naming its own problem, and the good reque
 server's memory (the PSS of its whole process tree) is sampled after the warm-up and after each
 level: it should stay flat.
 
-    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--bad-client] [--json out.json]
+    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--bad-client] [--stream-interval N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -219,6 +219,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--backend", default="ort")
     parser.add_argument("--bad-client", action="store_true", help="one more client sending malformed requests throughout")
+    parser.add_argument("--stream-interval", type=int, default=1, help="serve --stream-interval: tokens per response after the first")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     for name, value in (("max_queue_delay_us", 100), ("instances", 1), ("max_batch_size", None)):

@@ -48,7 +48,7 @@ def parts(request, tmp_path_factory):
         scheduler.stop()
 
 
-def stream_model(artifact, source, eos: list[int] | None = None, cancel_dir=None):
+def stream_model(artifact, source, eos: list[int] | None = None, cancel_dir=None, stream_interval: int = 1):
     from moedeploy.runtime.text import TextCodec
     from moedeploy.serving.decoder import DecoderShape
     from moedeploy.serving.streaming import StreamModel
@@ -56,7 +56,8 @@ def stream_model(artifact, source, eos: list[int] | None = None, cancel_dir=None
     codec = TextCodec.from_artifact(artifact)
     if eos is not None:
         codec.eos_token_ids = eos
-    return StreamModel("decoder_stream", source, DecoderShape.of(artifact), codec, cancel_dir)
+    return StreamModel("decoder_stream", source, DecoderShape.of(artifact), codec, cancel_dir,
+                       stream_interval=stream_interval)
 
 
 class Responses:
@@ -86,7 +87,12 @@ def run(model, requests, loop: asyncio.AbstractEventLoop | None = None) -> Respo
 
 
 def answers_of(model, requests) -> list[dict]:
-    return run(model, requests).rest()
+    loop = asyncio.new_event_loop()
+    try:
+        return run(model, requests, loop).rest()
+    finally:  # no generator left for the garbage collector to finalise on a closed loop
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def request(max_tokens: int, parameters: dict | None = None) -> Request:
@@ -167,6 +173,7 @@ def test_concurrent_streams_iterated_in_turns_each_get_what_they_get_alone(parts
             if len(together[i]) < 6:
                 together[i] += ids_of([stream.next()])
     assert together == alone and alone[0] != alone[1] and len(alone[0]) == 6
+    assert [stream.rest() for stream in streams] == [[], []]  # nothing after max_tokens, and both generators end
 
 
 def test_a_stream_read_slower_than_made_gets_the_waiting_tokens_in_one_response(parts) -> None:
@@ -184,11 +191,28 @@ def test_a_stream_read_slower_than_made_gets_the_waiting_tokens_in_one_response(
     while source.scheduler.running and time.monotonic() < deadline:  # the rest is made meanwhile
         time.sleep(0.005)
     rest = slow.rest()
-    assert len(rest) == 1 and rest[0]["output_ids"].shape == (1, 12 - first["output_ids"].size)
+    assert first["output_ids"].shape == (1, 1)  # the first token alone, even when more were ready
+    assert len(rest) == 1 and rest[0]["output_ids"].shape == (1, 11)
     assert ids_of([first, *rest]) == ids_of(prompt_reader) and len(ids_of(prompt_reader)) == 12
     text = b"".join(a["text_output"][0, 0] for a in prompt_reader)
     assert first["text_output"][0, 0] + rest[0]["text_output"][0, 0] == text and text
     assert rest[0]["finish_reason"][0, 0] == b"length"
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_groups_of_that_many(parts) -> None:
+    """`serve --stream-interval 5`: the first token alone, then at least 5 tokens a response
+    (exactly 5 where each token is taken as it is made), the last whatever is left; the same
+    tokens, text and finish reason as a token per response."""
+    _, artifact, source = parts
+    each = answers_of(stream_model(artifact, source, eos=[]), [request(12)])
+    grouped = answers_of(stream_model(artifact, source, eos=[], stream_interval=5), [request(12)])
+    sizes = [a["output_ids"].size for a in grouped]
+    if not hasattr(source, "scheduler"):
+        assert sizes == [1, 5, 5, 1]
+    assert sum(sizes) == 12 and all(size >= 5 for size in sizes[1:-1]) and len(grouped) <= 4
+    assert ids_of(grouped) == ids_of(each)
+    assert b"".join(a["text_output"][0, 0] for a in grouped) == b"".join(a["text_output"][0, 0] for a in each)
+    assert [a["finish_reason"][0, 0] for a in grouped] == [b""] * (len(grouped) - 1) + [b"length"]
 
 
 def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -> None:
@@ -199,6 +223,9 @@ def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -
         pytest.skip("only in-flight batching has a queue")
     model = stream_model(artifact, source, eos=[])
     scheduler = source.scheduler
+    deadline = time.monotonic() + 30
+    while (scheduler.running or scheduler.queued) and time.monotonic() < deadline:  # earlier tests' rows freed
+        time.sleep(0.005)
     loop = asyncio.new_event_loop()
     with scheduler._cond:  # the scheduler takes no request off its queue meanwhile: they stay counted
         held = [model([request(8)]) for _ in range(scheduler.slots + scheduler.max_queued)]

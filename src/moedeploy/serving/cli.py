@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         max_sequences: int = typer.Option(32, "--max-sequences", help="In-flight batching: the most generations a decoder's stream model runs at once, sharing each decode step (ONNX Runtime, attention on GroupQueryAttention)."),
         max_queued: int = typer.Option(128, "--max-queued", help="In-flight batching: the most stream requests that wait for a free sequence; beyond it a request is answered busy (HTTP 503, gRPC UNAVAILABLE)."),
         max_context: int = typer.Option(4096, "--max-context", help="In-flight batching: positions (prompt + max_tokens) each sequence may reach, at most the model's max_positions; its KV cache is preallocated (and touched as it fills)."),
+        stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed response after the first, which always goes alone (vLLM's --stream-interval). 1 sends each token as it is made; 4 or 8 cut the per-response cost (PyTriton, Triton, gRPC/HTTP) at many concurrent streams, for less smooth streaming. A stream that falls behind gets what is waiting in one response at any setting."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -46,8 +47,8 @@ def register(app: typer.Typer) -> None:
         its continuation; optional max_new_tokens, temperature, top_k, top_p, seed,
         eos_token_id: one value per request, sent with shape [batch, 1] and the same value
         in every row; a request whose rows differ is refused) and <name>_stream (decoupled:
-        text_input or input_ids in, one response per new token with output_ids and its
-        text_output piece; optional max_tokens, temperature, top_k, top_p, seed; over gRPC
+        text_input or input_ids in, a response per new token (or per --stream-interval
+        tokens) with output_ids and their text_output; optional max_tokens, temperature, top_k, top_p, seed; over gRPC
         streaming or POST /v2/models/<name>_stream/generate_stream, server-sent events; text
         needs an artifact exported from a checkpoint with its tokenizer, and generation stops
         at the checkpoint's EOS ids; on ONNX Runtime concurrent streams are batched in flight,
@@ -66,6 +67,7 @@ def register(app: typer.Typer) -> None:
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
             instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
             openai_port=openai_port, max_sequences=max_sequences, max_queued=max_queued, max_context=max_context,
+            stream_interval=stream_interval,
         )
         if log_file is not None:
             check_writable(log_file.parent)

@@ -103,6 +103,7 @@ class ServeOptions:
     max_sequences: int = 32  # in-flight batching: the most generations one decoder's stream model runs at once
     max_queued: int = 128  # ... and the most that wait for a row; beyond: "busy" (503)
     max_context: int = 4096  # ... positions (prompt + new tokens) each row holds, at most the model's max_positions
+    stream_interval: int = 1  # tokens per streamed response after the first (vLLM's --stream-interval)
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -133,6 +134,8 @@ class ServeOptions:
             raise ServingError(f"--max-queued must be >= 0, got {self.max_queued}")
         if self.max_context < 2:
             raise ServingError(f"--max-context must be >= 2 (a prompt token and a new one), got {self.max_context}")
+        if self.stream_interval < 1:
+            raise ServingError(f"--stream-interval must be >= 1 (tokens per streamed response), got {self.stream_interval}")
 
 
 def check_port_free(host: str, port: int, label: str) -> None:
@@ -182,7 +185,7 @@ def activated_runner(backend: str, artifact: Artifact):
 def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir: Path | None = None,
                    cancelled: CancelledRequests | None = None,
                    scheduler: InflightScheduler | None = None,
-                   metrics: GenerationMetrics | None = None) -> PerRequest | StreamModel:
+                   metrics: GenerationMetrics | None = None, stream_interval: int = 1) -> PerRequest | StreamModel:
     """The PyTriton callable of one served model over one runner; generation stops early once
     stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
     in `cancelled`. A stream model runs on `scheduler` when there is one (in-flight batching),
@@ -197,7 +200,7 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
         shape = DecoderShape.of(artifact)
         source: TokenSource = InflightTokens(scheduler) if scheduler is not None else SerialTokens(run, shape)
-        return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled, metrics)
+        return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled, metrics, stream_interval)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))
     return PerRequest(spec.name, model, required)
@@ -419,8 +422,8 @@ class ModelServer:
                     self._runners += runners
                 if spec.name.endswith(GENERATE_SUFFIX):
                     generation_runners[artifact.path] = runners
-                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled, scheduler, self.metrics)
-                                  for r in runners])
+                callables.append([model_callable(artifact, spec, r, cancel_dir, self.cancelled, scheduler, self.metrics,
+                                                 o.stream_interval) for r in runners])
                 if spec.name.endswith(STREAM_SUFFIX):
                     self._watch(spec.name, scheduler, callables[-1])
             self._triton_ports = tuple(loopback_ports(3, avoid=(o.http_port, o.grpc_port, o.metrics_port)))

@@ -10,9 +10,13 @@ The prompt is `text_input` (encoded with the artifact's own tokenizer, runtime/t
 [1, n]) and their text (`text_output`), detokenised incrementally so a character split over
 several tokens is sent whole, with the token that completes it. A stream that keeps up gets a
 token per response; one whose tokens come faster than its responses go out (many concurrent
-streams on few cores) gets what has been made since, in one response, as vLLM's output
+streams on few cores) gets, after its first token (always alone), what has been made since
+its last response in one response, as vLLM's output
 collector does: every token still arrives, in order, and the per-response cost (PyTriton,
-Triton's Python backend, gRPC or HTTP) is paid once per response instead of once per token. Generation stops at max_tokens, at one of the
+Triton's Python backend, gRPC or HTTP) is paid once per response instead of once per token.
+`stream_interval` (`serve --stream-interval`, vLLM's option of that name) asks for that at
+every step: after the first token, which always goes alone, a response waits for that many
+tokens (the last takes what is left). Generation stops at max_tokens, at one of the
 checkpoint's EOS ids (the EOS token is sent, its text is empty) or at a stop string (the
 checkpoint's `stop_strings` and the request's `stop`; the text ends before it, and text that
 might begin one is held back until it is known not to); the last response's `finish_reason` says
@@ -178,11 +182,14 @@ class InflightTokens:
             raise RequestError(str(e)) from None
 
         async def tokens() -> AsyncIterator[list[int]]:
+            started = False
             try:
                 while True:
                     made = [await events.get()]
-                    while not events.empty() and isinstance(made[-1], int):  # what else is ready
+                    # what else is ready goes with it, except with the first token: that goes alone
+                    while started and not events.empty() and isinstance(made[-1], int):
                         made.append(events.get_nowait())
+                    started = True
                     if cancelled():  # tokens made ahead of a slow reader are not sent once it has gone
                         raise Cancelled("the client cancelled the request")
                     ready = [event for event in made if isinstance(event, int)]
@@ -207,8 +214,9 @@ class StreamModel(InFlight):
 
     def __init__(self, model_name: str, source: TokenSource, shape: DecoderShape, codec: TextCodec | None,
                  cancel_dir: Path | None = None, cancelled: CancelledRequests | None = None,
-                 metrics: GenerationMetrics | None = None) -> None:
+                 metrics: GenerationMetrics | None = None, stream_interval: int = 1) -> None:
         super().__init__()
+        self.stream_interval = stream_interval
         self.model_name = model_name
         self.metrics = metrics
         self.source = source
@@ -259,9 +267,10 @@ class StreamModel(InFlight):
             yield error_answer(error)
             return
         text = IncrementalDetokenizer(self.codec) if self.codec is not None else None
+        batches = grouped(tokens, self.stream_interval)
         n, last = 0, False
         try:
-            async for made in tokens:
+            async for made in batches:
                 sent, pieces, finish = [], [], ""
                 for token in made:
                     n += 1
@@ -297,7 +306,29 @@ class StreamModel(InFlight):
             timer.done("failed")
             yield error_answer(e if isinstance(e, ServerError) else ServerError(f"generation failed: {first_line(e)}"))
         finally:
+            await batches.aclose()
             await tokens.aclose()  # frees its row (in flight) or its cache (serial) now, not when collected
+
+
+async def grouped(tokens: AsyncIterator[list[int]], interval: int) -> AsyncIterator[list[int]]:
+    """The source's tokens, the first alone and then `interval` or more at a time (what was
+    waiting may make more), the last group whatever is left; tokens made before a failure are
+    passed on before it (not before a cancellation: nobody reads them)."""
+    first, waiting = True, []
+    try:
+        async for made in tokens:
+            waiting += made
+            if first or len(waiting) >= interval:
+                yield waiting
+                first, waiting = False, []
+    except Cancelled:
+        raise
+    except Exception:
+        if waiting:
+            yield waiting
+        raise
+    if waiting:
+        yield waiting
 
 
 class _NoTimer:
