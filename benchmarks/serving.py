@@ -11,7 +11,7 @@ stands its roofline: the requests/s of the model alone on ONNX Runtime, at the b
 Triton formed, and the fraction the server achieves. Numbers are measured in one run on one
 machine, never asserted in tests.
 
-    python benchmarks/serving.py [--artifact DIR] [--clients 16] [--requests 50] [--protocol http] [--json out.json]
+    python benchmarks/serving.py [--artifact DIR] [--clients 16] [--requests 50] [--protocol http] [--packed-weights all] [--json out.json]
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class Server:
             cmd += ["--max-batch-size", str(args.max_batch_size)]
         if getattr(args, "stream_interval", None):  # benchmarks/serving_stream.py's
             cmd += ["--stream-interval", str(args.stream_interval)]
+        if getattr(args, "packed_weights", None):
+            cmd += ["--packed-weights", args.packed_weights]
         # the server's console goes to a file: a pipe nobody reads until the end fills up (64 KiB of
         # "refused a request" lines) and then blocks the server's next log line, and with it the model
         self.console = log.with_name(log.name + ".console")
@@ -201,6 +203,8 @@ def main() -> None:
     parser.add_argument("--max-queue-delay-us", type=int, default=500)
     parser.add_argument("--max-batch-size", type=int, default=None)
     parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--packed-weights", choices=("stream", "all"), default=None,
+                        help="serve --packed-weights (a decoder's generate model repacks its weights only with 'all')")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
 

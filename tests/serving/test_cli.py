@@ -70,6 +70,8 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
         "no instances": (["serve", moe, "--instances", "0", *ports], "--instances must be >= 1"),
         "stream interval 0": (["serve", moe, "--stream-interval", "0", *ports],
                               "--stream-interval must be >= 1 (tokens per streamed response), got 0"),
+        "packed weights": (["serve", moe, "--packed-weights", "some", *ports],
+                           "unknown --packed-weights 'some'; choose from: stream, all"),
         "repo without --out": (["triton-repo", moe], "missing --out DIR"),
         "repo without a plan": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--backend", "tensorrt"],
                                 "no TensorRT plan for fp32"),
@@ -79,7 +81,7 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
 
 
 CASES = ["missing artifact", "unknown backend", "bf16", "port in use", "same port twice", "batch size 0",
-         "no instances", "stream interval 0", "repo without --out", "repo without a plan", "repo unknown kind"]
+         "no instances", "stream interval 0", "packed weights", "repo without --out", "repo without a plan", "repo unknown kind"]
 
 
 @pytest.mark.parametrize("case", CASES)

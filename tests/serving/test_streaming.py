@@ -380,3 +380,35 @@ def test_a_stop_string_ends_the_text_before_it_and_finishes_with_stop(served, op
     assert "".join(pieces) == expected
     finishes = [r.as_numpy("finish_reason").reshape(-1)[0].decode() for _, r, _ in got if r.as_numpy("finish_reason") is not None]
     assert finishes[-1] == "stop" and set(finishes[:-1]) <= {""}
+
+
+def test_only_the_in_flight_session_keeps_a_repacked_copy_of_the_weights(served) -> None:
+    """--packed-weights stream (the default): the in-flight session, which serves the streams,
+    repacks the weights; the logits and generate models share the artifact's mapped file."""
+    from moedeploy.runtime.ort import DISABLE_PREPACKING
+
+    server, *_ = served
+
+    def repacks(session) -> bool:
+        try:
+            return session.get_session_options().get_session_config_entry(DISABLE_PREPACKING) != "1"
+        except RuntimeError:  # the entry is not set: ONNX Runtime's default, repacking
+            return True
+
+    assert [repacks(runner.sess) for runner in server._runners] == [False, False]  # decoder, decoder_generate
+    (scheduler,) = server._schedulers
+    assert repacks(scheduler.decoder.lowered.session)
+
+
+@pytest.mark.parametrize(("packed", "in_flight", "expected"), [
+    ("stream", True, [False, False]),  # the in-flight session serves the streams: it alone repacks
+    ("stream", False, [False, True]),  # no in-flight batching: the stream model decodes on the generate model's runners
+    ("all", True, [True, True]),
+])
+def test_which_models_repack_the_weights(served, packed: str, in_flight: bool, expected: list[bool]) -> None:
+    from moedeploy.serving import ModelServer, ServeOptions
+
+    _, _, artifact = served
+    server = ModelServer([artifact], ServeOptions(packed_weights=packed))  # not started: the policy alone
+    logits, generate = (spec for _, spec in server.specs if not spec.name.endswith("_stream"))
+    assert [server._packs(artifact, spec, in_flight) for spec in (logits, generate)] == expected

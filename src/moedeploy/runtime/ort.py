@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 #: ONNX Runtime reads the external initializers of a model given as bytes from this folder.
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+#: "1": the MatMul/Gemm weights are used as they lie in the artifact's memory-mapped data file
+#: instead of being repacked into a copy of the session's own
+DISABLE_PREPACKING = "session.disable_prepacking"
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -72,8 +75,14 @@ class LoweredSession:
         return self.session.run(output_names, feed)
 
 
-def session_options(threads: int | None = None, profile: bool = False) -> ort.SessionOptions:
+def session_options(threads: int | None = None, profile: bool = False, prepack: bool = True) -> ort.SessionOptions:
+    """prepack=False: the weights stay in the artifact's memory-mapped data file, where every
+    session of the process (and the page cache) shares them, instead of each session keeping a
+    repacked copy: one copy of the weights for any number of sessions, for a slower decode
+    (measured 97 against 117 tokens/s on the `small` preset, benchmarks/README.md)."""
     options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry(DISABLE_PREPACKING, "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
@@ -102,9 +111,11 @@ def create_session(
     norm_lowering: NormLowering = "native",
     kv_cache: KVCache = "copy",
     nbits_accuracy: int = 0,
+    prepack: bool = True,
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
-    lowered for its first provider. logits="last": a decoder's LM head on the last position only."""
+    lowered for its first provider. logits="last": a decoder's LM head on the last position only.
+    prepack=False: the session shares the artifact's memory-mapped weights (`session_options`)."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -119,7 +130,7 @@ def create_session(
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy)
-    options = session_options(threads, profile)
+    options = session_options(threads, profile, prepack)
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
     try:

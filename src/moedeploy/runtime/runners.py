@@ -86,8 +86,9 @@ class TorchRunner(BaseRunner):
 
 
 def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt",
-               attention_lowering: str = "graph", norm_lowering: str = "native"):
-    """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation).
+               attention_lowering: str = "graph", norm_lowering: str = "native", prepack: bool = True):
+    """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation);
+    prepack=False: the session shares the artifact's memory-mapped weights (runtime/ort.py).
 
     The runner's `lowering` dict is filled when the session is made: what the custom ops were
     lowered to (com.microsoft::MoE or the function body), so a report can say which path ran.
@@ -100,7 +101,7 @@ def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | No
 
     def session():
         lowered = create_session(artifact, moe_lowering=moe_lowering, threads=threads,
-                                 attention_lowering=attention_lowering, norm_lowering=norm_lowering)
+                                 attention_lowering=attention_lowering, norm_lowering=norm_lowering, prepack=prepack)
         lowering.clear()
         lowering.update(lowered.lowering)
         return lowered.session
@@ -140,12 +141,14 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
     return "; ".join(parts) or None
 
 
-def make_runner(backend: str, artifact: Artifact) -> BaseRunner:
-    """The runner for one backend name (torch, ort, trt)."""
+def make_runner(backend: str, artifact: Artifact, prepack: bool = True) -> BaseRunner:
+    """The runner for one backend name (torch, ort, trt); prepack=False: an ONNX Runtime session
+    over the artifact's shared memory-mapped weights (the other backends ignore it)."""
     if backend == "torch":
         return TorchRunner(artifact)
     if backend in ORT_LOWERINGS:  # onnxrt, onnxrt-gqa, ...: the report's name for each
-        return ort_runner(artifact, name="onnxrt" + backend.removeprefix("ort"), **ORT_LOWERINGS[backend])
+        return ort_runner(artifact, name="onnxrt" + backend.removeprefix("ort"), prepack=prepack,
+                          **ORT_LOWERINGS[backend])
     if backend == "trt":
         from moedeploy.runtime.tensorrt import trt_runner
 

@@ -69,6 +69,8 @@ from moedeploy.serving.specs import (
 from moedeploy.serving.streaming import InflightTokens, SerialTokens, StreamModel, TokenSource
 
 BACKENDS = ("ort", "trt", "torch")
+#: --packed-weights: which of a decoder's ONNX Runtime sessions repack the weights (ModelServer._packs)
+PACKED_WEIGHTS = ("stream", "all")
 UNLOAD_TIMEOUT_S = 10  # how long tritonserver may take to unload every model when it stops
 INSTALL_HINT = "serving needs nvidia-pytriton, tritonclient and prometheus-client: pip install 'moedeploy[serve]'"
 TRITON_HOST = "127.0.0.1"  # Triton's HTTP and gRPC endpoints: loopback only, behind the front
@@ -104,6 +106,7 @@ class ServeOptions:
     max_queued: int = 128  # ... and the most that wait for a row; beyond: "busy" (503)
     max_context: int = 4096  # ... positions (prompt + new tokens) each row holds, at most the model's max_positions
     stream_interval: int = 1  # tokens per streamed response after the first (vLLM's --stream-interval)
+    packed_weights: str = "stream"  # which decoder sessions repack the weights: "stream" (in flight only) or "all"
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -134,6 +137,8 @@ class ServeOptions:
             raise ServingError(f"--max-queued must be >= 0, got {self.max_queued}")
         if self.max_context < 2:
             raise ServingError(f"--max-context must be >= 2 (a prompt token and a new one), got {self.max_context}")
+        if self.packed_weights not in PACKED_WEIGHTS:
+            raise ServingError(f"unknown --packed-weights {self.packed_weights!r}; choose from: {', '.join(PACKED_WEIGHTS)}")
         if self.stream_interval < 1:
             raise ServingError(f"--stream-interval must be >= 1 (tokens per streamed response), got {self.stream_interval}")
 
@@ -172,12 +177,13 @@ def python_library_first() -> Iterator[None]:
             os.environ["LD_LIBRARY_PATH"] = old
 
 
-def activated_runner(backend: str, artifact: Artifact):
-    """An activated Polygraphy runner; errors (no TensorRT, no engine, bf16 on CPU) surface here."""
+def activated_runner(backend: str, artifact: Artifact, prepack: bool = True):
+    """An activated Polygraphy runner; errors (no TensorRT, no engine, bf16 on CPU) surface here.
+    prepack=False: on ONNX Runtime, the session shares the artifact's memory-mapped weights."""
     from moedeploy.runtime.runners import make_runner as runtime_runner
 
     quiet_polygraphy()
-    runner = runtime_runner(backend, artifact)
+    runner = runtime_runner(backend, artifact, prepack)
     runner.activate()
     return runner
 
@@ -411,14 +417,17 @@ class ModelServer:
             callables = []
             generation_runners: dict[Path, list[Any]] = {}
             self.metrics = GenerationMetrics()
+            schedulers = {artifact.path: self._inflight_scheduler(artifact, spec.name) for artifact, spec in self.specs
+                          if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort"}
             for artifact, spec in self.specs:
                 scheduler = None
                 if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort":
-                    scheduler = self._inflight_scheduler(artifact, spec.name)
+                    scheduler = schedulers[artifact.path]
                     # else the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
                     runners = generation_runners[artifact.path][:1] if scheduler else generation_runners[artifact.path]
                 else:
-                    runners = [activated_runner(o.backend, artifact) for _ in range(o.instances)]
+                    prepack = self._packs(artifact, spec, schedulers.get(artifact.path) is not None)
+                    runners = [activated_runner(o.backend, artifact, prepack) for _ in range(o.instances)]
                     self._runners += runners
                 if spec.name.endswith(GENERATE_SUFFIX):
                     generation_runners[artifact.path] = runners
@@ -442,6 +451,18 @@ class ModelServer:
                 raise ServingError(f"Triton Inference Server did not start: {first}{log}") from e
             raise
         return self
+
+    def _packs(self, artifact: Artifact, spec: ModelSpec, in_flight: bool) -> bool:
+        """Whether this model's ONNX Runtime sessions repack the weights into a copy of their own
+        (faster) or share the artifact's memory-mapped file. With --packed-weights stream (the
+        default) a decoder keeps one repacked copy, for the path that serves streams and the
+        OpenAI API: the in-flight session when there is one, else the generate model's sessions
+        (the stream model decodes on them). Its logits model, and its generate model beside an
+        in-flight session, share the file: a checkpoint of tens of GB is then in memory once plus
+        that copy, not once per model and instance."""
+        if self.options.packed_weights == "all" or artifact.kind != "decoder":
+            return True
+        return spec.name.endswith(GENERATE_SUFFIX) and not in_flight
 
     def _inflight_scheduler(self, artifact: Artifact, name: str) -> InflightScheduler | None:
         """In-flight batching for a decoder's stream model, or None where its attention cannot run on
