@@ -133,12 +133,19 @@ def main() -> None:
     artifacts = {"fp32": fp32} | {k: quantized_variant(fp32, s, args.preset, progress) for k, s in schemes.items()}
     systems = {f"moedeploy {k}": (a, args.backend, None, None) for k, a in artifacts.items()}
     use_llama = not args.no_llama and missing("llama.cpp") is None
+    if not args.no_llama and not use_llama:
+        progress(f"llama.cpp left out: {missing('llama.cpp')}")
     if use_llama:
         f32 = gguf_file(fp32, cache_dir() / "bench", progress)
         systems["llama.cpp f32"] = (fp32, "llama.cpp", f32, None)
         for kind, kind_bits, head_bits in LLAMA_FORMATS.values():
             systems[f"llama.cpp {kind}"] = (fp32, "llama.cpp", llama_quantized(f32, kind), (kind_bits, head_bits))
-    if not args.no_openvino and missing("openvino") is None and importlib.util.find_spec("nncf") is not None:
+    openvino_absent = missing("openvino") or (None if importlib.util.find_spec("nncf") else
+                                              "OpenVINO's int8/int4 need nncf, which is not installed: "
+                                              "pip install 'moedeploy[peers]'")
+    if not args.no_openvino and openvino_absent:
+        progress(f"OpenVINO left out: {openvino_absent}")
+    if not args.no_openvino and openvino_absent is None:
         from moedeploy.bench.openvino_peer import compressed_ir
 
         systems["openvino fp32"] = (fp32, "openvino", None, None)

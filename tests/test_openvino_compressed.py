@@ -118,3 +118,14 @@ def test_a_cached_ir_is_reused_only_when_it_records_these_weights(tiny_fp32, tmp
     assert said[0].startswith("openvino: compressing the weights to int8-channel-sym")
     assert ov.Core().read_model(str(path)).get_rt_info(RT_FINGERPRINT).astype(str) == \
         tiny_fp32.manifest["config"]["source"]["weights_sha256"]
+
+
+def test_an_unwritable_cache_is_refused_in_one_line(tiny_fp32, tmp_path) -> None:
+    from moedeploy.bench.openvino_peer import compressed_ir
+    from moedeploy.models.blockquant import QuantScheme
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"cannot be written .*; set MOEDEPLOY_CACHE to a writable folder"):
+        compressed_ir(tiny_fp32, QuantScheme(8, 32), blocker / "cache", lambda _: None)
+    assert blocker.read_text() == "not a folder"

@@ -169,13 +169,17 @@ def compressed_ir(artifact: Artifact, scheme: QuantScheme, cache: Path, progress
         if recorded == {RT_FINGERPRINT: fingerprint, RT_COMPRESSION: what}:
             progress(f"openvino: reading the cached {path} (it records this artifact's weights and {what})")
             return path
-    progress(f"openvino: compressing the weights to {what} with NNCF into {path}")
-    model = compress(stateful_model(artifact), scheme)
-    model.set_rt_info(fingerprint, RT_FINGERPRINT)
-    model.set_rt_info(what, RT_COMPRESSION)
-    cache.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="openvino-partial-", dir=cache))
+    try:  # before the work: a cache that cannot be written is said at once
+        cache.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="openvino-partial-", dir=cache))
+    except OSError as e:
+        raise ValueError(f"OpenVINO's compressed model is written into {cache}, which cannot be written "
+                         f"({e.strerror}); set MOEDEPLOY_CACHE to a writable folder") from e
     try:
+        progress(f"openvino: compressing the weights to {what} with NNCF into {path}")
+        model = compress(stateful_model(artifact), scheme)
+        model.set_rt_info(fingerprint, RT_FINGERPRINT)
+        model.set_rt_info(what, RT_COMPRESSION)
         # compress_to_fp16=False: the weights left in f32 (norms, router) stay f32
         ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)
         (folder / "model.bin").replace(path.with_suffix(".bin"))
