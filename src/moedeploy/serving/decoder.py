@@ -6,14 +6,23 @@ backend's logits agree, whatever the backend. Greedy requests with the same prom
 and token budget are decoded together (rows of a batch do not influence each other's
 argmax); a sampled request runs alone, because a seeded sampler draws for its whole batch
 at once and another request's rows would change what this one gets.
+
+With in-flight batching (a scheduler, serving/inflight.py) every row of a request whose rows
+are independent (greedy, a single row, or unseeded) is one sequence of the scheduler instead:
+it shares decode steps with every other generation and stream, whatever its prompt length,
+and gets the tokens it would get alone. Each row stops at the request's EOS id, and rows that
+stop early are padded with it to the longest, as the shared loop does. A seeded sample of
+several rows (one generator for the batch), a request longer than the scheduler's rows, or
+one the busy scheduler cannot take runs on the runner as before.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,9 +38,13 @@ from moedeploy.serving.batching import (
     Outcome,
     RequestError,
     RunFn,
+    Unavailable,
     run_isolated,
 )
 from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
+
+if TYPE_CHECKING:
+    from moedeploy.serving.inflight import InflightScheduler
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -144,6 +157,45 @@ class RunnerDecoder:
             self._past = {}
 
 
+class InflightRows:
+    """One generate request's rows as sequences of the in-flight scheduler: each row's events
+    collected (from the scheduler's thread) until it finishes."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.ends: list[Any] = [None] * n  # Finished, or the exception the row failed with
+        self.sequences: list[Any] = []
+        self._done = threading.Semaphore(0)
+
+    def collector(self, row: int) -> Callable[[Any], None]:
+        from moedeploy.serving.inflight import Finished
+
+        def on_event(event: Any) -> None:
+            if isinstance(event, (Finished, BaseException)):
+                self.ends[row] = event
+                self._done.release()
+            else:
+                self.tokens[row].append(int(event))
+        return on_event
+
+    def outcome(self, request: GenerationRequest) -> Outcome:
+        """Waits for every row: the prompt with its continuation, rows that stopped at the EOS
+        id padded with it to the longest; or the first row's failure, or Cancelled."""
+        for _ in self.tokens:
+            self._done.acquire()
+        for end, tokens in zip(self.ends, self.tokens, strict=True):
+            if isinstance(end, BaseException):
+                return end
+            if end.reason == "cancelled":
+                LOGGER.info("generation stopped at position %d: its client cancelled the request",
+                            request.ids.shape[1] + len(tokens))
+                return Cancelled("the client cancelled the request")
+        width = max(len(t) for t in self.tokens)
+        pad = request.eos_token_id if request.eos_token_id is not None else 0  # rows differ only after an EOS
+        new = np.array([t + [pad] * (width - len(t)) for t in self.tokens], dtype=np.int64)
+        return {GENERATE_OUTPUT: np.concatenate([request.ids, new], axis=1)}
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     ids: np.ndarray  # (B, S) int64
@@ -157,6 +209,12 @@ class GenerationRequest:
     def batchable(self) -> bool:
         """Greedy without EOS: its rows' tokens do not depend on what else is in the batch."""
         return self.sampling.greedy and self.eos_token_id is None
+
+    @property
+    def rows_independent(self) -> bool:
+        """Each row gets the same tokens decoded on its own: all but a seeded sample of several
+        rows, which draws every row from one generator."""
+        return self.sampling.greedy or self.sampling.seed is None or len(self.ids) == 1
 
 
 def option_value(feed: Feed, name: str) -> Any:
@@ -208,10 +266,11 @@ class GenerationModel:
     marked its id in `cancelled` (the callable runs in the front's process)."""
 
     def __init__(self, decoder: RunnerDecoder, cancel_dir: Path | None = None,
-                 cancelled: CancelledRequests | None = None) -> None:
+                 cancelled: CancelledRequests | None = None, scheduler: InflightScheduler | None = None) -> None:
         self.decoder = decoder
         self.cancel_dir = cancel_dir
         self.cancelled = cancelled
+        self.scheduler = scheduler
 
     def __call__(self, requests: list[Any]) -> list[Outcome]:
         outcomes: dict[int, Outcome] = {}
@@ -226,17 +285,42 @@ class GenerationModel:
             token, request_id = parameters.get(TOKEN_PARAMETER), parameters.get(REQUEST_ID_HEADER)
             parsed[i] = replace(request, token=str(token) if token else None,
                                 request_id=str(request_id) if request_id else None)
+        in_flight = {i: rows for i, r in parsed.items() if (rows := self._submit(r)) is not None}
         groups: dict[tuple, list[int]] = {}
         for i, r in parsed.items():
+            if i in in_flight:
+                continue
             key = (r.ids.shape[1], r.max_new_tokens) if r.batchable else ("alone", i)
             groups.setdefault(key, []).append(i)
         try:
             for members in groups.values():
                 outcomes |= run_isolated(members, lambda group: self.decode([parsed[i] for i in group]))
+            for i, rows in in_flight.items():  # meanwhile decoded by the scheduler's thread
+                outcomes[i] = rows.outcome(parsed[i])
         finally:
             if self.cancelled is not None:  # answered (or stopped): its id is no longer needed
                 self.cancelled.forget(r.request_id for r in parsed.values() if r.request_id)
         return [outcomes[i] for i in range(len(requests))]
+
+    def _submit(self, request: GenerationRequest) -> InflightRows | None:
+        """The request's rows queued on the scheduler, or None where it runs on the runner: no
+        scheduler, rows that are not independent, no new token, more positions than a row holds,
+        or a busy scheduler (the rows already queued are withdrawn)."""
+        s = self.scheduler
+        if (s is None or not request.rows_independent or request.max_new_tokens < 1
+                or request.ids.shape[1] + request.max_new_tokens > s.capacity):
+            return None
+        rows = InflightRows(len(request.ids))
+        eos = frozenset() if request.eos_token_id is None else frozenset({request.eos_token_id})
+        try:
+            for j, prompt in enumerate(request.ids):
+                rows.sequences.append(s.submit(prompt, request.max_new_tokens, request.sampling, rows.collector(j),
+                                               eos, self._cancelled(request)))
+        except Unavailable:
+            for sequence in rows.sequences:
+                sequence.close()
+            return None
+        return rows
 
     def _cancelled(self, request: GenerationRequest) -> Callable[[], bool] | None:
         """Whether this request's client cancelled it or went away; None if that cannot be known."""

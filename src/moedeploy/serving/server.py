@@ -26,7 +26,10 @@ time to first token, inter-token latency, running and queued sequences).
 A decoder's `<name>_stream` on ONNX Runtime runs in-flight batching when its attention can run
 on GroupQueryAttention (serving/inflight.py): concurrent streams share each decode step, at
 most --max-sequences run, --max-queued wait, and a request beyond that is answered "busy"
-(HTTP 503 / gRPC UNAVAILABLE). Its rows hold --max-context positions each.
+(HTTP 503 / gRPC UNAVAILABLE). Its rows hold --max-context positions each. The rows of a
+`<name>_generate` request join that batch too where they are independent of each other (see
+serving/decoder.py); the rest, and every request while the scheduler is busy, run on the
+generate model's own runner.
 """
 
 from __future__ import annotations
@@ -195,13 +198,14 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
     """The PyTriton callable of one served model over one runner; generation stops early once
     stub_guard marks its requests cancelled in `cancel_dir` (gRPC) or the HTTP front marks them
     in `cancelled`. A stream model runs on `scheduler` when there is one (in-flight batching),
-    else a request at a time on `runner`."""
+    else a request at a time on `runner`; a generate model sends the rows it can to `scheduler`
+    and runs the others on `runner`."""
     run = runner.infer
     required = [t.name for t in spec.inputs if not t.optional]
     if artifact.kind != "decoder":
         model: Any = BatchedModel(run, [t.name for t in spec.outputs])
     elif spec.name.endswith(GENERATE_SUFFIX):
-        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled)
+        model = GenerationModel(RunnerDecoder(run, DecoderShape.of(artifact)), cancel_dir, cancelled, scheduler)
     elif spec.name.endswith(STREAM_SUFFIX):  # a generator answering token by token: its own answers
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
         shape = DecoderShape.of(artifact)
@@ -420,9 +424,9 @@ class ModelServer:
             schedulers = {artifact.path: self._inflight_scheduler(artifact, spec.name) for artifact, spec in self.specs
                           if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort"}
             for artifact, spec in self.specs:
-                scheduler = None
+                # the stream model's scheduler, which the generate model's independent rows join too
+                scheduler = schedulers.get(artifact.path) if spec.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX)) else None
                 if spec.name.endswith(STREAM_SUFFIX) and o.backend == "ort":
-                    scheduler = schedulers[artifact.path]
                     # else the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
                     runners = generation_runners[artifact.path][:1] if scheduler else generation_runners[artifact.path]
                 else:
