@@ -52,8 +52,9 @@ def register(app: typer.Typer) -> None:
         tokens) with output_ids and their text_output; optional max_tokens, temperature, top_k, top_p, seed; over gRPC
         streaming or POST /v2/models/<name>_stream/generate_stream, server-sent events; text
         needs an artifact exported from a checkpoint with its tokenizer, and generation stops
-        at the checkpoint's EOS ids; on ONNX Runtime concurrent streams are batched in flight,
-        joining and leaving between decode steps). A bad request gets HTTP 400 /
+        at the checkpoint's EOS ids; on ONNX Runtime concurrent streams, and the greedy or
+        single-row requests of <name>_generate, are batched in flight, joining and leaving
+        between decode steps). A bad request gets HTTP 400 /
         gRPC INVALID_ARGUMENT with its reason and fails alone. A generation stops at its next
         token when its HTTP client disconnects or its gRPC client cancels. Runs until SIGINT or SIGTERM.
 
