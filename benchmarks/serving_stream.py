@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--backend", default="ort")
     parser.add_argument("--bad-client", action="store_true", help="one more client sending malformed requests throughout")
     parser.add_argument("--stream-interval", type=int, default=1, help="serve --stream-interval: tokens per response after the first")
+    parser.add_argument("--packed-weights", choices=("stream", "all"), default=None, help="serve --packed-weights")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     for name, value in (("max_queue_delay_us", 100), ("instances", 1), ("max_batch_size", None)):
