@@ -42,9 +42,6 @@ from moedeploy.serving.batching import (
     run_isolated,
 )
 from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
-
-if TYPE_CHECKING:
-    from moedeploy.serving.inflight import InflightScheduler
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
@@ -52,6 +49,9 @@ from moedeploy.serving.specs import (
     GENERATE_OUTPUT,
 )
 from moedeploy.serving.stub_guard import TOKEN_PARAMETER
+
+if TYPE_CHECKING:
+    from moedeploy.serving.inflight import InflightScheduler
 
 
 @dataclass(frozen=True)
