@@ -148,10 +148,12 @@ def test_a_bad_stream_request_gets_its_own_one_line_error(served) -> None:
 
 @torch.no_grad()
 def test_concurrent_streams_are_batched_in_flight_and_each_gets_its_tokens_alone(served) -> None:
-    """Twelve gRPC streams at once with prompts and budgets of their own: the server decodes them
-    in shared steps (its scheduler ran several rows at once) and each gets transformers' greedy
-    tokens for its prompt alone. (Sixteen such streams once crashed tritonserver: the
-    cancellation watch asked a request whose final response was sent whether it was cancelled.)"""
+    """Twelve gRPC streams at once with prompts and budgets of their own, and beside them two
+    non-streamed generate requests (one of two rows): the server decodes them all in shared
+    steps (its scheduler ran several rows at once, and made every one of their tokens) and each
+    gets transformers' greedy tokens for its prompt alone. (Sixteen such streams once crashed
+    tritonserver: the cancellation watch asked a request whose final response was sent whether
+    it was cancelled.)"""
     import threading
 
     from moedeploy.runtime.text import TextCodec
@@ -175,14 +177,27 @@ def test_concurrent_streams_are_batched_in_flight_and_each_gets_its_tokens_alone
         got[i] = tokens_and_text(grpc_stream(server, {"input_ids": np.array([ids], dtype=np.int64),
                                                       "max_tokens": np.array([[new]], dtype=np.int64)}))[0]
 
-    peak_before = scheduler.peak_running
+    generations = [rng.integers(0, hf.config.vocab_size, (1, 7)), rng.integers(0, hf.config.vocab_size, (2, 4))]
+    generated: list = [None] * len(generations)
+
+    def generate(i: int) -> None:
+        feed = {"input_ids": generations[i].astype(np.int64),
+                "max_new_tokens": np.full((len(generations[i]), 1), 16, dtype=np.int64)}
+        generated[i] = infer("grpc", client("grpc", server), "decoder_generate", feed, ["output_ids"])["output_ids"]
+
+    peak_before, made_before = scheduler.peak_running, scheduler.tokens_generated
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+    threads += [threading.Thread(target=generate, args=(i,)) for i in range(len(generations))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert got == expected
+    for ids, out in zip(generations, generated, strict=True):
+        want = hf.generate(torch.from_numpy(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert torch.equal(torch.from_numpy(out), want)
     assert scheduler.peak_running > 1 or peak_before > 1
+    assert scheduler.tokens_generated - made_before == sum(map(len, expected)) + 3 * 16  # the generate rows too
     assert scheduler.running == 0
 
 
