@@ -157,6 +157,18 @@ class RunnerDecoder:
             self._past = {}
 
 
+def cancellation_check(token: str | None, request_id: str | None, cancel_dir: Path | None,
+                       cancelled: CancelledRequests | None) -> Callable[[], bool] | None:
+    """Whether a request's client cancelled it or went away: stub_guard's marker
+    `<cancel_dir>/<token>` (gRPC) or the HTTP front's mark of its id; None if neither can tell."""
+    checks: list[Callable[[], bool]] = []
+    if token and cancel_dir is not None:
+        checks.append((cancel_dir / token).exists)
+    if request_id and cancelled is not None:
+        checks.append(lambda: cancelled.is_cancelled(request_id))
+    return (lambda: any(check() for check in checks)) if checks else None
+
+
 class InflightRows:
     """One generate request's rows as sequences of the in-flight scheduler: each row's events
     collected (from the scheduler's thread) until it finishes."""
@@ -323,13 +335,7 @@ class GenerationModel:
         return rows
 
     def _cancelled(self, request: GenerationRequest) -> Callable[[], bool] | None:
-        """Whether this request's client cancelled it or went away; None if that cannot be known."""
-        checks: list[Callable[[], bool]] = []
-        if request.token and self.cancel_dir is not None:
-            checks.append((self.cancel_dir / request.token).exists)
-        if request.request_id and self.cancelled is not None:
-            checks.append(lambda: self.cancelled.is_cancelled(request.request_id))
-        return (lambda: any(check() for check in checks)) if checks else None
+        return cancellation_check(request.token, request.request_id, self.cancel_dir, self.cancelled)
 
     def all_cancelled(self, group: list[GenerationRequest]) -> Callable[[], bool]:
         """Whether every request of the group was cancelled (then nobody waits for its tokens)."""

@@ -57,7 +57,7 @@ from moedeploy.serving.batching import (
     first_line,
     request_problem,
 )
-from moedeploy.serving.decoder import DecoderShape, RunnerDecoder, option_value
+from moedeploy.serving.decoder import DecoderShape, RunnerDecoder, cancellation_check, option_value
 from moedeploy.serving.front import REQUEST_ID_HEADER, CancelledRequests
 from moedeploy.serving.inflight import Finished, InflightScheduler
 from moedeploy.serving.metrics import GenerationMetrics
@@ -239,12 +239,9 @@ class StreamModel(InFlight):
     def _cancelled(self, request: Any) -> Callable[[], bool]:
         parameters = getattr(request, "parameters", None) or {}
         token, request_id = parameters.get(TOKEN_PARAMETER), parameters.get(REQUEST_ID_HEADER)
-        checks: list[Callable[[], bool]] = []
-        if token and self.cancel_dir is not None:
-            checks.append((self.cancel_dir / str(token)).exists)
-        if request_id and self.cancelled is not None:
-            checks.append(lambda: self.cancelled.is_cancelled(str(request_id)))
-        return lambda: any(check() for check in checks)
+        check = cancellation_check(str(token) if token else None, str(request_id) if request_id else None,
+                                   self.cancel_dir, self.cancelled)
+        return check or (lambda: False)
 
     async def _answer(self, request: Any) -> AsyncIterator[Feed]:
         timer = self.metrics.request(self.model_name) if self.metrics is not None else _NoTimer()
