@@ -49,10 +49,13 @@ def floors_ms(config, bandwidth_gbs: float) -> dict[str, float]:
 def profile(artifact, attention: str, context: int, steps: int, threads: int, moe: str = "auto") -> dict:
     from moedeploy.models.config import DecoderConfig
     from moedeploy.runtime.ort import create_session
+    from moedeploy.runtime.quantized import RUN_ACCURACY
 
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
+    # a quantized artifact at the level it is served and benchmarked at (int8 activations)
+    nbits_accuracy = RUN_ACCURACY if artifact.manifest.get("quantization") else 0
     lowered = create_session(artifact, ["CPUExecutionProvider"], moe, threads=threads, profile=True,
-                             attention_lowering=attention)
+                             attention_lowering=attention, nbits_accuracy=nbits_accuracy)
     (kh, kd), (vh, vd) = config.kv_cache_dims
     rng = np.random.default_rng(0)
     feed = {"input_ids": rng.integers(0, config.vocab_size, (1, context))}

@@ -114,11 +114,12 @@ def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
 def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "auto",
                  ) -> tuple[Callable[[int, int], None], Step]:
     from moedeploy.runtime.generation import OrtDecoder
+    from moedeploy.runtime.quantized import RUN_ACCURACY
 
     # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and
     # llama.cpp. With GroupQueryAttention the cache is appended to in place (IO-bound buffers)
-    # a quantized artifact's MatMulNBits with int8 activations, as llama.cpp's q8_0/q4_0 dot products
-    nbits_accuracy = 4 if artifact.manifest.get("quantization") else 0
+    # (a quantized artifact at the level it is served at: int8 activations, as llama.cpp's q8_0/q4_0)
+    nbits_accuracy = RUN_ACCURACY if artifact.manifest.get("quantization") else 0
     decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last",
                          kv_cache="inplace" if attention == "gqa" else "copy", nbits_accuracy=nbits_accuracy)
     return lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1]

@@ -30,6 +30,7 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime.gqa import PAST_LENGTHS
 from moedeploy.runtime.lowering import LoweringError, MoELowering
 from moedeploy.runtime.ort import create_session
+from moedeploy.runtime.quantized import RUN_ACCURACY
 
 
 class RowCacheDecoder:
@@ -37,8 +38,10 @@ class RowCacheDecoder:
 
     def __init__(self, artifact: Artifact | str, slots: int, capacity: int | None = None,
                  providers: list[str] | None = None, moe_lowering: MoELowering = "auto",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, nbits_accuracy: int = RUN_ACCURACY) -> None:
         """capacity: positions a row holds (prompt + new tokens), default the model's max_positions.
+        nbits_accuracy: a quantized artifact's MatMulNBits/QMoE level; by default the one it is
+        served at (runtime/quantized.RUN_ACCURACY), 0 for compare's elementwise check.
         Raises LoweringError when the artifact's attention cannot run on GroupQueryAttention."""
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
         if self.artifact.kind != "decoder":
@@ -50,7 +53,7 @@ class RowCacheDecoder:
         self.capacity = min(capacity or self.config.max_positions, self.config.max_positions)
         self.vocab_size = self.config.vocab_size
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads, attention_lowering="gqa",
-                                      logits="last", kv_cache="inplace")
+                                      logits="last", kv_cache="inplace", nbits_accuracy=nbits_accuracy)
         if self.lowered.lowering.get("attention_gqa", 0) != self.config.n_layers:
             raise LoweringError("in-flight batching needs every layer's attention on GroupQueryAttention "
                                 f"({self.lowered.lowering.get('attention_gqa', 0)} of {self.config.n_layers} are)")

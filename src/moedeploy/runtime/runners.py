@@ -86,9 +86,11 @@ class TorchRunner(BaseRunner):
 
 
 def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | None = None, name: str = "onnxrt",
-               attention_lowering: str = "graph", norm_lowering: str = "native", prepack: bool = True):
+               attention_lowering: str = "graph", norm_lowering: str = "native", prepack: bool = True,
+               nbits_accuracy: int = 0):
     """Polygraphy's OnnxrtRunner over a lowered session (created lazily at activation);
-    prepack=False: the session shares the artifact's memory-mapped weights (runtime/ort.py).
+    prepack=False: the session shares the artifact's memory-mapped weights (runtime/ort.py);
+    nbits_accuracy: a quantized artifact's MatMulNBits/QMoE level (0: what compare checks).
 
     The runner's `lowering` dict is filled when the session is made: what the custom ops were
     lowered to (com.microsoft::MoE or the function body), so a report can say which path ran.
@@ -101,7 +103,8 @@ def ort_runner(artifact: Artifact, moe_lowering: str = "auto", threads: int | No
 
     def session():
         lowered = create_session(artifact, moe_lowering=moe_lowering, threads=threads,
-                                 attention_lowering=attention_lowering, norm_lowering=norm_lowering, prepack=prepack)
+                                 attention_lowering=attention_lowering, norm_lowering=norm_lowering, prepack=prepack,
+                                 nbits_accuracy=nbits_accuracy)
         lowering.clear()
         lowering.update(lowered.lowering)
         return lowered.session
@@ -141,14 +144,16 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
     return "; ".join(parts) or None
 
 
-def make_runner(backend: str, artifact: Artifact, prepack: bool = True) -> BaseRunner:
+def make_runner(backend: str, artifact: Artifact, prepack: bool = True, nbits_accuracy: int = 0) -> BaseRunner:
     """The runner for one backend name (torch, ort, trt); prepack=False: an ONNX Runtime session
-    over the artifact's shared memory-mapped weights (the other backends ignore it)."""
+    over the artifact's shared memory-mapped weights; nbits_accuracy: its level for a quantized
+    artifact (0, compare's elementwise check; serving runs at RUN_ACCURACY). The other backends
+    ignore both."""
     if backend == "torch":
         return TorchRunner(artifact)
     if backend in ORT_LOWERINGS:  # onnxrt, onnxrt-gqa, ...: the report's name for each
         return ort_runner(artifact, name="onnxrt" + backend.removeprefix("ort"), prepack=prepack,
-                          **ORT_LOWERINGS[backend])
+                          nbits_accuracy=nbits_accuracy, **ORT_LOWERINGS[backend])
     if backend == "trt":
         from moedeploy.runtime.tensorrt import trt_runner
 

@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         max_context: int = typer.Option(4096, "--max-context", help="In-flight batching: positions (prompt + max_tokens) each sequence may reach, at most the model's max_positions; its KV cache is preallocated (and touched as it fills)."),
         stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed response after the first, which always goes alone (vLLM's --stream-interval). 1 sends each token as it is made; 4 or 8 cut the per-response cost (PyTriton, Triton, gRPC/HTTP) at many concurrent streams, for less smooth streaming. A stream that falls behind gets what is waiting in one response at any setting."),
         packed_weights: str = typer.Option("stream", "--packed-weights", help="ONNX Runtime: which of a decoder's sessions repack the weights into a faster copy of their own. stream: one copy, for the session that serves streams and the OpenAI API; the logits model (and the generate model beside in-flight batching) share the artifact's memory-mapped file (one copy for all of them, decoding about a sixth slower). all: every model and instance keeps its own copy (memory: the weights once per session)."),
+        accuracy_level: int = typer.Option(4, "--accuracy-level", help="ONNX Runtime, quantized artifacts (export --quantize): 4 (the default) multiplies by the int8/int4 weights with int8 activations, as llama.cpp's q8_0/q4_0 do; 0 computes the dequantized products in float, what `moedeploy compare` checks elementwise, at a fraction of the speed (an int8 artifact decodes about 40x slower). No effect on float artifacts."),
         log_file: Path = typer.Option(None, "--log-file", help="Write Triton's complete log here instead of the console (which hides a few known-harmless lines, see moedeploy.serving.triton_output)."),
     ) -> None:
         """Serve artifacts on Triton Inference Server.
@@ -69,7 +70,7 @@ def register(app: typer.Typer) -> None:
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, dynamic_batching=dynamic_batching,
             instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
             openai_port=openai_port, max_sequences=max_sequences, max_queued=max_queued, max_context=max_context,
-            stream_interval=stream_interval, packed_weights=packed_weights,
+            stream_interval=stream_interval, packed_weights=packed_weights, accuracy_level=accuracy_level,
         )
         if log_file is not None:
             check_writable(log_file.parent)

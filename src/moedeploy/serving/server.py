@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from moedeploy.export.artifact import Artifact, quiet_polygraphy
+from moedeploy.runtime.quantized import ACCURACY_LEVELS, RUN_ACCURACY
 from moedeploy.runtime.text import TextCodec
 from moedeploy.serving import stub_guard, triton_output
 from moedeploy.serving.batching import LOGGER, BatchedModel, PerRequest, first_line
@@ -110,6 +111,7 @@ class ServeOptions:
     max_context: int = 4096  # ... positions (prompt + new tokens) each row holds, at most the model's max_positions
     stream_interval: int = 1  # tokens per streamed response after the first (vLLM's --stream-interval)
     packed_weights: str = "stream"  # which decoder sessions repack the weights: "stream" (in flight only) or "all"
+    accuracy_level: int = RUN_ACCURACY  # a quantized artifact's MatMulNBits/QMoE level: 4 int8 activations, 0 float
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -142,6 +144,9 @@ class ServeOptions:
             raise ServingError(f"--max-context must be >= 2 (a prompt token and a new one), got {self.max_context}")
         if self.packed_weights not in PACKED_WEIGHTS:
             raise ServingError(f"unknown --packed-weights {self.packed_weights!r}; choose from: {', '.join(PACKED_WEIGHTS)}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ServingError(f"--accuracy-level must be one of {', '.join(map(str, ACCURACY_LEVELS))} "
+                               f"(4: int8 activations, fast; 0: float), got {self.accuracy_level}")
         if self.stream_interval < 1:
             raise ServingError(f"--stream-interval must be >= 1 (tokens per streamed response), got {self.stream_interval}")
 
@@ -180,13 +185,14 @@ def python_library_first() -> Iterator[None]:
             os.environ["LD_LIBRARY_PATH"] = old
 
 
-def activated_runner(backend: str, artifact: Artifact, prepack: bool = True):
+def activated_runner(backend: str, artifact: Artifact, prepack: bool = True, accuracy_level: int = RUN_ACCURACY):
     """An activated Polygraphy runner; errors (no TensorRT, no engine, bf16 on CPU) surface here.
-    prepack=False: on ONNX Runtime, the session shares the artifact's memory-mapped weights."""
+    prepack=False: on ONNX Runtime, the session shares the artifact's memory-mapped weights;
+    accuracy_level: a quantized artifact's MatMulNBits/QMoE level there."""
     from moedeploy.runtime.runners import make_runner as runtime_runner
 
     quiet_polygraphy()
-    runner = runtime_runner(backend, artifact, prepack)
+    runner = runtime_runner(backend, artifact, prepack, accuracy_level)
     runner.activate()
     return runner
 
@@ -430,8 +436,8 @@ class ModelServer:
                     # else the generate model's sessions (ONNX Runtime's run is thread-safe): no second copy of the weights
                     runners = generation_runners[artifact.path][:1] if scheduler else generation_runners[artifact.path]
                 else:
-                    prepack = self._packs(artifact, spec, schedulers.get(artifact.path) is not None)
-                    runners = [activated_runner(o.backend, artifact, prepack) for _ in range(o.instances)]
+                    in_flight = schedulers.get(artifact.path) is not None
+                    runners = [self._runner(artifact, spec, in_flight) for _ in range(o.instances)]
                     self._runners += runners
                 if spec.name.endswith(GENERATE_SUFFIX):
                     generation_runners[artifact.path] = runners
@@ -456,6 +462,12 @@ class ModelServer:
             raise
         return self
 
+    def _runner(self, artifact: Artifact, spec: ModelSpec, in_flight: bool):
+        """One activated runner of a served model: its weights packed or mapped (`_packs`), a
+        quantized artifact at --accuracy-level."""
+        o = self.options
+        return activated_runner(o.backend, artifact, self._packs(artifact, spec, in_flight), o.accuracy_level)
+
     def _packs(self, artifact: Artifact, spec: ModelSpec, in_flight: bool) -> bool:
         """Whether this model's ONNX Runtime sessions repack the weights into a copy of their own
         (faster) or share the artifact's memory-mapped file. With --packed-weights stream (the
@@ -476,7 +488,8 @@ class ModelServer:
 
         o = self.options
         try:
-            decoder = RowCacheDecoder(artifact, slots=o.max_sequences, capacity=o.max_context)
+            decoder = RowCacheDecoder(artifact, slots=o.max_sequences, capacity=o.max_context,
+                                      nbits_accuracy=o.accuracy_level)
         except LoweringError as e:
             LOGGER.warning("%s: no in-flight batching (%s); concurrent streams take turns", name, first_line(e))
             return None

@@ -1,0 +1,51 @@
+"""A quantized decoder is served at --accuracy-level: 4 (int8 activations, the default) or 0
+(the dequantized products in float). Level 4 is what makes a quantized artifact fast on ONNX
+Runtime's CPU kernels; before it was wired in, serve ran int8 artifacts at level 0, about 40x
+slower than `bench` measured them. Observable without timing: QMoE takes int8 experts at level
+4 only (its CPU int8 kernel has int8 activations only), so the lowering says which level ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from moedeploy.export import export
+from moedeploy.models.blockquant import QuantScheme
+from moedeploy.models.config import preset
+from moedeploy.serving.specs import ServingError
+
+pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
+
+
+@pytest.fixture(scope="module")
+def int8_decoder(tmp_path_factory):
+    return export("decoder", tmp_path_factory.mktemp("q") / "tiny-int8", preset_name="tiny",
+                  quantization=QuantScheme(8, 32))
+
+
+@pytest.mark.parametrize(("level", "on_qmoe"), [(4, True), (0, False)])
+def test_every_session_of_a_served_quantized_decoder_runs_at_the_accuracy_level(int8_decoder, level, on_qmoe) -> None:
+    from moedeploy.serving import ModelServer, ServeOptions
+
+    layers = preset("tiny").n_layers
+    server = ModelServer([int8_decoder], ServeOptions(accuracy_level=level))  # not started: its sessions alone
+    scheduler = server._inflight_scheduler(int8_decoder, f"{int8_decoder.name}_stream")
+    try:
+        assert scheduler.decoder.lowered.lowering["moe_qmoe"] == (layers if on_qmoe else 0)
+    finally:
+        scheduler.stop()
+    for _, spec in server.specs:
+        if spec.name.endswith("_stream"):
+            continue
+        runner = server._runner(int8_decoder, spec, in_flight=True)
+        try:
+            assert runner.lowering["moe_qmoe"] == (layers if on_qmoe else 0), spec.name
+            assert runner.lowering["matmul_nbits"] > 0
+        finally:
+            runner.deactivate()
+
+
+def test_an_unknown_accuracy_level_is_refused_in_one_line() -> None:
+    from moedeploy.serving import ServeOptions
+
+    with pytest.raises(ServingError, match=r"--accuracy-level must be one of 0, 4 \(4: int8 activations"):
+        ServeOptions(accuracy_level=2).validate()
