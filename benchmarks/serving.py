@@ -178,8 +178,9 @@ def bare_ceiling(artifact, inputs: dict[str, np.ndarray], rows: int, new_tokens:
     stacked = {k: np.concatenate([v] * rows) for k, v in inputs.items()}
     if artifact.kind == "decoder":
         from moedeploy.runtime.generation import OrtDecoder
+        from moedeploy.runtime.quantized import RUN_ACCURACY
 
-        decoder = OrtDecoder(artifact)
+        decoder = OrtDecoder(artifact, nbits_accuracy=RUN_ACCURACY)  # a quantized artifact as serve runs it
         ids = torch.from_numpy(stacked["input_ids"])
         seconds = median_seconds(lambda: decoder.generate(ids, max_new_tokens=new_tokens), repeat=10)
     else:

@@ -166,8 +166,10 @@ def bare_decode(artifact, prompt_len: int, new_tokens: int) -> float:
     import torch
 
     from moedeploy.runtime.generation import OrtDecoder
+    from moedeploy.runtime.quantized import RUN_ACCURACY
 
-    decoder = OrtDecoder(artifact, threads=2, logits="last")
+    # a quantized artifact at the level serve runs it at
+    decoder = OrtDecoder(artifact, threads=2, logits="last", nbits_accuracy=RUN_ACCURACY)
     prompt = torch.randint(0, decoder.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     decoder.generate(prompt, max_new_tokens=4)  # warm-up
     start = time.perf_counter()
