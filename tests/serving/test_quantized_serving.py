@@ -49,3 +49,22 @@ def test_an_unknown_accuracy_level_is_refused_in_one_line() -> None:
 
     with pytest.raises(ServingError, match=r"--accuracy-level must be one of 0, 4 \(4: int8 activations"):
         ServeOptions(accuracy_level=2).validate()
+
+
+def test_a_quantized_decoder_repacks_in_every_session(int8_decoder) -> None:
+    """--packed-weights stream maps a float decoder's logits model onto the artifact's file, but a
+    quantized one's kernels decode 20-30x slower over the mapped codes: every one of its
+    sessions repacks (ONNX Runtime's default) whatever the option."""
+    from moedeploy.runtime.ort import DISABLE_PREPACKING
+    from moedeploy.serving import ModelServer, ServeOptions
+
+    server = ModelServer([int8_decoder], ServeOptions(packed_weights="stream"))
+    for _, spec in server.specs:
+        if spec.name.endswith("_stream"):
+            continue
+        runner = server._runner(int8_decoder, spec, in_flight=True)
+        try:
+            with pytest.raises(RuntimeError):  # the entry is unset: ONNX Runtime repacks
+                runner.sess.get_session_options().get_session_config_entry(DISABLE_PREPACKING)
+        finally:
+            runner.deactivate()
