@@ -51,20 +51,30 @@ def test_an_unknown_accuracy_level_is_refused_in_one_line() -> None:
         ServeOptions(accuracy_level=2).validate()
 
 
-def test_a_quantized_decoder_repacks_in_every_session(int8_decoder) -> None:
-    """--packed-weights stream maps a float decoder's logits model onto the artifact's file, but a
-    quantized one's kernels decode 20-30x slower over the mapped codes: every one of its
-    sessions repacks (ONNX Runtime's default) whatever the option."""
+def test_a_quantized_decoders_mapped_sessions_are_named_in_a_warning(int8_decoder, caplog) -> None:
+    """--packed-weights stream keeps its memory promise for a quantized decoder (its logits model
+    maps the artifact's file), but ONNX Runtime's int8/int4 kernels decode 20-30x slower there,
+    so the server says which model runs mapped and how to repack it; with --packed-weights all
+    it repacks (ONNX Runtime's default: the prepacking entry unset) and nothing is said."""
     from moedeploy.runtime.ort import DISABLE_PREPACKING
     from moedeploy.serving import ModelServer, ServeOptions
 
-    server = ModelServer([int8_decoder], ServeOptions(packed_weights="stream"))
-    for _, spec in server.specs:
-        if spec.name.endswith("_stream"):
-            continue
-        runner = server._runner(int8_decoder, spec, in_flight=True)
+    logits_spec = next(spec for _, spec in ModelServer([int8_decoder]).specs if spec.name == int8_decoder.name)
+    for packed, mapped in (("stream", True), ("all", False)):
+        caplog.clear()
+        server = ModelServer([int8_decoder], ServeOptions(packed_weights=packed))
+        runner = server._runner(int8_decoder, logits_spec, in_flight=True)
         try:
-            with pytest.raises(RuntimeError):  # the entry is unset: ONNX Runtime repacks
-                runner.sess.get_session_options().get_session_config_entry(DISABLE_PREPACKING)
+            options = runner.sess.get_session_options()
+            if mapped:
+                assert options.get_session_config_entry(DISABLE_PREPACKING) == "1"
+            else:
+                with pytest.raises(RuntimeError):
+                    options.get_session_config_entry(DISABLE_PREPACKING)
         finally:
             runner.deactivate()
+        warnings = [r.getMessage() for r in caplog.records if "memory-mapped codes" in r.getMessage()]
+        assert warnings == ([f"{int8_decoder.name} runs over the quantized artifact's memory-mapped codes, where "
+                             "ONNX Runtime's MatMulNBits and QMoE decode 20-30x slower than on their repacked layout; "
+                             "--packed-weights all repacks it too (memory: a copy of the weights per session)"]
+                            if mapped else [])

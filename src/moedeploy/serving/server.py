@@ -466,7 +466,12 @@ class ModelServer:
         """One activated runner of a served model: its weights packed or mapped (`_packs`), a
         quantized artifact at --accuracy-level."""
         o = self.options
-        return activated_runner(o.backend, artifact, self._packs(artifact, spec, in_flight), o.accuracy_level)
+        packed = self._packs(artifact, spec, in_flight)
+        if not packed and o.backend == "ort" and artifact.manifest.get("quantization"):
+            LOGGER.warning("%s runs over the quantized artifact's memory-mapped codes, where ONNX Runtime's MatMulNBits "
+                           "and QMoE decode 20-30x slower than on their repacked layout; --packed-weights all repacks "
+                           "it too (memory: a copy of the weights per session)", spec.name)
+        return activated_runner(o.backend, artifact, packed, o.accuracy_level)
 
     def _packs(self, artifact: Artifact, spec: ModelSpec, in_flight: bool) -> bool:
         """Whether this model's ONNX Runtime sessions repack the weights into a copy of their own
@@ -475,11 +480,9 @@ class ModelServer:
         OpenAI API: the in-flight session when there is one, else the generate model's sessions
         (the stream model decodes on them). Its logits model, and its generate model beside an
         in-flight session, share the file: a checkpoint of tens of GB is then in memory once plus
-        that copy, not once per model and instance. A quantized artifact's sessions always
-        repack: ONNX Runtime's MatMulNBits and QMoE run on their own packed layout only, and
-        decode 20-30x slower over the mapped codes (int8 3.7 -> 73 ms a step on the `small`
-        preset), for a copy a quarter of the float weights' size or less."""
-        if self.options.packed_weights == "all" or artifact.kind != "decoder" or artifact.manifest.get("quantization"):
+        that copy, not once per model and instance. That holds for a quantized decoder too, whose
+        mapped sessions are much slower (`_runner` says so)."""
+        if self.options.packed_weights == "all" or artifact.kind != "decoder":
             return True
         return spec.name.endswith(GENERATE_SUFFIX) and not in_flight
 
