@@ -4,6 +4,7 @@ tritonclient (HTTP or gRPC), so each test reads as request -> expected value."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import time
 import urllib.error
@@ -127,3 +128,50 @@ def tree_pss_mb(pid: int) -> float:
             rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
             total += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
     return total / 1024
+
+
+def grpc_stream(server, inputs: dict[str, np.ndarray], model: str = "decoder_stream") -> list[tuple[float, object, object]]:
+    """Every (arrival time, result, error) of one streamed request to a decoupled `model`, up to its
+    final response."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    answers: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: answers.put((time.perf_counter(), result, error)))
+    tensors = []
+    for name, array in inputs.items():
+        t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+    c.async_stream_infer(model, tensors, enable_empty_final_response=True)
+    got = []
+    while True:
+        arrived, result, error = answers.get(timeout=60)
+        got.append((arrived, result, error))
+        if error is not None:
+            break
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    c.stop_stream()
+    c.close()
+    return got
+
+
+def result_ids(response) -> list[int]:
+    _, result, error = response
+    assert error is None, error
+    return result.as_numpy("output_ids").reshape(-1).tolist()
+
+
+def tokens_and_text(got) -> tuple[list[int], list[str]]:
+    tokens, pieces = [], []
+    for _, result, error in got:
+        assert error is None, error
+        ids = result.as_numpy("output_ids")
+        if ids is None:  # the empty final response
+            continue
+        tokens += ids.reshape(-1).tolist()
+        text = result.as_numpy("text_output")  # None without a tokenizer
+        pieces += [] if text is None else [p.decode("utf-8") for p in text.reshape(-1)]
+    return tokens, pieces

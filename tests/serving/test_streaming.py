@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.serving.helpers import HOST, client, free_ports, infer
+from tests.serving.helpers import (
+    HOST,
+    client,
+    free_ports,
+    grpc_stream,
+    infer,
+    result_ids,
+    tokens_and_text,
+)
 from tests.text_helpers import export_with_tokenizer
 
 MODEL = "decoder_stream"
@@ -36,51 +44,6 @@ def served(tmp_path_factory):
                            openai_port=openai, exit_timeout_s=1, log_file=root / "tritonserver.log")
     with ModelServer([artifact], options) as server:
         yield server, hf, artifact
-
-
-def grpc_stream(server, inputs: dict[str, np.ndarray]) -> list[tuple[float, object, object]]:
-    """Every (arrival time, result, error) of one streamed request, up to its final response."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    answers: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=lambda result, error: answers.put((time.perf_counter(), result, error)))
-    tensors = []
-    for name, array in inputs.items():
-        t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        tensors.append(t)
-    c.async_stream_infer(MODEL, tensors, enable_empty_final_response=True)
-    got = []
-    while True:
-        arrived, result, error = answers.get(timeout=60)
-        got.append((arrived, result, error))
-        if error is not None:
-            break
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            break
-    c.stop_stream()
-    c.close()
-    return got
-
-
-def result_ids(response) -> list[int]:
-    _, result, error = response
-    assert error is None, error
-    return result.as_numpy("output_ids").reshape(-1).tolist()
-
-
-def tokens_and_text(got) -> tuple[list[int], list[str]]:
-    tokens, pieces = [], []
-    for _, result, error in got:
-        assert error is None, error
-        ids = result.as_numpy("output_ids")
-        if ids is None:  # the empty final response
-            continue
-        tokens += ids.reshape(-1).tolist()
-        pieces += [p.decode("utf-8") for p in result.as_numpy("text_output").reshape(-1)]
-    return tokens, pieces
 
 
 @torch.no_grad()
