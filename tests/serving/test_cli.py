@@ -72,6 +72,8 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
                               "--stream-interval must be >= 1 (tokens per streamed response), got 0"),
         "packed weights": (["serve", moe, "--packed-weights", "some", *ports],
                            "unknown --packed-weights 'some'; choose from: stream, all"),
+        "accuracy level": (["serve", moe, "--accuracy-level", "8", *ports],
+                           "--accuracy-level must be one of 0, 4 (4: int8 activations, fast; 0: float), got 8"),
         "repo without --out": (["triton-repo", moe], "missing --out DIR"),
         "repo without a plan": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--backend", "tensorrt"],
                                 "no TensorRT plan for fp32"),
@@ -81,7 +83,7 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
 
 
 CASES = ["missing artifact", "unknown backend", "bf16", "port in use", "same port twice", "batch size 0",
-         "no instances", "stream interval 0", "packed weights", "repo without --out", "repo without a plan", "repo unknown kind"]
+         "no instances", "stream interval 0", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
 
 
 @pytest.mark.parametrize("case", CASES)
