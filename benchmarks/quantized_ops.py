@@ -162,8 +162,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     bandwidth = measure_bandwidth_gbs(args.threads)
     llc = last_level_cache_bytes()
-    print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read, last-level cache "
-          f"{llc / 2**20:.0f} MiB" if llc else "")
+    cache = f", last-level cache {llc / 2**20:.0f} MiB" if llc else ""
+    print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read{cache}")
     rows = []
 
     def report(name: str, us: float, nbytes: int | None) -> None:

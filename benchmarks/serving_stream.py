@@ -183,9 +183,12 @@ def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int,
     run loses beside it is the cost of sending every token through PyTriton, Triton and gRPC."""
     from moedeploy.models.generation import SamplingConfig
     from moedeploy.runtime.inflight import RowCacheDecoder
+    from moedeploy.runtime.quantized import RUN_ACCURACY
     from moedeploy.serving.inflight import InflightScheduler
 
-    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=max(levels), capacity=prompt_len + new_tokens))
+    # a quantized artifact at the level serve runs it at
+    decoder = RowCacheDecoder(artifact, slots=max(levels), capacity=prompt_len + new_tokens, nbits_accuracy=RUN_ACCURACY)
+    scheduler = InflightScheduler(decoder)
     vocab = artifact.manifest["config"]["vocab_size"]
     results = {}
     try:

@@ -347,21 +347,22 @@ def test_contrib_lowering_runs_quantized_experts_on_qmoe(name, artifacts, checkp
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_the_in_flight_decoder_runs_a_quantized_artifact_at_the_served_level(name, artifacts, checkpoint) -> None:
-    """RowCacheDecoder (serve's in-flight batching) takes a quantized artifact at RUN_ACCURACY by
-    default: int8 activations, within distribution thresholds of transformers on the dequantized
-    weights, with int8 experts on QMoE (it takes them at level 4 only); at level 0 (compare's
+    """RowCacheDecoder (serve's in-flight batching) at RUN_ACCURACY, what serve passes by default:
+    int8 activations, within distribution thresholds of transformers on the dequantized weights,
+    with int8 experts on QMoE (it takes them at level 4 only); at its default level 0 (compare's
     in-flight check) the dequantized products to rounding."""
     from moedeploy.runtime.inflight import RowCacheDecoder
+    from moedeploy.runtime.quantized import RUN_ACCURACY
 
     hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
     ids = prompt(24)
     with torch.no_grad():
         expected = hf(ids).logits[:, -1].double()
-    served = RowCacheDecoder(artifacts[name], slots=2, capacity=32)
+    served = RowCacheDecoder(artifacts[name], slots=2, capacity=32, nbits_accuracy=RUN_ACCURACY)
     assert served.lowered.lowering["moe_qmoe"] == 2 and served.lowered.lowering["matmul_nbits"] > 0
     got = torch.from_numpy(served.prefill(0, ids.numpy())).double()
     kl = (expected.softmax(-1) * (expected.log_softmax(-1) - got.log_softmax(-1))).sum(-1)
     assert float(kl.max()) < 5e-3 and not np.allclose(got.numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
-    exact = RowCacheDecoder(artifacts[name], slots=2, capacity=32, nbits_accuracy=0)
+    exact = RowCacheDecoder(artifacts[name], slots=2, capacity=32)
     assert exact.lowered.lowering["moe_qmoe"] == (2 if name == "int4" else 0)
     np.testing.assert_allclose(exact.prefill(0, ids.numpy()), expected.numpy(), rtol=1e-4, atol=1e-4)

@@ -164,7 +164,9 @@ def result_ids(response) -> list[int]:
     return result.as_numpy("output_ids").reshape(-1).tolist()
 
 
-def tokens_and_text(got) -> tuple[list[int], list[str]]:
+def tokens_and_text(got, text: bool = True) -> tuple[list[int], list[str]]:
+    """The token ids and text pieces of a stream's responses; text=False for a model served
+    without a tokenizer (no text_output)."""
     tokens, pieces = [], []
     for _, result, error in got:
         assert error is None, error
@@ -172,6 +174,6 @@ def tokens_and_text(got) -> tuple[list[int], list[str]]:
         if ids is None:  # the empty final response
             continue
         tokens += ids.reshape(-1).tolist()
-        text = result.as_numpy("text_output")  # None without a tokenizer
-        pieces += [] if text is None else [p.decode("utf-8") for p in text.reshape(-1)]
+        if text:
+            pieces += [p.decode("utf-8") for p in result.as_numpy("text_output").reshape(-1)]
     return tokens, pieces

@@ -177,3 +177,16 @@ def test_serve_help_says_what_the_generation_options_take() -> None:
     assert "one value per request" in text and "the same value in every row" in text
     assert "one value per sequence" not in text
     assert "--max-request-mb" in text
+
+
+def test_serve_defaults_to_the_level_quantized_artifacts_run_at() -> None:
+    """serve's --accuracy-level default is a literal (the CLI module loads no torch for --help):
+    held equal to runtime.quantized.RUN_ACCURACY and ServeOptions' default here."""
+    import typer
+
+    from moedeploy.runtime.quantized import RUN_ACCURACY
+    from moedeploy.serving import ServeOptions
+
+    command = typer.main.get_command(cli_app()).commands["serve"]
+    (default,) = [p.default for p in command.params if p.name == "accuracy_level"]
+    assert default == ServeOptions().accuracy_level == RUN_ACCURACY

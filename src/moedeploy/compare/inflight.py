@@ -41,8 +41,8 @@ def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rto
                 "server decodes its streams one request at a time", "passed": True}
     prompts = [min(n, config.max_positions - STEPS - 1) for n in PROMPTS]
     capacity = max(prompts) + STEPS + 1
-    # level 0: a quantized artifact's dequantized products, held to the float tolerances
-    decoder = RowCacheDecoder(artifact, slots=len(prompts), capacity=capacity, nbits_accuracy=0)
+    # (level 0, the default: a quantized artifact's dequantized products, held to the float tolerances)
+    decoder = RowCacheDecoder(artifact, slots=len(prompts), capacity=capacity)
     rng = np.random.default_rng(seed)
     sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in prompts]
     got: list[list[np.ndarray]] = [[] for _ in prompts]

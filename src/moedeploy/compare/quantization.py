@@ -123,7 +123,10 @@ def quantization_accuracy(
     del reference
     section: dict[str, Any] = {
         "bits": bits, "thresholds": limits, "stream_tokens": stream_len, "greedy_prompt_tokens": prompt_len,
-        "greedy_new_tokens": new_tokens, "reference": "eager PyTorch on the unquantized weights", "backends": {},
+        "greedy_new_tokens": new_tokens, "reference": "eager PyTorch on the unquantized weights",
+        # the format's cost: level 0 computes the dequantized products (serve runs level 4, whose
+        # int8 activations add a little: benchmarks/README.md)
+        "accuracy_level": 0, "backends": {},
     }
     for backend in backends:
         if backend not in ORT_LOWERINGS:

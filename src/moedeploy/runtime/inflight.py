@@ -30,7 +30,6 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime.gqa import PAST_LENGTHS
 from moedeploy.runtime.lowering import LoweringError, MoELowering
 from moedeploy.runtime.ort import create_session
-from moedeploy.runtime.quantized import RUN_ACCURACY
 
 
 class RowCacheDecoder:
@@ -38,10 +37,11 @@ class RowCacheDecoder:
 
     def __init__(self, artifact: Artifact | str, slots: int, capacity: int | None = None,
                  providers: list[str] | None = None, moe_lowering: MoELowering = "auto",
-                 threads: int | None = None, nbits_accuracy: int = RUN_ACCURACY) -> None:
+                 threads: int | None = None, nbits_accuracy: int = 0) -> None:
         """capacity: positions a row holds (prompt + new tokens), default the model's max_positions.
-        nbits_accuracy: a quantized artifact's MatMulNBits/QMoE level; by default the one it is
-        served at (runtime/quantized.RUN_ACCURACY), 0 for compare's elementwise check.
+        nbits_accuracy: a quantized artifact's MatMulNBits/QMoE level, 0 (float, what compare
+        checks) as everywhere in the library; serve passes its --accuracy-level, by default
+        runtime/quantized.RUN_ACCURACY.
         Raises LoweringError when the artifact's attention cannot run on GroupQueryAttention."""
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
         if self.artifact.kind != "decoder":

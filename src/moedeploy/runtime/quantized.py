@@ -30,13 +30,14 @@ CODE_BITS = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
 KERNELS = {"CPUExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16},
            "CUDAExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16}}
 ACCURACY_LEVELS = (0, 4)
-#: The level a quantized artifact is *run* at (served, benchmarked): int8 activations per block,
-#: as llama.cpp's q8_0/q4_0 dot products. Measured (benchmarks/README.md): level 0 decodes an
-#: int8 artifact at about 9 tokens/s against about 360 at level 4 (ONNX Runtime's 8-bit CPU
-#: kernels have no float path; QMoE takes int8 experts at level 4 only) and int4 1.6x slower,
-#: while level 4 adds little KL (int8 0.00012 -> 0.00019 on the `small` preset, int4 none
-#: measurable). Level 0 (the dequantized products, to rounding) stays what `compare` checks
-#: elementwise and the library's default.
+#: The level a quantized artifact is *run* at: `serve --accuracy-level`'s default (ServeOptions'
+#: accuracy_level, passed on as the runtime's nbits_accuracy) and what `bench` times. int8
+#: activations per block, as llama.cpp's q8_0/q4_0 dot products. Measured on the `small` preset
+#: (README.md), one in-flight row at level 0 against 4: int8 9 against 304 tokens/s (ONNX
+#: Runtime's 8-bit CPU kernels have no float path; QMoE takes int8 experts at level 4 only),
+#: int4 29 against 407; level 4 adds little KL (int8 0.00012 -> 0.00019, int4 none measurable).
+#: Level 0 (the dequantized products, to rounding) stays the library's default wherever a
+#: level is a parameter, and what `compare` checks.
 RUN_ACCURACY = 4
 
 

@@ -360,6 +360,7 @@ class ModelServer:
         if duplicates:
             raise ServingError(f"two artifacts would serve a model named {duplicates[0]!r}; model names are manifest names")
         self._runners: list[Any] = []
+        self._warned: set[str] = set()  # models already named in the mapped-quantized warning
         self._schedulers: list[InflightScheduler] = []
         self._callables: list[PerRequest] = []
         self._triton: Any = None
@@ -467,10 +468,11 @@ class ModelServer:
         quantized artifact at --accuracy-level."""
         o = self.options
         packed = self._packs(artifact, spec, in_flight)
-        if not packed and o.backend == "ort" and artifact.manifest.get("quantization"):
+        if not packed and o.backend == "ort" and artifact.manifest.get("quantization") and spec.name not in self._warned:
+            self._warned.add(spec.name)  # once per model, not per instance
             LOGGER.warning("%s runs over the quantized artifact's memory-mapped codes, where ONNX Runtime's MatMulNBits "
-                           "and QMoE decode 20-30x slower than on their repacked layout; --packed-weights all repacks "
-                           "it too (memory: a copy of the weights per session)", spec.name)
+                           "and QMoE compute in float, 20-30x slower than on their repacked layout; --packed-weights all "
+                           "repacks it too (memory: a copy of the weights per session)", spec.name)
         return activated_runner(o.backend, artifact, packed, o.accuracy_level)
 
     def _packs(self, artifact: Artifact, spec: ModelSpec, in_flight: bool) -> bool:
@@ -480,11 +482,15 @@ class ModelServer:
         OpenAI API: the in-flight session when there is one, else the generate model's sessions
         (the stream model decodes on them). Its logits model, and its generate model beside an
         in-flight session, share the file: a checkpoint of tens of GB is then in memory once plus
-        that copy, not once per model and instance. That holds for a quantized decoder too, whose
-        mapped sessions are much slower (`_runner` says so)."""
+        that copy, not once per model and instance. A quantized decoder's generate model repacks
+        beside in-flight batching too: over the mapped codes ONNX Runtime's int8/int4 kernels
+        compute in float whatever the accuracy level (and 20-30x slower), so a request that misses
+        the in-flight batch would get other tokens than one in it; its copy is a quarter of the
+        float weights or less. Its logits model stays mapped (`_runner` warns)."""
         if self.options.packed_weights == "all" or artifact.kind != "decoder":
             return True
-        return spec.name.endswith(GENERATE_SUFFIX) and not in_flight
+        generate = spec.name.endswith(GENERATE_SUFFIX)
+        return generate and (not in_flight or bool(artifact.manifest.get("quantization")))
 
     def _inflight_scheduler(self, artifact: Artifact, name: str) -> InflightScheduler | None:
         """In-flight batching for a decoder's stream model, or None where its attention cannot run on
