@@ -48,7 +48,7 @@ def floors_ms(config, bandwidth_gbs: float) -> dict[str, float]:
 
 def profile(artifact, attention: str, context: int, steps: int, threads: int, moe: str = "auto") -> dict:
     from moedeploy.models.config import DecoderConfig
-    from moedeploy.runtime.ort import create_session
+    from moedeploy.runtime.ort import create_session, profile_events
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
@@ -68,7 +68,7 @@ def profile(artifact, attention: str, context: int, steps: int, threads: int, mo
         for i in range(config.n_layers):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = out[1 + 2 * i], out[2 + 2 * i]
         out = lowered.run(feed)
-    events = json.loads(Path(lowered.session.end_profiling()).read_text())
+    events = profile_events(lowered.session)
     runs = [e for e in events if e.get("name") == "model_run"][1:]  # the decode steps
     start = runs[0]["ts"]
     kernel_us: collections.Counter[str] = collections.Counter()

@@ -4,9 +4,6 @@ many, exact ties, non-finite tokens; what it refuses; and that untaken experts d
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -16,6 +13,7 @@ import torch
 from moedeploy.plugins import moe as moe_op
 from moedeploy.plugins.moe import ExpertActivation, Routing
 from moedeploy.runtime.lowering import LoweringError, lower_for_ort
+from moedeploy.runtime.ort import profile_events, session_options
 from tests.export.artifacts import moe_node_model, moe_weights, plain_session
 
 E, H, I = 8, 16, 24  # noqa: E741
@@ -116,12 +114,11 @@ def test_untaken_experts_do_not_run() -> None:
     """One token routes to two experts: ONNX Runtime's profile shows two experts' Gemms run."""
     w = moe_weights(E, H, I, "swiglu", False, seed=27)
     lowered, _ = lower_for_ort(_model(w, Routing(2, True), None), "CPUExecutionProvider", "experts")
-    options = ort.SessionOptions()
-    options.enable_profiling, options.log_severity_level = True, 3
-    session = ort.InferenceSession(lowered.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(lowered.SerializeToString(), session_options(profile=True),
+                                   providers=["CPUExecutionProvider"])
     g = torch.Generator().manual_seed(28)
     session.run(None, {"X": torch.randn(1, H, generator=g).numpy(), "router_logits": torch.randn(1, E, generator=g).numpy()})
-    events = json.loads(Path(session.end_profiling()).read_text())
+    events = profile_events(session)
     gemms = [e for e in events if e.get("cat") == "Node" and e.get("args", {}).get("op_name") == "Gemm"
              and e["name"].endswith("_kernel_time")]
     assert len(gemms) == 2 * 3  # two experts, gate + up + down each (separate gate and up weights here)

@@ -6,9 +6,6 @@ traced graph, and asking for GroupQueryAttention there is refused with the reaso
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +15,7 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime import gqa
 from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.lowering import LoweringError
-from moedeploy.runtime.ort import create_session
+from moedeploy.runtime.ort import create_session, profile_events
 
 from ..families.cases import _family_config, make_model, prompt, save_checkpoint
 
@@ -120,7 +117,7 @@ def test_the_fused_node_is_what_runs(exported) -> None:
         feed[f"past_key_values.{i}.key"] = np.zeros((1, kh, 3, kd), np.float32)
         feed[f"past_key_values.{i}.value"] = np.zeros((1, vh, 3, vd), np.float32)
     session.run(feed)
-    events = json.loads(Path(session.session.end_profiling()).read_text())
+    events = profile_events(session.session)
     ops = [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ops.count("GroupQueryAttention") == config.n_layers
     assert "Attention" not in ops and "Neg" not in ops  # neither the traced attention nor its rotary ran

@@ -4,7 +4,6 @@ thing (and ONNX Runtime really runs it), the dense function body otherwise."""
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.plugins import moe as moe_op
 from moedeploy.runtime.lowering import LoweringError, lower_for_ort
-from moedeploy.runtime.ort import create_session
+from moedeploy.runtime.ort import create_session, profile_events
 from tests.export.artifacts import (
     eager_block,
     moe_node_model,
@@ -29,7 +28,7 @@ CPU = ["CPUExecutionProvider"]
 def executed_ops(lowered, feed: dict) -> set[str]:
     """The op names in ONNX Runtime's own profile of one run."""
     lowered.run(feed)
-    events = json.loads(Path(lowered.session.end_profiling()).read_text())
+    events = profile_events(lowered.session)
     return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
 
 
@@ -41,7 +40,7 @@ def moe_block_input(batch: int, seq: int, seed: int = 0, dtype=torch.float32) ->
 
 
 def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)  # ONNX Runtime writes its profile into the working folder
+    monkeypatch.chdir(tmp_path)  # where ONNX Runtime would write its profile unless told otherwise
     artifact = store.block("moe")
     feed = {"x": moe_block_input(2, 5).numpy()}
     contrib = create_session(artifact, CPU, moe_lowering="contrib", profile=True)
@@ -60,6 +59,10 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
     assert experts.lowering["moe_experts"] == 1 and experts.lowering["moe_contrib"] == 0
     ops = executed_ops(experts, feed)
     assert "MoE" not in ops and {"If", "Gemm", "ScatterND"} <= ops
+    # three profiles read, and nothing left of them: not in the working folder, not in a temporary one
+    assert list(tmp_path.iterdir()) == []
+    folder = Path(experts.session.get_session_options().profile_file_prefix).parent
+    assert folder.name.startswith("moedeploy-ort-profile-") and not folder.exists()
 
 
 def test_decoder_lowering_counts(store) -> None:

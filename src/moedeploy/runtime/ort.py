@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -87,9 +88,25 @@ def session_options(threads: int | None = None, profile: bool = False, prepack: 
     if threads:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.enable_profiling = profile
+    if profile:  # ONNX Runtime writes the profile into the working directory unless told where
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moedeploy-ort-profile-")) / "profile")
     options.log_severity_level = 3  # unused-initializer warnings after lowering are expected
     return options
+
+
+def profile_events(session: ort.InferenceSession) -> list[dict]:
+    """End a profiling session's profile and return its events (Chrome trace format), removing
+    the file ONNX Runtime wrote: what it writes under `session_options(profile=True)` goes to a
+    temporary folder, never the caller's working directory, and is gone once read."""
+    path = Path(session.end_profiling())
+    try:
+        return json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+        if path.parent.name.startswith("moedeploy-ort-profile-"):
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
 
 
 def reads_weights_from(options: ort.SessionOptions, artifact: Artifact) -> ort.SessionOptions:
