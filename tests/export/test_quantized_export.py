@@ -299,8 +299,12 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
         assert m["kl_max"] == pytest.approx(float(kl.max()), rel=0.02)
         assert abs(m["top1"] - top1) <= 1 / 64
         assert abs(m["greedy_agreement"] - agreement) <= 0.1
+        # as served (int8 activations): its own measurement, near the format's cost but not it
+        served = q["backends"][f"{backend} level 4"]
+        assert served["accuracy_level"] == 4 and served["passed"]
+        assert served["kl_mean"] != m["kl_mean"] and served["kl_mean"] == pytest.approx(m["kl_mean"], rel=0.5)
     md = (artifacts["int4"].path / "report" / "report.md").read_text()
-    assert "## Quantization accuracy: pass" in md and "| onnxrt-gqa |" in md
+    assert "## Quantization accuracy: pass" in md and "| onnxrt-gqa |" in md and "| onnxrt-gqa level 4 |" in md
     assert "Quantization accuracy" in (artifacts["int4"].path / "report" / "report.html").read_text()
 
 

@@ -95,9 +95,9 @@ def quantization_intro(q: dict[str, Any]) -> str:
     return (f"int{q['bits']} (the narrowest bit width), against {q['reference']}: next-token distributions on a "
             f"{q['stream_tokens']}-token stream, greedy agreement over {q['greedy_new_tokens']} new tokens from its "
             f"first {q['greedy_prompt_tokens']} (greedy: the fraction that agree; prefix: how many before the first "
-            f"difference); max error: the largest logit difference. ONNX Runtime at accuracy level "
-            f"{q.get('accuracy_level', 0)} (the dequantized products in float: the format's cost; `serve` runs level 4, "
-            f"int8 activations). Pass: KL mean <= {t['kl_mean']:g} and top-1 >= {t['top1']:g}.")
+            f"difference); max error: the largest logit difference. Each ONNX Runtime backend at accuracy level 0 "
+            f"(the dequantized products in float: the format's own cost) and, as '<backend> level 4', with int8 "
+            f"activations as `moedeploy serve` runs it. Pass: KL mean <= {t['kl_mean']:g} and top-1 >= {t['top1']:g}.")
 
 
 def quantization_cells(m: dict[str, Any]) -> list[str]:
