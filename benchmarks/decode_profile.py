@@ -52,10 +52,9 @@ def profile(artifact, attention: str, context: int, steps: int, threads: int, mo
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
-    # a quantized artifact at the level it is served and benchmarked at (int8 activations)
-    nbits_accuracy = RUN_ACCURACY if artifact.manifest.get("quantization") else 0
+    # a quantized artifact at the level it is served and benchmarked at (nothing to it in a float graph)
     lowered = create_session(artifact, ["CPUExecutionProvider"], moe, threads=threads, profile=True,
-                             attention_lowering=attention, nbits_accuracy=nbits_accuracy)
+                             attention_lowering=attention, nbits_accuracy=RUN_ACCURACY)
     (kh, kd), (vh, vd) = config.kv_cache_dims
     rng = np.random.default_rng(0)
     feed = {"input_ids": rng.integers(0, config.vocab_size, (1, context))}

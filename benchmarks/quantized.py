@@ -77,7 +77,7 @@ def peer_step_bytes(config, context: int, bits: float, head_bits: float) -> floa
 def ort_logits(artifact, tokens: torch.Tensor, threads: int, nbits_accuracy: int) -> np.ndarray:
     from moedeploy.runtime.generation import OrtDecoder
 
-    decoder = OrtDecoder(artifact, threads=threads, nbits_accuracy=nbits_accuracy if artifact.manifest.get("quantization") else 0)
+    decoder = OrtDecoder(artifact, threads=threads, nbits_accuracy=nbits_accuracy)  # (no effect on a float graph)
     decoder.reset(1, tokens.shape[1])
     return decoder.step(tokens, 0)[0].numpy()
 

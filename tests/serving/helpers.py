@@ -177,3 +177,14 @@ def tokens_and_text(got, text: bool = True) -> tuple[list[int], list[str]]:
         if text:
             pieces += [p.decode("utf-8") for p in result.as_numpy("text_output").reshape(-1)]
     return tokens, pieces
+
+
+def repacks(session) -> bool:
+    """Whether an ONNX Runtime session repacks its weights (the default) or reads them from the
+    artifact's memory-mapped file (runtime/ort.DISABLE_PREPACKING set)."""
+    from moedeploy.runtime.ort import DISABLE_PREPACKING
+
+    try:
+        return session.get_session_options().get_session_config_entry(DISABLE_PREPACKING) != "1"
+    except RuntimeError:  # the entry is not set: ONNX Runtime's default, repacking
+        return True

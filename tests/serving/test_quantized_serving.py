@@ -16,7 +16,15 @@ from moedeploy.export import export
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.config import preset
 from moedeploy.serving.specs import ServingError
-from tests.serving.helpers import HOST, client, free_ports, grpc_stream, infer, tokens_and_text
+from tests.serving.helpers import (
+    HOST,
+    client,
+    free_ports,
+    grpc_stream,
+    infer,
+    repacks,
+    tokens_and_text,
+)
 
 pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
 
@@ -62,14 +70,7 @@ def test_only_the_logits_model_of_a_quantized_decoder_maps_its_weights_and_a_war
     server names that model, once however many instances, with the option that repacks it. The
     generate model repacks beside in-flight batching too, so that a request that misses the batch
     gets the same tokens as one in it; with --packed-weights all everything repacks, unannounced."""
-    from moedeploy.runtime.ort import DISABLE_PREPACKING
     from moedeploy.serving import ModelServer, ServeOptions
-
-    def repacks(runner) -> bool:
-        try:
-            return runner.sess.get_session_options().get_session_config_entry(DISABLE_PREPACKING) != "1"
-        except RuntimeError:  # the entry is unset: ONNX Runtime's default, repacking
-            return True
 
     specs = {spec.name: spec for _, spec in ModelServer([int8_decoder]).specs}
     logits, generate = specs[int8_decoder.name], specs[f"{int8_decoder.name}_generate"]
@@ -78,7 +79,7 @@ def test_only_the_logits_model_of_a_quantized_decoder_maps_its_weights_and_a_war
         server = ModelServer([int8_decoder], ServeOptions(packed_weights=packed))
         runners = [server._runner(int8_decoder, spec, in_flight=True) for spec in (logits, logits, generate)]
         try:
-            assert [repacks(r) for r in runners] == expected
+            assert [repacks(r.sess) for r in runners] == expected
         finally:
             for runner in runners:
                 runner.deactivate()

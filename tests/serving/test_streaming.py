@@ -20,6 +20,7 @@ from tests.serving.helpers import (
     free_ports,
     grpc_stream,
     infer,
+    repacks,
     result_ids,
     tokens_and_text,
 )
@@ -363,15 +364,7 @@ def test_a_stop_string_ends_the_text_before_it_and_finishes_with_stop(served, op
 def test_only_the_in_flight_session_keeps_a_repacked_copy_of_the_weights(served) -> None:
     """--packed-weights stream (the default): the in-flight session, which serves the streams,
     repacks the weights; the logits and generate models share the artifact's mapped file."""
-    from moedeploy.runtime.ort import DISABLE_PREPACKING
-
     server, *_ = served
-
-    def repacks(session) -> bool:
-        try:
-            return session.get_session_options().get_session_config_entry(DISABLE_PREPACKING) != "1"
-        except RuntimeError:  # the entry is not set: ONNX Runtime's default, repacking
-            return True
 
     assert [repacks(runner.sess) for runner in server._runners] == [False, False]  # decoder, decoder_generate
     (scheduler,) = server._schedulers

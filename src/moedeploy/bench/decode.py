@@ -118,10 +118,10 @@ def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "a
 
     # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and
     # llama.cpp. With GroupQueryAttention the cache is appended to in place (IO-bound buffers)
-    # (a quantized artifact at the level it is served at: int8 activations, as llama.cpp's q8_0/q4_0)
-    nbits_accuracy = RUN_ACCURACY if artifact.manifest.get("quantization") else 0
+    # (a quantized artifact at the level it is served at: int8 activations, as llama.cpp's q8_0/q4_0;
+    # the level changes nothing in a float graph)
     decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last",
-                         kv_cache="inplace" if attention == "gqa" else "copy", nbits_accuracy=nbits_accuracy)
+                         kv_cache="inplace" if attention == "gqa" else "copy", nbits_accuracy=RUN_ACCURACY)
     return lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1]
 
 
