@@ -300,3 +300,26 @@ def test_routed_contrib_propagates_non_finite_tokens_like_eager() -> None:
     assert np.isnan(eager[nan_rows]).all() and np.isnan(y[nan_rows]).all()
     assert np.isfinite(np.delete(y, nan_rows, 0)).all()
     np.testing.assert_allclose(np.delete(y, nan_rows, 0), np.delete(eager, nan_rows, 0), rtol=1e-5, atol=1e-5)
+
+
+
+def test_a_profile_written_elsewhere_is_read_and_left_alone(tmp_path) -> None:
+    """profile_events removes only what moedeploy's profiling options wrote (a temporary folder
+    of its own): a session profiled into a folder of the caller's keeps its file."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "mine")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=CPU)
+    session.run(None, {"x": np.ones(2, np.float32)})
+    events = profile_events(session)
+    assert any(e.get("name") == "model_run" for e in events)
+    (kept,) = tmp_path.iterdir()
+    assert kept.name.startswith("mine") and kept.suffix == ".json"

@@ -39,6 +39,8 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 #: "1": the MatMul/Gemm weights are used as they lie in the artifact's memory-mapped data file
 #: instead of being repacked into a copy of the session's own
 DISABLE_PREPACKING = "session.disable_prepacking"
+#: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
+PROFILE_FOLDER_PREFIX = "moedeploy-ort-profile-"
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -90,21 +92,22 @@ def session_options(threads: int | None = None, profile: bool = False, prepack: 
     options.inter_op_num_threads = 1
     if profile:  # ONNX Runtime writes the profile into the working directory unless told where
         options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moedeploy-ort-profile-")) / "profile")
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix=PROFILE_FOLDER_PREFIX)) / "profile")
     options.log_severity_level = 3  # unused-initializer warnings after lowering are expected
     return options
 
 
 def profile_events(session: ort.InferenceSession) -> list[dict]:
-    """End a profiling session's profile and return its events (Chrome trace format), removing
-    the file ONNX Runtime wrote: what it writes under `session_options(profile=True)` goes to a
-    temporary folder, never the caller's working directory, and is gone once read."""
+    """End a profiling session's profile and return its events (Chrome trace format). What ONNX
+    Runtime writes under `session_options(profile=True)` goes to a temporary folder of ours, never
+    the caller's working directory, and is removed once read; a profile written anywhere else (a
+    session made with options of its own) is read and left where it is."""
     path = Path(session.end_profiling())
     try:
         return json.loads(path.read_text())
     finally:
-        path.unlink(missing_ok=True)
-        if path.parent.name.startswith("moedeploy-ort-profile-"):
+        if path.parent.name.startswith(PROFILE_FOLDER_PREFIX):
+            path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
 
