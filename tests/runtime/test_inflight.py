@@ -17,6 +17,7 @@ import torch
 from moedeploy.export.exporter import export
 from moedeploy.models.generation import SamplingConfig
 from moedeploy.runtime.generation import OrtDecoder
+from moedeploy.runtime.gqa import ragged_indices
 from moedeploy.runtime.inflight import RowCacheDecoder
 from moedeploy.runtime.lowering import LoweringError
 from moedeploy.serving.batching import ServerError, Unavailable
@@ -69,6 +70,59 @@ def test_rows_at_different_positions_decode_together_as_transformers_computes_ea
         torch.testing.assert_close(torch.from_numpy(np.stack(got[s])), expected[-n:], atol=1e-4, rtol=0)
 
 
+@torch.no_grad()
+def test_prompts_join_rows_that_decode_in_one_ragged_step_as_transformers_computes_each(exported) -> None:
+    """One step where rows 0-1 decode a token each, at their own positions, while prompts of
+    7 and 4 tokens join in rows 2-3 (so the step's chunks are 1, 1, 7 and 4 tokens, padded to
+    7 for attention); then steps of all four decoding, then one where row 0 brings 2 tokens
+    beside single ones. Every row's logits are transformers' at its last position."""
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    decoder = RowCacheDecoder(artifact, slots=4, capacity=24)
+    sequences = [list(_ids(vocab, n, seed)) for n, seed in ((5, 11), (3, 12), (7, 13), (4, 14))]
+    got: list[dict[int, np.ndarray]] = [{} for _ in sequences]  # position -> logits after it
+    for row in (0, 1):
+        got[row][len(sequences[row]) - 1] = decoder.prefill(row, np.array([sequences[row]]))[0]
+        sequences[row].append(int(got[row][len(sequences[row]) - 1].argmax()))
+    lengths = [len(sequences[0]) - 1, len(sequences[1]) - 1, 0, 0]  # what each row's cache holds
+    for step in range(4):
+        if step == 3:  # row 0 brings two tokens: the chosen one and one more
+            sequences[0].append(int(_ids(vocab, 1, 15)[0]))
+        chunks = [np.array(ids[length:]) for ids, length in zip(sequences, lengths, strict=True)]
+        if step == 0:
+            assert [len(c) for c in chunks] == [1, 1, 7, 4]
+        for row, logits in enumerate(decoder.step(0, chunks, np.array(lengths))):
+            got[row][len(sequences[row]) - 1] = logits
+            sequences[row].append(int(logits.argmax()))
+        lengths = [len(ids) - 1 for ids in sequences]
+    for s, ids in enumerate(sequences):
+        expected = hf(torch.tensor([ids[:-1]])).logits[0]  # the last token chosen is not fed
+        assert expected.abs().max() > 0.5
+        positions = sorted(got[s])
+        assert len(positions) == (5 if s < 2 else 4)
+        torch.testing.assert_close(torch.from_numpy(np.stack([got[s][p] for p in positions])), expected[positions],
+                                   atol=1e-4, rtol=0)
+
+
+def test_a_ragged_step_refuses_chunks_that_do_not_fit(exported) -> None:
+    _, artifact = exported
+    decoder = RowCacheDecoder(artifact, slots=2, capacity=8)
+    with pytest.raises(ValueError, match=r"9 positions exceed a row.s capacity of 8"):
+        decoder.step(0, [np.arange(3), np.arange(2)], np.array([2, 7]))
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.step(0, [np.arange(3), np.arange(0)], np.array([0, 0]))
+
+
+def test_ragged_indices_map_packed_tokens_to_padded_chunks_and_back() -> None:
+    """Rows of 2, 1 and 3 tokens: T = 6 packed tokens, chunks padded to 3."""
+    padded, slots = ragged_indices(np.array([2, 1, 3]))
+    valid = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(np.where(valid, padded, -1), [[0, 1, -1], [2, -1, -1], [3, 4, 5]])
+    np.testing.assert_array_equal(slots[0], [[0, 0], [0, 1], [1, 0], [2, 0], [2, 1], [2, 2]])
+    tokens = np.array([10, 11, 20, 30, 31, 32])
+    assert [tokens[padded[r, s]] for r, s in slots[0]] == list(tokens)  # there and back
+
+
 def test_a_row_cache_refuses_attention_groupqueryattention_cannot_take(tmp_path) -> None:
     from moedeploy.compare.api import compare
 
@@ -92,6 +146,7 @@ def test_compare_checks_in_flight_batching_against_eager_and_can_fail(exported, 
     inflight = report["inflight"]
     assert report["passed"] and inflight["passed"] and inflight["skipped"] is None
     assert inflight["most_rows_in_a_step"] == 4 and inflight["positions"] == 4 * 7
+    assert inflight["steps_with_a_prompt_beside_decoding_rows"] == 3  # every prompt after the first
     assert inflight["max_abs_error"] < 1e-4 and inflight["within_tolerance"] == 1.0
     assert "In-flight batching (ort-inflight): pass" in (artifact.path / "report" / "report.md").read_text()
     hf_other = make_model(exported[0].config, seed=5)  # the same shape, other weights
@@ -111,8 +166,9 @@ def scheduler(exported):
 @torch.no_grad()
 def test_concurrent_greedy_generations_are_each_transformers_alone(exported, scheduler) -> None:
     """Seven requests of different lengths and budgets from seven threads, started a few ms
-    apart, on three rows: they join and leave between steps, some wait for a row, and each
-    gets the tokens transformers' greedy generate gives it alone."""
+    apart, on three rows: they join and leave between steps, some wait for a row and are
+    prefilled in the step that decodes the others, and each gets the tokens transformers'
+    greedy generate gives it alone."""
     hf, _ = exported
     vocab = hf.config.vocab_size
     requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate([(4, 12), (9, 3), (4, 20), (2, 1), (13, 9),
@@ -125,6 +181,7 @@ def test_concurrent_greedy_generations_are_each_transformers_alone(exported, sch
         time.sleep(0.003 * i)
         got[i] = list(scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()))
 
+    mixed_before = scheduler.mixed_steps
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
     for t in threads:
         t.start()
@@ -132,6 +189,7 @@ def test_concurrent_greedy_generations_are_each_transformers_alone(exported, sch
         t.join(60)
     assert got == expected
     assert scheduler.running == 0 and scheduler.queued == 0
+    assert scheduler.mixed_steps > mixed_before  # prompts did join beside decoding rows
 
 
 def test_a_seeded_sampled_generation_is_the_same_beside_others(exported, scheduler) -> None:

@@ -2,15 +2,16 @@
 
 The server's in-flight batching (serving/inflight.py) decodes rows that sit at different
 positions in one step, on a lowering the artifact's interface cannot express: a shared KV
-cache of rows with a past length per row (runtime/inflight.RowCacheDecoder). Polygraphy's
-comparison feeds every row the same past, so it cannot reach what is new here. This check
-runs a schedule the server runs: SEQUENCES prompts of different lengths join one at a time
-(each prefilled into its row between two decode steps), every step decodes all running rows
-together, each at its own position, and the first sequence to finish leaves while the others
-go on (the last row moves into its place, as the scheduler packs rows). The tokens fed are
-seeded random ids (teacher-forced, so no argmax near-tie can change what follows). Every
-logit the rows produce is compared with eager PyTorch's for that sequence run whole, with the
-artifact's logits tolerance.
+cache of rows with a past length per row, and ragged steps in which each row brings its own
+number of tokens (runtime/inflight.RowCacheDecoder). Polygraphy's comparison feeds every row
+the same past, so it cannot reach what is new here. This check runs a schedule the server
+runs: prompts of different lengths join one per step, each prefilled in the same step that
+decodes a token for every running row at its own position (a ragged step), then the rows
+decode together, and the first sequence to finish leaves while the others go on (the last row
+moves into its place, as the scheduler packs rows). The tokens fed are seeded random ids
+(teacher-forced, so no argmax near-tie can change what follows). Every logit the rows produce
+is compared with eager PyTorch's for that sequence run whole, with the artifact's logits
+tolerance.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from moedeploy.models.config import DecoderConfig
 from moedeploy.runtime import gqa
 
 BACKEND = "ort-inflight"
-PROMPTS = (3, 7, 5, 11)  # prompt lengths; sequence i joins before decode step i
-STEPS = 6  # decode steps each sequence runs
+PROMPTS = (3, 7, 5, 11)  # prompt lengths; sequence i joins in step i
+STEPS = 6  # decode steps each sequence runs after its prompt
 
 
 def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rtol: float, seed: int = 0) -> dict[str, Any]:
@@ -47,25 +48,26 @@ def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rto
     sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in prompts]
     got: list[list[np.ndarray]] = [[] for _ in prompts]
     rows: list[int] = []  # which sequence each cache row holds
-    most_rows = 0
-    for step in range(len(prompts) + STEPS):
-        if step < len(prompts):  # a sequence joins: its prompt into the next free row
-            got[step].append(decoder.prefill(len(rows), np.array([sequences[step]]))[0])
-            rows.append(step)
+    most_rows = mixed = 0
+    for step in range(len(prompts) + STEPS + 1):
         finished = [i for i, s in enumerate(rows) if len(got[s]) > STEPS]
         for i in reversed(finished):  # it leaves; the last row fills its place
             last = rows.pop()
             if i < len(rows):
                 decoder.move(len(rows), i, len(sequences[last]))
                 rows[i] = last
-        if not rows:
+        joining = [step] if step < len(prompts) else []  # its prompt goes into the next free row
+        if not rows and not joining:
             break
-        most_rows = max(most_rows, len(rows))
         tokens = [int(rng.integers(0, config.vocab_size)) for _ in rows]
-        lengths = [len(sequences[s]) for s in rows]
+        lengths = [len(sequences[s]) for s in rows] + [0] * len(joining)
         for s, token in zip(rows, tokens, strict=True):
             sequences[s].append(token)
-        for s, logits in zip(rows, decoder.decode(0, np.array(tokens), np.array(lengths)), strict=True):
+        chunks = [np.array([token]) for token in tokens] + [np.array(sequences[s]) for s in joining]
+        mixed += bool(rows and joining)
+        rows = rows + joining
+        most_rows = max(most_rows, len(rows))
+        for s, logits in zip(rows, decoder.step(0, chunks, np.array(lengths)), strict=True):
             got[s].append(logits)
     worst, within, total = 0.0, 0, 0
     for s, ids in enumerate(sequences):
@@ -76,7 +78,8 @@ def inflight_accuracy(artifact: Artifact, reference: nn.Module, atol: float, rto
         within += int((error <= atol + rtol * np.abs(expected)).sum())
         total += error.size
     return {"backend": BACKEND, "skipped": None, "sequences": len(sequences), "prompt_lengths": prompts,
-            "decode_steps": STEPS, "most_rows_in_a_step": most_rows, "positions": sum(len(g) for g in got),
+            "decode_steps": STEPS, "most_rows_in_a_step": most_rows, "steps_with_a_prompt_beside_decoding_rows": mixed,
+            "positions": sum(len(g) for g in got),
             "max_abs_error": worst, "within_tolerance": within / total, "atol": atol, "rtol": rtol,
             "passed": within == total}
 

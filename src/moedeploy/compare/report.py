@@ -111,7 +111,10 @@ def inflight_text(f: dict[str, Any]) -> str:
     if f.get("skipped"):
         return f"Not run: {f['skipped']}."
     lengths = ", ".join(map(str, f["prompt_lengths"]))
-    return (f"{f['sequences']} prompts of {lengths} tokens joined one per decode step, each ran {f['decode_steps']} "
+    mixed = f.get("steps_with_a_prompt_beside_decoding_rows")
+    joined = (f"joined one per step, {mixed} of them prefilled in the step that decoded the running rows"
+              if mixed is not None else "joined one per decode step")
+    return (f"{f['sequences']} prompts of {lengths} tokens {joined}, each ran {f['decode_steps']} "
             f"steps beside the others at its own position (up to {f['most_rows_in_a_step']} rows in one step; the "
             f"first to finish left and the last row moved into its place), seeded tokens fed; {f['positions']} logit "
             f"rows against eager PyTorch on each whole sequence: max abs error {fmt(f['max_abs_error'])}, "

@@ -85,9 +85,11 @@ class _Lengths:
     inputs: row b's cache holds P_b positions, S tokens arrive, the row has P_b + S after the step."""
 
     def __init__(self, graph: ir.Graph, input_ids: ir.Value, past_key: ir.Value,
-                 past_lengths: ir.Value | None = None) -> None:
+                 past_lengths: ir.Value | None = None, query_lengths: ir.Value | None = None) -> None:
         """past_lengths: a graph input holding each row's P_b, (batch,) (a shared cache buffer's
-        length is its capacity); without it every row holds the past's length."""
+        length is its capacity); without it every row holds the past's length. query_lengths:
+        a graph input holding each row's count of new tokens, (batch,) (a ragged step); without
+        it every row brings input_ids' S."""
         self.nodes: list[ir.Node] = []
 
         def add(op: str, inputs: list, **attrs) -> ir.Value:
@@ -106,27 +108,62 @@ class _Lengths:
             past = add("Expand", [add("Gather", [add("Shape", [past_key]), const(2)], axis=0), batch])
         else:
             past = past_lengths
-        totals = add("Add", [past, seq])  # (B,) int64: each row's length after the step
+        new = seq if query_lengths is None else query_lengths
+        totals = add("Add", [past, new])  # (B,) int64: each row's length after the step
         self.total = add("Cast", [add("ReduceMax", [totals], keepdims=0)], to=ir.DataType.INT32)  # scalar
         self.seqlens_k = add("Cast", [add("Sub", [totals, const(1)])], to=ir.DataType.INT32)  # (B,): total - 1
-        # every row's S tokens are real: without this input the kernel refuses a batch of
-        # multi-token steps over a cache
-        self.query_seqlens = add("Expand", [add("Cast", [seq], to=ir.DataType.INT32), batch])
+        # how many of each row's S tokens are real: without this input the kernel refuses a
+        # batch of multi-token steps over a cache
+        if query_lengths is None:
+            self.query_seqlens = add("Expand", [add("Cast", [seq], to=ir.DataType.INT32), batch])
+        else:
+            self.query_seqlens = add("Cast", [query_lengths], to=ir.DataType.INT32)
         graph.insert_before(graph.node(0), self.nodes)
 
 
 #: the graph input a shared-buffer cache adds: how many positions each row of the buffers holds
 #: so far, (batch,) int64
 PAST_LENGTHS = "past_sequence_lengths"
+#: the graph inputs a ragged step adds (kv_cache="ragged"), where input_ids is (1, T): the T
+#: tokens of every row of the step, packed row after row. How many tokens each row brings,
+#: (batch,) int64, each >= 1:
+QUERY_LENGTHS = "query_lengths"
+#: which packed token sits at each position of each row's right-padded chunk, (batch, S) int64,
+#: S the longest row's count (a padding position may name any token: its rows are ignored)
+PADDED_TOKENS = "padded_token_index"
+#: each packed token's (row, position in the row's chunk), (1, T, 2) int64
+TOKEN_SLOTS = "token_slots"
 
 
-def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool = False) -> int:
+def ragged_indices(query_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """PADDED_TOKENS and TOKEN_SLOTS for rows that bring query_lengths (B,) tokens each."""
+    query_lengths = np.asarray(query_lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(query_lengths)[:-1]])
+    chunk = np.arange(int(query_lengths.max()))
+    padded = np.where(chunk < query_lengths[:, None], starts[:, None] + chunk, 0)
+    rows = np.repeat(np.arange(len(query_lengths)), query_lengths)
+    slots = np.stack([rows, np.arange(rows.size) - starts[rows]], axis=-1)[None]
+    return padded, slots
+
+
+def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool = False,
+                    query_lengths: ir.Value | None = None) -> int:
     """Replace every qualifying layer's attention core by GroupQueryAttention; returns how many.
 
     shared_cache: the past and present of each layer are to be one preallocated buffer of
     capacity positions (bound to both with ONNX Runtime's IO binding), which GroupQueryAttention
     appends to in place; the graph then takes each row's cached length as the input
-    `past_sequence_lengths` ((batch,) int64), since the buffer's shape no longer says it."""
+    `past_sequence_lengths` ((batch,) int64), since the buffer's shape no longer says it.
+
+    query_lengths (a graph input, with shared_cache): a ragged step, in which each row brings
+    its own number of tokens, so a prompt can join rows that decode one token each. Every node
+    outside attention works per token, so it runs on input_ids (1, T), all the step's tokens
+    packed; each layer's q, k and v go to GroupQueryAttention as one packed QKV tensor
+    gathered into the rows' right-padded chunks (B, S) (its `query_seqlens` says how many
+    are real), and the output is gathered back into packed order (the inputs PADDED_TOKENS
+    and TOKEN_SLOTS, made by `ragged_indices`). Padding is neither attended to nor cached."""
+    if query_lengths is not None and not shared_cache:
+        raise ValueError("a ragged step needs the shared-buffer cache")
     if eligible(config) is not None:
         return 0
     inputs = {v.name: v for v in graph.inputs}
@@ -143,6 +180,7 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
     cos_cache = _initializer(graph, "gqa.cos_cache", cos)
     sin_cache = _initializer(graph, "gqa.sin_cache", sin)
     lengths: _Lengths | None = None
+    ragged: _RaggedMaps | None = None
     lowered = 0
     for layer in range(config.n_layers):
         scope = f"decoder.layers.{layer}.attn"
@@ -153,10 +191,15 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
         if lengths is None:
             past_lengths = None
             if shared_cache:
-                past_lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([inputs["input_ids"].shape[0]]),
-                                        type=ir.TensorType(ir.DataType.INT64))
+                rows = inputs["input_ids"].shape[0] if query_lengths is None else "rows"
+                past_lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([rows]), type=ir.TensorType(ir.DataType.INT64))
                 graph.inputs.append(past_lengths)
-            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"], past_lengths)
+            lengths = _Lengths(graph, inputs["input_ids"], inputs["past_key_values.0.key"], past_lengths,
+                               query_lengths)
+            ragged = _RaggedMaps(graph) if query_lengths is not None else None
+        consumer = next(use.node for use in attn_out.uses())
+        if ragged is not None:
+            q, k, v = ragged.pad(graph, consumer, q, k, v), None, None
         gqa = ir.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, cos_cache, sin_cache,
@@ -166,9 +209,10 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
             domain=CONTRIB_DOMAIN, num_outputs=3, name=f"{scope}.GroupQueryAttention",
         )
         gqa.metadata_props[SCOPES] = str(["", "decoder", f"decoder.layers.{layer}", scope, "gqa"])
-        consumer = next(use.node for use in attn_out.uses())
         graph.insert_before(consumer, gqa)
         out, new_k, new_v = gqa.outputs
+        if ragged is not None:
+            out = ragged.pack(graph, consumer, out)
         ir.convenience.replace_all_uses_with(attn_out, out)
         for old, new in ((present_k, new_k), (present_v, new_v)):
             name = old.name
@@ -179,6 +223,32 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
     if lowered:
         graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
     return lowered
+
+
+class _RaggedMaps:
+    """The two graph inputs that map a ragged step's packed tokens to the rows' padded chunks
+    and back, and the nodes that apply them around each layer's GroupQueryAttention."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        int64 = ir.TensorType(ir.DataType.INT64)
+        self.padded = ir.Value(name=PADDED_TOKENS, shape=ir.Shape(["rows", "chunk"]), type=int64)
+        self.slots = ir.Value(name=TOKEN_SLOTS, shape=ir.Shape([1, "tokens", 2]), type=int64)
+        graph.inputs.extend([self.padded, self.slots])
+        self.axis0 = _initializer(graph, "ragged.axis0", np.array([0], dtype=np.int64))
+
+    def pad(self, graph: ir.Graph, before: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """(1, T, *) q, k, v -> (B, S, q + k + v widths): GroupQueryAttention's packed QKV input."""
+        qkv = ir.node("Concat", [q, k, v], {"axis": -1})
+        gathered = ir.node("Gather", [qkv.outputs[0], self.padded], {"axis": 1})  # (1, B, S, d)
+        padded = ir.node("Squeeze", [gathered.outputs[0], self.axis0])
+        graph.insert_before(before, [qkv, gathered, padded])
+        return padded.outputs[0]
+
+    def pack(self, graph: ir.Graph, before: ir.Node, out: ir.Value) -> ir.Value:
+        """(B, S, D) attention output -> (1, T, D), the packed tokens' rows."""
+        packed = ir.node("GatherND", [out, self.slots])
+        graph.insert_before(before, packed)
+        return packed.outputs[0]
 
 
 def cache_read_only_by_gqa(graph: ir.Graph) -> str | None:
@@ -193,6 +263,24 @@ def cache_read_only_by_gqa(graph: ir.Graph) -> str | None:
                     continue  # the batch size, say: the same in a shared buffer
                 return f"{use.node.op_type} node {use.node.name!r} reads {value.name}"
     return None
+
+
+def batch_from_packed_tokens(graph: ir.Graph) -> None:
+    """In a ragged step the cache buffers have a row per sequence while every other tensor has
+    the one batch row of the packed tokens: a traced Shape of a past input that reads its batch
+    size (to reshape the hidden states, say) reads input_ids' instead. Raises ValueError for a
+    Shape of a past that reads any other axis (left to GroupQueryAttention's inputs only)."""
+    input_ids = next(v for v in graph.inputs if v.name == "input_ids")
+    for value in graph.inputs:
+        if not value.name.startswith("past_key_values."):
+            continue
+        for use in list(value.uses()):
+            node = use.node
+            if node.op_type != "Shape":
+                continue
+            if any(_shape_reads_axis(node, axis, rank=4) for axis in (1, 2, 3)):
+                raise ValueError(f"Shape node {node.name!r} reads more than the batch size of {value.name}")
+            node.replace_input_with(0, input_ids)
 
 
 def _shape_reads_axis(node: ir.Node, axis: int, rank: int) -> bool:

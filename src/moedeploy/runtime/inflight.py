@@ -8,15 +8,24 @@ module owns the buffers: one per layer's key and value, `slots` rows of `capacit
 positions, preallocated (zero pages are only touched as rows fill). Rows 0..n-1 are the
 running sequences, kept packed so that a step binds one contiguous view of them:
 
-- `prefill(first_row, ids)` runs prompts of one length into rows first_row.. (a joining
-  request, or several of one length together), each from an empty past;
-- `decode(first_row, ids, lengths)` runs one token for each of the rows first_row.. at its
-  own past length (a view of any run of rows, so a failing step can be retried row by row);
+- `step(first_row, chunks, lengths)` runs one step in which each of the rows first_row..
+  brings its own tokens at its own past length: one token for a row that decodes, a whole
+  prompt for a row that joins, so a prompt is prefilled in the same step (one pass over the
+  weights) as the rows that keep decoding. The graph is lowered for it (kv_cache="ragged",
+  runtime/gqa.py): every token of the step packed in one input, each layer's attention on
+  the rows' right-padded chunks;
+- `prefill(first_row, ids)` and `decode(first_row, ids, lengths)`, the two uniform steps:
+  prompts of one length from an empty past, one token per row;
 - `move(src, dst, length)` copies a row's cache into another, to close the gap a finished
   sequence leaves.
 
 Views of numpy buffers are bound with IO binding: ONNX Runtime reads and writes the rows
-where they lie, and no step copies the cache. Not thread-safe: one scheduler owns it.
+where they lie, and no step copies the cache. GroupQueryAttention wants room in each row for
+the step's whole padded chunk (a row's past + the longest chunk of the step; it may write
+padding past a row's length, which is never read and is overwritten by the row's next
+tokens), so each row has `capacity` positions for its sequence and as many again for that:
+their pages are touched only when a long prompt joins rows near their end. Not thread-safe:
+one scheduler owns it.
 """
 
 from __future__ import annotations
@@ -27,7 +36,13 @@ import onnxruntime as ort
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes
 from moedeploy.models.config import DecoderConfig
-from moedeploy.runtime.gqa import PAST_LENGTHS
+from moedeploy.runtime.gqa import (
+    PADDED_TOKENS,
+    PAST_LENGTHS,
+    QUERY_LENGTHS,
+    TOKEN_SLOTS,
+    ragged_indices,
+)
 from moedeploy.runtime.lowering import LoweringError, MoELowering
 from moedeploy.runtime.ort import create_session
 
@@ -53,13 +68,14 @@ class RowCacheDecoder:
         self.capacity = min(capacity or self.config.max_positions, self.config.max_positions)
         self.vocab_size = self.config.vocab_size
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads, attention_lowering="gqa",
-                                      logits="last", kv_cache="inplace", nbits_accuracy=nbits_accuracy)
+                                      logits="last", kv_cache="ragged", nbits_accuracy=nbits_accuracy)
         if self.lowered.lowering.get("attention_gqa", 0) != self.config.n_layers:
             raise LoweringError("in-flight batching needs every layer's attention on GroupQueryAttention "
                                 f"({self.lowered.lowering.get('attention_gqa', 0)} of {self.config.n_layers} are)")
         self.names = past_names(self.config.n_layers)
         dtype = NP_DTYPES[self.artifact.dtype]
-        shapes = past_shapes(self.config, slots, self.capacity) * self.config.n_layers
+        # the second half of each row: room for a padded chunk, never written (see the module's doc)
+        shapes = past_shapes(self.config, slots, 2 * self.capacity) * self.config.n_layers
         self.buffers = [np.zeros(shape, dtype=dtype) for shape in shapes]
         self._binding = self.lowered.session.io_binding()
         self._bound: tuple[int, int] | None = None  # the rows the cache views are bound to
@@ -81,24 +97,34 @@ class RowCacheDecoder:
             binding.bind_ortvalue_output("present." + name.removeprefix("past_key_values."), view)
         self._bound = (first, count)
 
-    def _run(self, first: int, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """ids (n, S) into rows first..first+n-1, each holding lengths[i] positions -> (n, V) logits."""
-        if int(lengths.max()) + ids.shape[1] > self.capacity:
-            raise ValueError(f"{int(lengths.max()) + ids.shape[1]} positions exceed a row's capacity of {self.capacity}")
-        self._bind_rows(first, ids.shape[0])
-        self._binding.bind_output("logits")  # unallocated again: its shape follows the step's rows
-        self._binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
-        self._binding.bind_cpu_input(PAST_LENGTHS, np.ascontiguousarray(lengths, dtype=np.int64))
-        self.lowered.session.run_with_iobinding(self._binding)
-        return self._binding.get_outputs()[0].numpy()[:, -1]
+    def step(self, first: int, chunks: list[np.ndarray], lengths: np.ndarray) -> np.ndarray:
+        """chunks[i] (its own length >= 1) into row first+i, which holds lengths[i] positions
+        -> (len(chunks), V): each row's logits after its last token."""
+        counts = np.array([len(c) for c in chunks], dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if counts.size == 0 or counts.min() < 1 or lengths.shape != counts.shape:
+            raise ValueError("a step takes one chunk of at least one token and one length per row")
+        if int((lengths + counts).max()) > self.capacity:
+            raise ValueError(f"{int((lengths + counts).max())} positions exceed a row's capacity of {self.capacity}")
+        padded, slots = ragged_indices(counts)
+        self._bind_rows(first, len(chunks))
+        binding = self._binding
+        binding.bind_output("logits")  # unallocated again: its shape follows the step's rows
+        binding.bind_cpu_input("input_ids", np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])[None])
+        binding.bind_cpu_input(PAST_LENGTHS, lengths)
+        binding.bind_cpu_input(QUERY_LENGTHS, counts)
+        binding.bind_cpu_input(PADDED_TOKENS, padded)
+        binding.bind_cpu_input(TOKEN_SLOTS, slots)
+        self.lowered.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]
 
     def prefill(self, first: int, ids: np.ndarray) -> np.ndarray:
         """Prompts of one length, (k, S), into rows first..first+k-1 from an empty past -> (k, V)."""
-        return self._run(first, ids, np.zeros(len(ids), dtype=np.int64))
+        return self.step(first, list(np.asarray(ids)), np.zeros(len(ids), dtype=np.int64))
 
     def decode(self, first: int, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """One token per row, (n,), into rows first..first+n-1 holding lengths (n,) -> (n, V)."""
-        return self._run(first, np.asarray(tokens).reshape(-1, 1), np.asarray(lengths))
+        return self.step(first, list(np.asarray(tokens).reshape(-1, 1)), np.asarray(lengths))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row src's first `length` positions into row dst (every layer's key and value)."""

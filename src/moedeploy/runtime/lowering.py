@@ -58,8 +58,11 @@ LogitsLowering = Literal["all", "last"]
 #: com.microsoft::SkipSimplifiedLayerNormalization (fp32, CPU)
 NormLowering = Literal["native", "skip"]
 #: copy: past in, a new present out (the artifact's interface); inplace: with attention on
-#: GroupQueryAttention, each layer's past and present are one preallocated buffer it appends to
-KVCache = Literal["copy", "inplace"]
+#: GroupQueryAttention, each layer's past and present are one preallocated buffer it appends to;
+#: ragged: inplace, and each row of a step brings its own number of tokens, all packed in
+#: input_ids (1, T), with logits for each row's last token (runtime/gqa.py; in-flight batching
+#: runs a joining prompt in the same step as the rows that decode)
+KVCache = Literal["copy", "inplace", "ragged"]
 #: Bump when lower_for_ort emits a different graph for the same input, so cached lowered graphs
 #: of older lowerings are rebuilt (2: the contrib MoE propagates NaN/Inf rows; 3: moe opset 2's
 #: routing variants stay on the function body, zero biases made by ConstantOfShape are dropped;
@@ -67,13 +70,13 @@ KVCache = Literal["copy", "inplace"]
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
-#: 10: a shared-buffer cache takes a past length per row).
-LOWERING_VERSION = 10
+#: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache).
+LOWERING_VERSION = 11
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
 NORM_LOWERINGS = ("native", "skip")
-KV_CACHES = ("copy", "inplace")
+KV_CACHES = ("copy", "inplace", "ragged")
 
 
 class LoweringError(ValueError):
@@ -100,9 +103,11 @@ def lower_for_ort(
             raise LoweringError(f"invalid {what} {value!r}; choose one of {choices}")
     if nbits_accuracy not in quantized.ACCURACY_LEVELS:
         raise LoweringError(f"invalid MatMulNBits accuracy level {nbits_accuracy!r}; choose one of {quantized.ACCURACY_LEVELS}")
-    if kv_cache == "inplace" and (attention_lowering != "gqa" or config is None):
-        raise LoweringError("kv_cache='inplace' needs a decoder's attention on GroupQueryAttention "
+    if kv_cache in ("inplace", "ragged") and (attention_lowering != "gqa" or config is None):
+        raise LoweringError(f"kv_cache={kv_cache!r} needs a decoder's attention on GroupQueryAttention "
                             "(attention_lowering='gqa'), which appends to the cache in place")
+    if kv_cache == "ragged" and logits != "last":
+        raise LoweringError("kv_cache='ragged' gives each row's last logits: use logits='last'")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
     if weights_dir is not None:
@@ -111,11 +116,12 @@ def lower_for_ort(
               "rmsnorm_function": 0,
               "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0,
               "moe_qmoe": 0}
+    query_lengths = _ragged_input(graph) if kv_cache == "ragged" else None
     if logits == "last":
-        counts["logits_last"] = _last_position_logits(graph)
+        counts["logits_last"] = _last_position_logits(graph, query_lengths)
     if config is not None:
         counts["attention_gqa"] = lowered = _lower_attention(graph, config, provider, attention_lowering,
-                                                             kv_cache == "inplace")
+                                                             kv_cache != "copy", query_lengths)
         counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
         is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
@@ -155,14 +161,33 @@ def lower_for_ort(
     # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
     # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
-    if kv_cache == "inplace" and (why := gqa.cache_read_only_by_gqa(graph)):
-        raise LoweringError(f"kv_cache='inplace' would be read wrongly: {why}; use kv_cache='copy'")
+    if query_lengths is not None:
+        try:
+            gqa.batch_from_packed_tokens(graph)
+        except ValueError as e:
+            raise LoweringError(f"kv_cache='ragged' cannot take this graph: {e}; use kv_cache='inplace'") from e
+    if kv_cache != "copy" and (why := gqa.cache_read_only_by_gqa(graph)):
+        raise LoweringError(f"kv_cache={kv_cache!r} would be read wrongly: {why}; use kv_cache='copy'")
     return ir.to_proto(ir_model), counts
 
 
-def _last_position_logits(graph: ir.Graph) -> int:
+def _ragged_input(graph: ir.Graph) -> ir.Value:
+    """input_ids becomes (1, T), a ragged step's packed tokens; returns the new input saying how
+    many of them each row brings (gqa.QUERY_LENGTHS)."""
+    input_ids = next((v for v in graph.inputs if v.name == "input_ids"), None)
+    if input_ids is None:
+        raise LoweringError("kv_cache='ragged' needs a decoder graph with an input_ids input")
+    input_ids.shape = ir.Shape([1, "tokens"])
+    query_lengths = ir.Value(name=gqa.QUERY_LENGTHS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
+    graph.inputs.append(query_lengths)
+    return query_lengths
+
+
+def _last_position_logits(graph: ir.Graph, query_lengths: ir.Value | None = None) -> int:
     """Slice the LM head's input to the last position; 1 when done, a LoweringError when the
-    graph has no `logits` output computed by a MatMul on a constant (V-wide) weight.
+    graph has no `logits` output computed by a MatMul on a constant (V-wide) weight. With
+    query_lengths (a ragged step's packed tokens), gather each row's last token instead: the
+    logits are (1, rows, V).
 
     Only per-position ops may sit between that MatMul and the output (a bias Add, the
     logit scaling's Div or Mul by a constant), so every remaining logit is the one the full
@@ -179,13 +204,20 @@ def _last_position_logits(graph: ir.Graph) -> int:
         raise LoweringError("logits='last' needs a decoder graph whose logits output is an LM-head MatMul; "
                             "use logits='all'")
     hidden = node.inputs[0]
-    last = ir.node("Slice", [hidden, _int64s(graph, "logits_last_starts", [-1]), _int64s(graph, "logits_last_ends",
-                   [2**63 - 1]), _int64s(graph, "logits_last_axes", [1])], name="logits_last/Slice")
-    last.outputs[0].name = "logits_last/hidden"
-    graph.insert_before(node, last)
-    node.replace_input_with(0, last.outputs[0])
+    if query_lengths is None:
+        nodes = [ir.node("Slice", [hidden, _int64s(graph, "logits_last_starts", [-1]),
+                                   _int64s(graph, "logits_last_ends", [2**63 - 1]),
+                                   _int64s(graph, "logits_last_axes", [1])], name="logits_last/Slice")]
+    else:  # row b's last token is packed at cumsum(query_lengths)[b] - 1
+        ends = ir.node("CumSum", [query_lengths, _int64s(graph, "logits_last_axis", [0])], name="logits_last/CumSum")
+        last = ir.node("Sub", [ends.outputs[0], _int64s(graph, "logits_last_one", [1])], name="logits_last/Sub")
+        nodes = [ends, last, ir.node("Gather", [hidden, last.outputs[0]], {"axis": 1}, name="logits_last/Gather")]
+    nodes[-1].outputs[0].name = "logits_last/hidden"
+    graph.insert_before(node, nodes)
+    node.replace_input_with(0, nodes[-1].outputs[0])
     if output.shape is not None and len(output.shape) == 3:
-        output.shape = ir.Shape([output.shape[0], 1, output.shape[2]])
+        rows = 1 if query_lengths is None else "rows"
+        output.shape = ir.Shape([output.shape[0] if query_lengths is None else 1, rows, output.shape[2]])
     return 1
 
 
@@ -197,13 +229,13 @@ def _int64s(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
 
 
 def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering,
-                     shared_cache: bool = False) -> int:
+                     shared_cache: bool = False, query_lengths: ir.Value | None = None) -> int:
     """How many layers now run GroupQueryAttention: none, or with `gqa` all of them."""
     if how == "graph":
         return 0
     why = "it is wired for ONNX Runtime's CPU provider only" if provider != "CPUExecutionProvider" else None
     why = why or gqa.eligible(config)
-    lowered = 0 if why else gqa.lower_attention(graph, config, shared_cache)
+    lowered = 0 if why else gqa.lower_attention(graph, config, shared_cache, query_lengths)
     if lowered != config.n_layers:
         why = why or "the traced attention of some layers is not the subgraph it computes"
         raise LoweringError(f"com.microsoft::GroupQueryAttention cannot take this decoder's attention ({why}); "

@@ -2,10 +2,11 @@
 
 One scheduler thread owns a row cache (runtime/inflight.RowCacheDecoder). Between two decode
 steps it drops the sequences that finished or whose client went away (their row is filled
-by the last row, so the running rows stay packed), admits waiting requests into free rows
-(prompts of one length are prefilled together), then runs one step that decodes a token for
+by the last row, so the running rows stay packed), then runs one step that decodes a token for
 every running sequence, each at its own position with its own sampling settings and
-generator. So a request's tokens are those it would get alone: greedy rows do not influence
+generator. Waiting requests join in free rows in that same step: their prompts are
+prefilled beside the rows' single tokens (a ragged step), so one pass over the weights
+serves both and the running sequences do not stall while a prompt is prefilled. So a request's tokens are those it would get alone: greedy rows do not influence
 each other's argmax, and a seeded row draws from its own generator exactly as
 `models.generation.iterate_tokens` does for a request alone (the same `next_token`).
 
@@ -92,6 +93,8 @@ class InflightScheduler:
         self.tokens_generated = 0
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
         self.peak_running = 0
+        #: steps in which prompts were prefilled beside rows that decoded
+        self.mixed_steps = 0
         self._thread = threading.Thread(target=self._loop, name=f"inflight-{name}", daemon=True)
         self._thread.start()
 
@@ -164,14 +167,16 @@ class InflightScheduler:
                     joining.append(self._waiting.popleft())
             try:
                 self._release(lambda s: s.gone(), "cancelled")
-                self._admit([s for s in joining if not self._dropped(s)])
+                joining = [s for s in joining if not self._dropped(s)]
+                if joining:
+                    self._join(joining)
+                elif self._rows:
+                    self._decode()
                 with self._cond:
                     self._joining = []
-                if self._rows:
-                    self._decode()
             except Exception as e:  # a bug here must not leave every client waiting forever
                 LOGGER.exception("%s: the in-flight scheduler failed", self.name)
-                for s in self._rows + joining:
+                for s in dict.fromkeys(self._rows + joining):  # a joined one is in both
                     s.on_event(ServerError(f"generation failed: {first_line(e)}"))
                 self._rows, self._joining = [], []
 
@@ -201,8 +206,33 @@ class InflightScheduler:
                 self.decoder.move(len(self._rows), i, last.length)
                 self._rows[i] = last
 
+    def _join(self, joining: list[Sequence]) -> None:
+        """One step: a token for every running row and each joining prompt, prefilled into the
+        next free rows. If it fails, the two are retried apart (`_admit`, then `_decode`), so a
+        prompt that fails alone fails alone."""
+        rows = self._rows
+        chunks = [np.array([s.last], dtype=np.int64) for s in rows] + [s.prompt for s in joining]
+        lengths = np.array([s.length for s in rows] + [0] * len(joining), dtype=np.int64)
+        try:
+            logits = self.decoder.step(0, chunks, lengths)
+        except Exception:
+            self._admit(joining)
+            if self._rows:
+                self._decode()
+            return
+        self.peak_running = max(self.peak_running, len(chunks))
+        self.mixed_steps += bool(rows)
+        for s in rows:
+            s.length += 1
+        for s in joining:
+            s.length = s.prompt.size
+        self._rows.extend(joining)
+        self._emit(self._rows, logits)
+        self._release(self._finished, None)
+
     def _admit(self, joining: list[Sequence]) -> None:
-        """Prefill the joining sequences into the next free rows, prompts of one length together."""
+        """Prefill the joining sequences into the next free rows, prompts of one length together
+        (when a step with them failed)."""
         by_length: dict[int, list[Sequence]] = {}
         for s in joining:
             by_length.setdefault(s.prompt.size, []).append(s)
