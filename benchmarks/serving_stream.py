@@ -13,13 +13,19 @@ sequence at a time (tokens/s of a bare decode loop in this process), and the in-
 scheduler alone at each level (its clients as threads in this process, no Triton). Measured in
 one run on one machine, never asserted in tests.
 
+--vary draws each request's prompt length and token budget uniformly from half to one and a
+half times --prompt-len and --new-tokens (seeded per client, the same draws at every level), as
+real traffic varies: requests then start and end at different steps, so prompts join beside
+streams that are decoding. Without it every request has the same shape, so the clients move in
+lockstep and a level's prompts are prefilled together while no stream decodes.
+
 --bad-client adds one more client that sends malformed requests throughout every level (token
 ids outside the vocabulary, a prompt + max_tokens over max_positions, no prompt, a negative
 temperature): each must get one error naming its own problem, and the good requests none. The
 server's memory (the PSS of its whole process tree) is sampled after the warm-up and after each
 level: it should stay flat.
 
-    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--bad-client] [--stream-interval N] [--json out.json]
+    python benchmarks/serving_stream.py [--artifact DIR] [--clients 1,4,16,32] [--vary] [--bad-client] [--stream-interval N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -105,8 +111,16 @@ def bad_client(server: Server, model: str, vocab: int, max_positions: int, stop:
         client.close()
 
 
+def request_shape(rng: np.random.Generator, prompt_len: int, new_tokens: int, vary: bool) -> tuple[int, int]:
+    """A request's prompt length and token budget: as given, or (--vary) drawn from half to one and a half times them."""
+    if not vary:
+        return prompt_len, new_tokens
+    return (int(rng.integers(max(1, prompt_len // 2), 3 * prompt_len // 2 + 1)),
+            int(rng.integers(max(1, new_tokens // 2), 3 * new_tokens // 2 + 1)))
+
+
 def level(server: Server, model: str, clients: int, requests: int, prompt_len: int, new_tokens: int,
-          vocab: int, max_positions: int | None = None) -> dict:
+          vocab: int, max_positions: int | None = None, vary: bool = False) -> dict:
     """One concurrency level; max_positions given: a bad client sends malformed requests meanwhile."""
     import tritonclient.grpc as grpcclient
 
@@ -127,9 +141,10 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
         rng = np.random.default_rng(seed)
         barrier.wait()
         for _ in range(requests):
-            prompt = rng.integers(0, vocab, prompt_len, dtype=np.int64)
+            length, budget = request_shape(rng, prompt_len, new_tokens, vary)
+            prompt = rng.integers(0, vocab, length, dtype=np.int64)
             try:
-                first, arrivals = one_stream(client, model, prompt, new_tokens, answers)
+                first, arrivals = one_stream(client, model, prompt, budget, answers)
             except Exception as e:  # counted and reported, the run goes on
                 with lock:
                     errors.append(str(e)[:200])
@@ -177,7 +192,8 @@ def bare_decode(artifact, prompt_len: int, new_tokens: int) -> float:
     return new_tokens / (time.perf_counter() - start)
 
 
-def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int, new_tokens: int) -> dict[int, float]:
+def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int, new_tokens: int,
+                    vary: bool = False) -> dict[int, float]:
     """Tokens/s of the in-flight scheduler in this process, without Triton: clients as threads
     reading `InflightScheduler.stream` (the same level shape as the served run). What the served
     run loses beside it is the cost of sending every token through PyTriton, Triton and gRPC."""
@@ -187,7 +203,8 @@ def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int,
     from moedeploy.serving.inflight import InflightScheduler
 
     # a quantized artifact at the level serve runs it at
-    decoder = RowCacheDecoder(artifact, slots=max(levels), capacity=prompt_len + new_tokens, nbits_accuracy=RUN_ACCURACY)
+    capacity = 2 * (prompt_len + new_tokens) if vary else prompt_len + new_tokens
+    decoder = RowCacheDecoder(artifact, slots=max(levels), capacity=capacity, nbits_accuracy=RUN_ACCURACY)
     scheduler = InflightScheduler(decoder)
     vocab = artifact.manifest["config"]["vocab_size"]
     results = {}
@@ -199,8 +216,8 @@ def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int,
             def client(i: int, counts: list[int] = counts) -> None:
                 rng = np.random.default_rng(i)
                 for _ in range(requests):
-                    counts[i] += len(list(scheduler.stream(rng.integers(0, vocab, prompt_len), new_tokens,
-                                                           SamplingConfig())))
+                    length, budget = request_shape(rng, prompt_len, new_tokens, vary)
+                    counts[i] += len(list(scheduler.stream(rng.integers(0, vocab, length), budget, SamplingConfig())))
 
             threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
             start = time.perf_counter()
@@ -223,6 +240,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--backend", default="ort")
+    parser.add_argument("--vary", action="store_true", help="each request's prompt length and budget drawn from "
+                        "0.5-1.5x --prompt-len and --new-tokens (requests start and end at different steps)")
     parser.add_argument("--bad-client", action="store_true", help="one more client sending malformed requests throughout")
     parser.add_argument("--stream-interval", type=int, default=1, help="serve --stream-interval: tokens per response after the first")
     parser.add_argument("--packed-weights", choices=("stream", "all"), default=None, help="serve --packed-weights")
@@ -243,7 +262,7 @@ def main() -> None:
     max_positions = artifact.manifest["config"]["max_positions"] if args.bad_client else None
     bare = bare_decode(artifact, args.prompt_len, args.new_tokens)
     levels = [int(c) for c in args.clients.split(",")]
-    alone = scheduler_alone(artifact, levels, args.requests, args.prompt_len, args.new_tokens)
+    alone = scheduler_alone(artifact, levels, args.requests, args.prompt_len, args.new_tokens, args.vary)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(artifact.path, args, dynamic=True, log=Path(tmp) / "triton.log")
@@ -254,7 +273,7 @@ def main() -> None:
             print(f"server PSS after warm-up: {warm_pss:.0f} MB", flush=True)
             for clients in levels:
                 r = level(server, f"{name}_stream", clients, args.requests, args.prompt_len, args.new_tokens, vocab,
-                          max_positions)
+                          max_positions, args.vary)
                 results.append(r)
                 bad = r["bad_requests"]
                 bad_text = (f"  bad requests: {bad['answered_own_error']} own errors, {bad['wrong_answer']} wrong"

@@ -192,6 +192,33 @@ def test_concurrent_greedy_generations_are_each_transformers_alone(exported, sch
     assert scheduler.mixed_steps > mixed_before  # prompts did join beside decoding rows
 
 
+@torch.no_grad()
+def test_prompts_prefilled_in_their_own_step_give_the_same_tokens(exported) -> None:
+    """prompts_in_step=False (what benchmarks compare against): the same greedy tokens, and no
+    step mixes a prompt with decoding rows."""
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=2, capacity=64), prompts_in_step=False)
+    requests = [(_ids(vocab, n, 60 + n), new) for n, new in ((3, 8), (6, 4), (5, 6))]
+    got: list[list[int] | None] = [None] * len(requests)
+
+    def client(i: int) -> None:
+        time.sleep(0.003 * i)
+        got[i] = list(scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        scheduler.stop()
+    expected = [hf.generate(torch.from_numpy(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+                for p, new in requests]
+    assert got == expected and scheduler.mixed_steps == 0
+
+
 def test_a_seeded_sampled_generation_is_the_same_beside_others(exported, scheduler) -> None:
     hf, artifact = exported
     vocab = hf.config.vocab_size

@@ -32,7 +32,10 @@
                 Not the default: on the 2-core CPU it was measured on, decode and prefill
                 were no faster (benchmarks/README.md), so the traced graph stays. With it,
                 kv_cache="inplace": one IO-bound buffer per layer's past and present, appended
-                to in place (OrtDecoder(kv_cache="inplace"), bench backend ort-gqa)
+                to in place (OrtDecoder(kv_cache="inplace"), bench backend ort-gqa); or
+                kv_cache="ragged": the same cache, and each row of a step brings its own
+                number of tokens, packed in input_ids (1, T), attention on the rows' padded
+                chunks (runtime/inflight.RowCacheDecoder: a prompt joins decoding rows)
 
 The artifact on disk is never changed: lowering works on an in-memory copy.
 """

@@ -78,8 +78,13 @@ class Sequence:
 class InflightScheduler:
     """Runs every submitted generation on one row cache, batching their decode steps."""
 
-    def __init__(self, decoder: RowCacheDecoder, max_queued: int = 64, name: str = "decoder") -> None:
+    def __init__(self, decoder: RowCacheDecoder, max_queued: int = 64, name: str = "decoder",
+                 prompts_in_step: bool = True) -> None:
+        """prompts_in_step: prefill joining prompts in the step that decodes the running rows (a
+        ragged step); False runs them in a step of their own first, as before that existed
+        (benchmarks/inflight_step.py compares the two)."""
         self.decoder = decoder
+        self.prompts_in_step = prompts_in_step
         self.slots = decoder.slots
         self.capacity = decoder.capacity
         self.max_queued = max_queued
@@ -213,9 +218,13 @@ class InflightScheduler:
         rows = self._rows
         chunks = [np.array([s.last], dtype=np.int64) for s in rows] + [s.prompt for s in joining]
         lengths = np.array([s.length for s in rows] + [0] * len(joining), dtype=np.int64)
-        try:
-            logits = self.decoder.step(0, chunks, lengths)
-        except Exception:
+        logits = None
+        if self.prompts_in_step:
+            try:
+                logits = self.decoder.step(0, chunks, lengths)
+            except Exception:  # retried apart below
+                logits = None
+        if logits is None:
             self._admit(joining)
             if self._rows:
                 self._decode()
