@@ -251,6 +251,45 @@ class _RaggedMaps:
         return packed.outputs[0]
 
 
+def use_packed_qkv(graph: ir.Graph) -> int:
+    """Where one Split makes a layer's q, k and v (one projection of the three, as
+    quantized.fuse_shared_input leaves them) and they go only to GroupQueryAttention's query,
+    key and value (or, in a ragged step, to the Concat that packs them for it), hand it the
+    Split's input, the packed QKV it takes, and drop the Split (and the Concat); returns how
+    many layers."""
+    packed = 0
+    for node in list(graph):
+        if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 3:
+            continue
+        axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 0
+        uses = [list(out.uses()) for out in node.outputs]
+        if any(len(u) != 1 or out.is_graph_output() for u, out in zip(uses, node.outputs, strict=True)):
+            continue
+        consumer = uses[0][0].node
+        if any(u[0].node is not consumer or u[0].idx != i for i, u in enumerate(uses)):
+            continue
+        qkv = node.inputs[0]
+        if consumer.op_type == "GroupQueryAttention" and consumer.domain == CONTRIB_DOMAIN and axis in (-1, 2):
+            consumer.replace_input_with(0, qkv)
+            consumer.replace_input_with(1, None)
+            consumer.replace_input_with(2, None)
+        elif consumer.op_type == "Concat" and len(consumer.inputs) == 3 and \
+                consumer.attributes["axis"].as_int() == axis and axis == -1 and _packs_for_gqa(consumer):
+            ir.convenience.replace_all_uses_with(consumer.outputs[0], qkv)
+            graph.remove(consumer, safe=True)
+        else:
+            continue
+        graph.remove(node, safe=True)
+        packed += 1
+    return packed
+
+
+def _packs_for_gqa(concat: ir.Node) -> bool:
+    """Whether a Concat's output is _RaggedMaps.pad's gather of packed QKV for GroupQueryAttention."""
+    return all(use.node.op_type == "Gather" and use.node.inputs[1] is not None and use.node.inputs[1].name == PADDED_TOKENS
+               for use in concat.outputs[0].uses())
+
+
 def cache_read_only_by_gqa(graph: ir.Graph) -> str | None:
     """Why a shared-buffer cache would be read wrongly (a node other than GroupQueryAttention
     reads a past input, say its shape, which is now the capacity), or None when it is safe."""

@@ -73,8 +73,9 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
-#: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache).
-LOWERING_VERSION = 11
+#: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: MatMulNBits nodes
+#: that share an input fused, their q/k/v handed to GroupQueryAttention packed).
+LOWERING_VERSION = 12
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
@@ -118,7 +119,7 @@ def lower_for_ort(
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
               "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0,
-              "moe_qmoe": 0}
+              "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0}
     query_lengths = _ragged_input(graph) if kv_cache == "ragged" else None
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph, query_lengths)
@@ -162,8 +163,12 @@ def lower_for_ort(
                 counts["rmsnorm_function"] += 1
     counts["matmul_nbits"] = quantized.lower_linears(graph, provider, nbits_accuracy)
     # Nodes left without a consumer (the strided Slices of an interleaved expert weight that
-    # com.microsoft::MoE now reads whole) go, so ONNX Runtime never folds them into copies.
+    # com.microsoft::MoE now reads whole, the traced attention GroupQueryAttention replaced) go,
+    # so ONNX Runtime never folds them into copies and the passes below see only live readers.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
+    if counts["matmul_nbits"]:
+        counts["matmul_nbits_fused"] = quantized.fuse_shared_input(graph)
+        counts["packed_qkv"] = gqa.use_packed_qkv(graph) if counts["attention_gqa"] else 0
     if query_lengths is not None:
         try:
             gqa.batch_from_packed_tokens(graph)

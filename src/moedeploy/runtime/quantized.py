@@ -216,6 +216,71 @@ def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> in
     return lowered
 
 
+def fuse_shared_input(graph: ir.Graph) -> int:
+    """MatMulNBits nodes that read the same activation with the same K, bits, block size and
+    accuracy level (a layer's q, k and v projections) -> one MatMulNBits over their weights
+    stacked along N, then a Split into the outputs they had; returns how many nodes went.
+
+    Each output row of MatMulNBits is its own weight row's dot product with the input, and the
+    input is quantized (accuracy level 4) per block of K, whatever N is: the fused node computes
+    the same values. What it saves is fixed per-node cost and quantizing the same activation
+    once per projection. The stacked codes, scales and zero points are new initializers in
+    memory (views into the artifact's data file cannot be concatenated): a layer's attention
+    projections, a small part of the weights."""
+    groups: dict[tuple, list[ir.Node]] = {}
+    for node in graph:
+        if node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) != 4:
+            continue
+        if any(v is None or v.const_value is None for v in node.inputs[1:]) or node.inputs[0] is None:
+            continue
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        key = (node.inputs[0], attrs.get("K"), attrs.get("bits"), attrs.get("block_size"), attrs.get("accuracy_level", 0))
+        groups.setdefault(key, []).append(node)
+    removed = 0
+    for (x, *_), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        first = nodes[0]
+        sizes = [node.attributes["N"].as_int() for node in nodes]
+        name = f"{first.name}/fused"
+        stacked = [_stacked(graph, [node.inputs[i] for node in nodes], f"{name}.{part}")
+                   for i, part in ((1, "b"), (2, "scales"), (3, "zero_points"))]
+        attrs = {k: a.value for k, a in first.attributes.items()} | {"N": sum(sizes)}
+        fused = ir.node(OP_TYPE, [x, *stacked], attrs, domain=DOMAIN, name=name)
+        split = ir.node("Split", [fused.outputs[0], _int64_initializer(graph, f"{name}.sizes", sizes)],
+                        {"axis": -1}, num_outputs=len(nodes), name=f"{name}/Split")
+        graph.insert_before(first, [fused, split])
+        for node, out in zip(nodes, split.outputs, strict=True):
+            old = node.outputs[0]
+            out.shape, out.type = old.shape, old.type
+            ir.convenience.replace_all_uses_with(old, out)
+            graph_output = old.is_graph_output()
+            old_name = old.name
+            graph.remove(node, safe=False)
+            if graph_output:  # keep a graph output's name and place
+                graph.outputs[graph.outputs.index(old)] = out
+            out.name = old_name
+        removed += len(nodes) - 1
+    return removed
+
+
+def _stacked(graph: ir.Graph, parts: list[ir.Value], name: str) -> ir.Value:
+    """The constants `parts` concatenated along their first axis, a new initializer."""
+    array = np.concatenate([part.const_value.numpy() for part in parts], axis=0)
+    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(parts[0].dtype),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def _int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
+    array = np.array(values, dtype=np.int64)
+    value = ir.Value(name=name, shape=ir.Shape([len(values)]), type=ir.TensorType(ir.DataType.INT64),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
 def is_linear_gemm(node: ir.Node) -> bool:
     """x @ W^T + c as a Gemm: transB, no other scaling or transpose (what the exporter emits for
     a Linear on a flattened input)."""
