@@ -25,7 +25,10 @@ copies the cache; the cached length of each row then comes from a `past_sequence
 input of shape (batch,), and the lowering refuses a graph in which anything else reads the
 buffers' sequence length. Rows may hold different lengths: GroupQueryAttention rotates, writes
 and attends each row at its own positions, which is what in-flight batching needs (rows of
-requests that joined at different times decoded in one step, runtime/inflight.py).
+requests that joined at different times decoded in one step, runtime/inflight.py). A ragged
+step (kv_cache="ragged") goes further: each row brings its own number of tokens, all packed in
+one input for the per-token nodes, and attention runs on the rows' right-padded chunks, so a
+prompt is prefilled in the same step that decodes the other rows (`lower_attention`).
 """
 
 from __future__ import annotations
