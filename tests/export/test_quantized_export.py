@@ -104,10 +104,10 @@ def test_matmul_nbits_lowering_generates_transformers_tokens(name, attention, ar
     # every Linear (4 per layer and the LM head) on MatMulNBits; int4 experts on QMoE, int8 ones
     # (at level 0, where QMoE has no float kernel for them) with each expert's matmuls in its If
     assert decoder.lowering["matmul_nbits"] == 9
-    # a layer's q, k and v read one input: one MatMulNBits where their bits agree (the mixed int4
-    # keeps q at int4, k and v at int8: those two), handed to GroupQueryAttention packed
+    # with GroupQueryAttention, a layer's q, k and v (one input) go on one MatMulNBits where their
+    # bits agree (the mixed int4 keeps q at int4, k and v at int8: those two), handed to it packed
     fused_per_layer = 1 if name in MIXED else 2
-    assert decoder.lowering["matmul_nbits_fused"] == 2 * fused_per_layer
+    assert decoder.lowering["matmul_nbits_fused"] == (2 * fused_per_layer if attention == "gqa" else 0)
     assert decoder.lowering["packed_qkv"] == (2 if attention == "gqa" and name not in MIXED else 0)
     int4 = SCHEMES[name].bits == 4
     assert (decoder.lowering["moe_qmoe"], decoder.lowering["moe_experts"]) == ((2, 0) if int4 else (0, 2))

@@ -104,6 +104,22 @@ def test_prompts_join_rows_that_decode_in_one_ragged_step_as_transformers_comput
                                    atol=1e-4, rtol=0)
 
 
+@torch.no_grad()
+def test_a_long_prompt_joins_a_row_at_the_end_of_the_models_positions(exported) -> None:
+    """capacity = max_positions: row 0 holds 90 of the model's 96 positions when a 40-token
+    prompt joins, so row 0's padding sits past position 96 (the rotary tables cover the rows'
+    room). Both rows' logits are transformers'."""
+    hf, artifact = exported
+    vocab, positions = hf.config.vocab_size, hf.config.max_position_embeddings
+    decoder = RowCacheDecoder(artifact, slots=2)
+    assert decoder.capacity == positions
+    long, prompt = list(_ids(vocab, positions - 6, 71)), list(_ids(vocab, 40, 72))
+    decoder.prefill(0, np.array([long[:-1]]))
+    logits = decoder.step(0, [np.array(long[-1:]), np.array(prompt)], np.array([len(long) - 1, 0]))
+    for ids, row in ((long, logits[0]), (prompt, logits[1])):
+        torch.testing.assert_close(torch.from_numpy(row), hf(torch.tensor([ids])).logits[0, -1], atol=1e-4, rtol=0)
+
+
 def test_a_ragged_step_refuses_chunks_that_do_not_fit(exported) -> None:
     _, artifact = exported
     decoder = RowCacheDecoder(artifact, slots=2, capacity=8)

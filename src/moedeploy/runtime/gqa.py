@@ -72,13 +72,14 @@ def module_of(node: ir.Node) -> str:
     return path[-2] if len(path) >= 2 else ""
 
 
-def rotary_tables(config: DecoderConfig, np_dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """(max_positions, rotary_dim / 2) cos and sin: the decoder's own rotary module evaluated
-    at every position (YaRN's scaling included), half of each row since the halves repeat."""
+def rotary_tables(config: DecoderConfig, np_dtype: type, positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, rotary_dim / 2) cos and sin, by default max_positions of them: the decoder's
+    own rotary module evaluated at every position (YaRN's scaling included), half of each row
+    since the halves repeat."""
     from moedeploy.models.decoder import rotary_embedding
 
     with torch.no_grad():
-        cos, sin = rotary_embedding(config)(torch.arange(config.max_positions))
+        cos, sin = rotary_embedding(config)(torch.arange(positions or config.max_positions))
     half = config.rotary_dim // 2
     return cos[:, :half].numpy().astype(np_dtype), sin[:, :half].numpy().astype(np_dtype)
 
@@ -164,7 +165,9 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
     packed; each layer's q, k and v go to GroupQueryAttention as one packed QKV tensor
     gathered into the rows' right-padded chunks (B, S) (its `query_seqlens` says how many
     are real), and the output is gathered back into packed order (the inputs PADDED_TOKENS
-    and TOKEN_SLOTS, made by `ragged_indices`). Padding is neither attended to nor cached."""
+    and TOKEN_SLOTS, made by `ragged_indices`). Padding is never attended to; the kernel may
+    write it into a row's cache past the row's length, where nothing reads it and the row's
+    next tokens overwrite it."""
     if query_lengths is not None and not shared_cache:
         raise ValueError("a ragged step needs the shared-buffer cache")
     if eligible(config) is not None:
@@ -179,7 +182,11 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
     by_module: dict[str, list[ir.Node]] = {}
     for node in graph:
         by_module.setdefault(module_of(node), []).append(node)
-    cos, sin = rotary_tables(config, GQA_DTYPES[dtype])
+    # a ragged step's padding rows sit past a row's length, up to twice max_positions (the
+    # buffers' room, runtime/inflight.py): the tables cover them, so no padding row reads past
+    # their end (their results are discarded, but the kernel may rotate them)
+    positions = 2 * config.max_positions if query_lengths is not None else None
+    cos, sin = rotary_tables(config, GQA_DTYPES[dtype], positions)
     cos_cache = _initializer(graph, "gqa.cos_cache", cos)
     sin_cache = _initializer(graph, "gqa.sin_cache", sin)
     lengths: _Lengths | None = None

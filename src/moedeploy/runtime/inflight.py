@@ -74,7 +74,7 @@ class RowCacheDecoder:
                                 f"({self.lowered.lowering.get('attention_gqa', 0)} of {self.config.n_layers} are)")
         self.names = past_names(self.config.n_layers)
         dtype = NP_DTYPES[self.artifact.dtype]
-        # the second half of each row: room for a padded chunk, never written (see the module's doc)
+        # the second half of each row: room for a padded chunk, never read (see the module's doc)
         shapes = past_shapes(self.config, slots, 2 * self.capacity) * self.config.n_layers
         self.buffers = [np.zeros(shape, dtype=dtype) for shape in shapes]
         self._binding = self.lowered.session.io_binding()

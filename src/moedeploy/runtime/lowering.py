@@ -73,8 +73,8 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: contrib op cannot compute run on graph ops before it instead of on the dense function body;
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
-#: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: MatMulNBits nodes
-#: that share an input fused, their q/k/v handed to GroupQueryAttention packed).
+#: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: q/k/v MatMulNBits
+#: that share an input fused and handed to GroupQueryAttention packed).
 LOWERING_VERSION = 12
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
@@ -166,9 +166,10 @@ def lower_for_ort(
     # com.microsoft::MoE now reads whole, the traced attention GroupQueryAttention replaced) go,
     # so ONNX Runtime never folds them into copies and the passes below see only live readers.
     ir.passes.common.RemoveUnusedNodesPass()(ir_model)
-    if counts["matmul_nbits"]:
+    if counts["matmul_nbits"] and counts["attention_gqa"]:
         counts["matmul_nbits_fused"] = quantized.fuse_shared_input(graph)
-        counts["packed_qkv"] = gqa.use_packed_qkv(graph) if counts["attention_gqa"] else 0
+        counts["packed_qkv"] = gqa.use_packed_qkv(graph)
+        ir.passes.common.RemoveUnusedNodesPass()(ir_model)  # the fused projections' own weights
     if query_lengths is not None:
         try:
             gqa.batch_from_packed_tokens(graph)

@@ -218,18 +218,22 @@ def lower_linears(graph: ir.Graph, provider: str, accuracy_level: int = 0) -> in
 
 def fuse_shared_input(graph: ir.Graph) -> int:
     """MatMulNBits nodes that read the same activation with the same K, bits, block size and
-    accuracy level (a layer's q, k and v projections) -> one MatMulNBits over their weights
-    stacked along N, then a Split into the outputs they had; returns how many nodes went.
+    accuracy level and feed only GroupQueryAttention (a layer's q, k and v projections, or the
+    Concat that packs them for a ragged step) -> one MatMulNBits over their weights stacked
+    along N, then a Split into the outputs they had; returns how many nodes went.
 
     Each output row of MatMulNBits is its own weight row's dot product with the input, and the
     input is quantized (accuracy level 4) per block of K, whatever N is: the fused node computes
     the same values. What it saves is fixed per-node cost and quantizing the same activation
     once per projection. The stacked codes, scales and zero points are new initializers in
     memory (views into the artifact's data file cannot be concatenated): a layer's attention
-    projections, a small part of the weights."""
+    projections, a small part of the weights; other MatMulNBits that share an input (a dense
+    MLP's gate and up, say) stay as they are, mapped."""
     groups: dict[tuple, list[ir.Node]] = {}
     for node in graph:
         if node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) != 4:
+            continue
+        if not _feeds_attention(node.outputs[0]):
             continue
         if any(v is None or v.const_value is None for v in node.inputs[1:]) or node.inputs[0] is None:
             continue
@@ -254,14 +258,21 @@ def fuse_shared_input(graph: ir.Graph) -> int:
             old = node.outputs[0]
             out.shape, out.type = old.shape, old.type
             ir.convenience.replace_all_uses_with(old, out)
-            graph_output = old.is_graph_output()
-            old_name = old.name
-            graph.remove(node, safe=False)
-            if graph_output:  # keep a graph output's name and place
-                graph.outputs[graph.outputs.index(old)] = out
-            out.name = old_name
+            name = old.name
+            graph.remove(node, safe=True)  # detaches its inputs too: its weights go unless read elsewhere
+            out.name = name
         removed += len(nodes) - 1
     return removed
+
+
+def _feeds_attention(value: ir.Value) -> bool:
+    """Whether a projection's output goes only to GroupQueryAttention (as its query, key or
+    value) or to the Concat that packs q, k and v for it in a ragged step."""
+    uses = list(value.uses())
+    return bool(uses) and not value.is_graph_output() and all(
+        (use.node.op_type == "GroupQueryAttention" and use.idx in (0, 1, 2))
+        or (use.node.op_type == "Concat" and all(u.node.op_type == "Gather" for u in use.node.outputs[0].uses()))
+        for use in uses)
 
 
 def _stacked(graph: ir.Graph, parts: list[ir.Value], name: str) -> ir.Value:

@@ -222,7 +222,9 @@ class InflightScheduler:
         if self.prompts_in_step:
             try:
                 logits = self.decoder.step(0, chunks, lengths)
-            except Exception:  # retried apart below
+            except Exception as e:  # retried apart below, so that only what fails alone fails
+                LOGGER.warning("%s: a step with %d joining prompt(s) failed (%s); running them apart",
+                               self.name, len(joining), first_line(e))
                 logits = None
         if logits is None:
             self._admit(joining)
