@@ -187,8 +187,8 @@ def lower_attention(graph: ir.Graph, config: DecoderConfig, shared_cache: bool =
     # their end (their results are discarded, but the kernel may rotate them)
     positions = 2 * config.max_positions if query_lengths is not None else None
     cos, sin = rotary_tables(config, GQA_DTYPES[dtype], positions)
-    cos_cache = _initializer(graph, "gqa.cos_cache", cos)
-    sin_cache = _initializer(graph, "gqa.sin_cache", sin)
+    cos_cache = constant_initializer(graph, "gqa.cos_cache", cos)
+    sin_cache = constant_initializer(graph, "gqa.sin_cache", sin)
     lengths: _Lengths | None = None
     ragged: _RaggedMaps | None = None
     lowered = 0
@@ -244,7 +244,7 @@ class _RaggedMaps:
         self.padded = ir.Value(name=PADDED_TOKENS, shape=ir.Shape(["rows", "chunk"]), type=int64)
         self.slots = ir.Value(name=TOKEN_SLOTS, shape=ir.Shape([1, "tokens", 2]), type=int64)
         graph.inputs.extend([self.padded, self.slots])
-        self.axis0 = _initializer(graph, "ragged.axis0", np.array([0], dtype=np.int64))
+        self.axis0 = constant_initializer(graph, "ragged.axis0", np.array([0], dtype=np.int64))
 
     def pad(self, graph: ir.Graph, before: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """(1, T, *) q, k, v -> (B, S, q + k + v widths): GroupQueryAttention's packed QKV input."""
@@ -284,7 +284,7 @@ def use_packed_qkv(graph: ir.Graph) -> int:
             consumer.replace_input_with(1, None)
             consumer.replace_input_with(2, None)
         elif consumer.op_type == "Concat" and len(consumer.inputs) == 3 and \
-                consumer.attributes["axis"].as_int() == axis and axis == -1 and _packs_for_gqa(consumer):
+                consumer.attributes["axis"].as_int() == axis and axis == -1 and packs_qkv_for_gqa(consumer):
             ir.convenience.replace_all_uses_with(consumer.outputs[0], qkv)
             graph.remove(consumer, safe=True)
         else:
@@ -294,7 +294,7 @@ def use_packed_qkv(graph: ir.Graph) -> int:
     return packed
 
 
-def _packs_for_gqa(concat: ir.Node) -> bool:
+def packs_qkv_for_gqa(concat: ir.Node) -> bool:
     """Whether a Concat's output is _RaggedMaps.pad's gather of packed QKV for GroupQueryAttention."""
     return all(use.node.op_type == "Gather" and use.node.inputs[1] is not None and use.node.inputs[1].name == PADDED_TOKENS
                for use in concat.outputs[0].uses())
@@ -340,7 +340,8 @@ def _shape_reads_axis(node: ir.Node, axis: int, rank: int) -> bool:
     return start <= axis < end
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+def constant_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """`array` registered as an initializer of `graph` under `name` (the lowerings' new constants)."""
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)

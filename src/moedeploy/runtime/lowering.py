@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
@@ -231,10 +232,7 @@ def _last_position_logits(graph: ir.Graph, query_lengths: ir.Value | None = None
 
 
 def _int64s(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape([len(values)]), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(values, dtype=ir.DataType.INT64, name=name))
-    graph.register_initializer(value)
-    return value
+    return gqa.constant_initializer(graph, name, np.array(values, dtype=np.int64))
 
 
 def _lower_attention(graph: ir.Graph, config: DecoderConfig, provider: str, how: AttentionLowering,

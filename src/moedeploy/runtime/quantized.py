@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moedeploy.models.blockquant import pack, unpack
+from moedeploy.runtime.gqa import constant_initializer, packs_qkv_for_gqa
 
 DOMAIN = "com.microsoft"
 OP_TYPE = "MatMulNBits"
@@ -251,7 +252,7 @@ def fuse_shared_input(graph: ir.Graph) -> int:
                    for i, part in ((1, "b"), (2, "scales"), (3, "zero_points"))]
         attrs = {k: a.value for k, a in first.attributes.items()} | {"N": sum(sizes)}
         fused = ir.node(OP_TYPE, [x, *stacked], attrs, domain=DOMAIN, name=name)
-        split = ir.node("Split", [fused.outputs[0], _int64_initializer(graph, f"{name}.sizes", sizes)],
+        split = ir.node("Split", [fused.outputs[0], constant_initializer(graph, f"{name}.sizes", np.array(sizes, dtype=np.int64))],
                         {"axis": -1}, num_outputs=len(nodes), name=f"{name}/Split")
         graph.insert_before(first, [fused, split])
         for node, out in zip(nodes, split.outputs, strict=True):
@@ -271,25 +272,13 @@ def _feeds_attention(value: ir.Value) -> bool:
     uses = list(value.uses())
     return bool(uses) and not value.is_graph_output() and all(
         (use.node.op_type == "GroupQueryAttention" and use.idx in (0, 1, 2))
-        or (use.node.op_type == "Concat" and all(u.node.op_type == "Gather" for u in use.node.outputs[0].uses()))
+        or (use.node.op_type == "Concat" and packs_qkv_for_gqa(use.node))
         for use in uses)
 
 
 def _stacked(graph: ir.Graph, parts: list[ir.Value], name: str) -> ir.Value:
     """The constants `parts` concatenated along their first axis, a new initializer."""
-    array = np.concatenate([part.const_value.numpy() for part in parts], axis=0)
-    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(parts[0].dtype),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
-def _int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    array = np.array(values, dtype=np.int64)
-    value = ir.Value(name=name, shape=ir.Shape([len(values)]), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
+    return constant_initializer(graph, name, np.concatenate([part.const_value.numpy() for part in parts], axis=0))
 
 
 def is_linear_gemm(node: ir.Node) -> bool:

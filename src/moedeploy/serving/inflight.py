@@ -6,8 +6,9 @@ by the last row, so the running rows stay packed), then runs one step that decod
 every running sequence, each at its own position with its own sampling settings and
 generator. Waiting requests join in free rows in that same step: their prompts are
 prefilled beside the rows' single tokens (a ragged step), so one pass over the weights
-serves both and the running sequences do not stall while a prompt is prefilled. So a request's tokens are those it would get alone: greedy rows do not influence
-each other's argmax, and a seeded row draws from its own generator exactly as
+serves both and the running sequences do not stall while a prompt is prefilled. So a
+request's tokens are those it would get alone: greedy rows do not influence each other's
+argmax, and a seeded row draws from its own generator exactly as
 `models.generation.iterate_tokens` does for a request alone (the same `next_token`).
 
 Limits keep memory bounded: at most `slots` sequences run and `max_queued` wait; a request
