@@ -8,14 +8,17 @@ on the same row cache, alternating them within each round, for `--rows` decoding
 one prompt of `--prompt-len` tokens, and checks that both give the same logits.
 
 Then the in-flight scheduler alone (no server) with `--clients` threads, each sending
-`--requests` requests of 64-token prompts and 32 new tokens, under both policies
-(InflightScheduler(prompts_in_step=True / False)) alternating over `--rounds` rounds, in two
-traffic shapes: "lockstep" (every request the same shape, all clients starting together, so
+`--requests` requests of 64-token prompts and 32 new tokens, under each policy alternating
+over `--rounds` rounds: prompts in a step of their own (InflightScheduler(prompts_in_step=
+False)), whole prompts in the decode step (prefill_chunk=0), and prompts fed in chunks of each
+`--chunks` size while rows decode (chunked prefill); reported: tokens/s, decode tokens/s (the
+streams' rate after their first token, times the clients, as serving_stream.py), TTFT and
+TPOT p50. In two traffic shapes: "lockstep" (every request the same shape, all clients starting together, so
 a level's prompts arrive together while no stream decodes) and "varied" (each request's prompt
 length and budget drawn from half to one and a half times those, as benchmarks/serving_stream.py
 --vary does, so prompts join while others decode).
 
-    python benchmarks/inflight_step.py [--artifact DIR] [--rows 1,4,15] [--prompt-len 64] [--clients 16] [--rounds 5] [--json out.json]
+    python benchmarks/inflight_step.py [--artifact DIR] [--rows 1,4,15] [--prompt-len 64] [--clients 16] [--chunks 16,32] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_stream import request_shape  # --vary's draws
+from serving_stream import (  # --vary's draws, the decode rate
+    decode_rates,
+    percentile,
+    request_shape,
+)
 
 
 def main() -> None:
@@ -45,6 +52,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed steps of each kind per round")
     parser.add_argument("--clients", type=int, default=16, help="scheduler threads (0: skip the scheduler part)")
     parser.add_argument("--requests", type=int, default=4, help="per client, in the scheduler part")
+    parser.add_argument("--chunks", default="16,32", help="comma-separated prefill_chunk sizes to compare with whole "
+                        "prompts and prompts in their own step, in the scheduler part")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
 
@@ -97,8 +106,18 @@ def main() -> None:
                                                "results": results, "scheduler": scheduler}, indent=2, default=str))
 
 
+def policies(chunks: str) -> dict[str, dict]:
+    """The scheduler settings compared: prompts in their own step, whole prompts in the decode
+    step, and each --chunks size of chunked prefill."""
+    out = {"own step": {"prompts_in_step": False}, "whole prompts": {"prefill_chunk": 0}}
+    for size in (int(c) for c in chunks.split(",") if c.strip()):
+        out[f"chunks of {size}"] = {"prefill_chunk": size}
+    return out
+
+
 def scheduler_policies(artifact, args) -> list[dict]:
-    """Tokens/s of the scheduler alone under both policies, alternating, in both traffic shapes."""
+    """Tokens/s, decode tokens/s and TTFT of the scheduler alone under each policy,
+    alternating within each round, in both traffic shapes."""
     from moedeploy.models.generation import SamplingConfig
     from moedeploy.runtime.inflight import RowCacheDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
@@ -108,20 +127,28 @@ def scheduler_policies(artifact, args) -> list[dict]:
     decoder = RowCacheDecoder(artifact, slots=args.clients, capacity=2 * (prompt_len + new_tokens),
                               nbits_accuracy=RUN_ACCURACY)
     vocab = decoder.vocab_size
-    runs: dict[tuple[str, bool], list[float]] = {}
+    settings = policies(args.chunks)
+    runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
         for vary in (False, True):
-            for in_step in (True, False):
-                scheduler = InflightScheduler(decoder, prompts_in_step=in_step)
+            for label, kwargs in settings.items():
+                scheduler = InflightScheduler(decoder, **kwargs)
                 counts = [0] * args.clients
+                decoding: list[tuple[int, float]] = []
+                ttft: list[float] = []
 
                 def client(i: int, counts: list[int] = counts, scheduler: InflightScheduler = scheduler,
-                           vary: bool = vary) -> None:
+                           vary: bool = vary, decoding: list = decoding, ttft: list = ttft) -> None:
                     rng = np.random.default_rng(i)
                     for _ in range(args.requests):
                         length, budget = request_shape(rng, prompt_len, new_tokens, vary)
-                        counts[i] += len(list(scheduler.stream(rng.integers(0, vocab, length), budget,
-                                                               SamplingConfig())))
+                        sent = time.perf_counter()
+                        arrivals = [time.perf_counter() for _ in scheduler.stream(rng.integers(0, vocab, length), budget,
+                                                                                  SamplingConfig())]
+                        counts[i] += len(arrivals)
+                        ttft.append(arrivals[0] - sent)
+                        if len(arrivals) > 1:
+                            decoding.append((len(arrivals) - 1, arrivals[-1] - arrivals[0]))
 
                 threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
                 start = time.perf_counter()
@@ -129,16 +156,20 @@ def scheduler_policies(artifact, args) -> list[dict]:
                     t.start()
                 for t in threads:
                     t.join()
-                runs.setdefault(("varied" if vary else "lockstep", in_step), []).append(
-                    sum(counts) / (time.perf_counter() - start))
+                runs.setdefault(("varied" if vary else "lockstep", label), []).append(
+                    {"tokens_per_s": sum(counts) / (time.perf_counter() - start), "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
+                     **decode_rates(decoding, args.clients)})
                 scheduler.stop()
     out = []
     for shape in ("lockstep", "varied"):
-        together, apart = (float(np.median(runs[(shape, flag)])) for flag in (True, False))
-        out.append({"traffic": shape, "prompts_in_step_tokens_per_s": together, "apart_tokens_per_s": apart,
-                    "ratio": together / apart, "runs_in_step": runs[(shape, True)], "runs_apart": runs[(shape, False)]})
-        print(f"scheduler alone, {args.clients} clients, {shape} traffic: prompts in the decode step {together:6.1f} "
-              f"tokens/s, in their own step {apart:6.1f} ({together / apart:.2f}x; medians of {args.rounds})", flush=True)
+        for label in settings:
+            got = runs[(shape, label)]
+            medians = {k: float(np.median([r[k] for r in got])) for k in ("tokens_per_s", "decode_tokens_per_s",
+                                                                           "ttft_p50_ms", "tpot_p50_ms")}
+            out.append({"traffic": shape, "policy": label, **medians, "runs": got})
+            print(f"scheduler alone, {args.clients} clients, {shape:8s} traffic, {label:14s}: {medians['tokens_per_s']:6.1f} "
+                  f"tokens/s, decode {medians['decode_tokens_per_s']:6.1f}, TTFT p50 {medians['ttft_p50_ms']:6.1f} ms, "
+                  f"TPOT p50 {medians['tpot_p50_ms']:5.1f} ms (medians of {args.rounds})", flush=True)
     return out
 
 

@@ -73,6 +73,8 @@ class Server:
             cmd += ["--max-batch-size", str(args.max_batch_size)]
         if getattr(args, "stream_interval", None):  # benchmarks/serving_stream.py's
             cmd += ["--stream-interval", str(args.stream_interval)]
+        if getattr(args, "prefill_chunk", None) is not None:  # benchmarks/serving_stream.py's
+            cmd += ["--prefill-chunk", str(args.prefill_chunk)]
         if getattr(args, "packed_weights", None):
             cmd += ["--packed-weights", args.packed_weights]
         # the server's console goes to a file: a pipe nobody reads until the end fills up (64 KiB of

@@ -8,7 +8,11 @@ tokens/s (every token received / the level's wall time), time to first token (re
 first response) and inter-token latency (gaps between one request's tokens as they arrive: a
 response holding several tokens, which a client that falls behind gets, counts its first after
 the gap and the others after 0), p50 and p99,
-and the speed of one client for comparison. Beside them: the model alone on ONNX Runtime, one
+and the speed of one client for comparison. Decode apart from prefill: each request's time per
+output token after its first (TPOT: (last arrival - first arrival) / (tokens - 1), p50 and
+p99) and the level's decode tokens/s, its streams' mean decode rate (tokens after the first
+over the time they took, summed over requests) times the number of clients: the rate the
+clients receive tokens at while they decode, each request's prefill being in its TTFT. Beside them: the model alone on ONNX Runtime, one
 sequence at a time (tokens/s of a bare decode loop in this process), and the in-flight
 scheduler alone at each level (its clients as threads in this process, no Triton). Measured in
 one run on one machine, never asserted in tests.
@@ -125,6 +129,7 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
     import tritonclient.grpc as grpcclient
 
     ttft, itl, tokens, errors = [], [], [0], []
+    decoding: list[tuple[int, float]] = []  # per request: tokens after its first, the time they took
     lock = threading.Lock()
     barrier = threading.Barrier(clients + 1)
     bad = {"answered_own_error": 0, "wrong_answer": 0, "examples": []}
@@ -153,6 +158,8 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
                 ttft.append(first)
                 itl.extend(np.diff(arrivals).tolist())
                 tokens[0] += len(arrivals)
+                if len(arrivals) > 1:
+                    decoding.append((len(arrivals) - 1, arrivals[-1] - arrivals[0]))
         client.stop_stream()
         client.close()
 
@@ -173,7 +180,17 @@ def level(server: Server, model: str, clients: int, requests: int, prompt_len: i
         "tokens": tokens[0], "wall_s": wall, "tokens_per_s": tokens[0] / wall,
         "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
         "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
+        **decode_rates(decoding, clients),
     }
+
+
+def decode_rates(decoding: list[tuple[int, float]], clients: int) -> dict:
+    """TPOT p50/p99 over requests and the level's decode tokens/s (clients x the streams' mean
+    decode rate) from each request's (tokens after its first, seconds from its first to its last)."""
+    tpot = [span / n for n, span in decoding]
+    span = sum(span for _, span in decoding)
+    return {"tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
+            "decode_tokens_per_s": clients * sum(n for n, _ in decoding) / span if span > 0 else float("nan")}
 
 
 def bare_decode(artifact, prompt_len: int, new_tokens: int) -> float:
@@ -193,10 +210,11 @@ def bare_decode(artifact, prompt_len: int, new_tokens: int) -> float:
 
 
 def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int, new_tokens: int,
-                    vary: bool = False) -> dict[int, float]:
-    """Tokens/s of the in-flight scheduler in this process, without Triton: clients as threads
-    reading `InflightScheduler.stream` (the same level shape as the served run). What the served
-    run loses beside it is the cost of sending every token through PyTriton, Triton and gRPC."""
+                    vary: bool = False, prefill_chunk: int | None = None) -> dict[int, dict]:
+    """Tokens/s (and decode tokens/s, as a served level's) of the in-flight scheduler in this
+    process, without Triton: clients as threads reading `InflightScheduler.stream` (the same
+    level shape as the served run). What the served run loses beside it is the cost of sending
+    every token through PyTriton, Triton and gRPC."""
     from moedeploy.models.generation import SamplingConfig
     from moedeploy.runtime.inflight import RowCacheDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
@@ -205,19 +223,24 @@ def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int,
     # a quantized artifact at the level serve runs it at
     capacity = 2 * (prompt_len + new_tokens) if vary else prompt_len + new_tokens
     decoder = RowCacheDecoder(artifact, slots=max(levels), capacity=capacity, nbits_accuracy=RUN_ACCURACY)
-    scheduler = InflightScheduler(decoder)
+    scheduler = InflightScheduler(decoder, **({} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}))
     vocab = artifact.manifest["config"]["vocab_size"]
     results = {}
     try:
         list(scheduler.stream(np.arange(8), 4, SamplingConfig()))  # warm-up
         for clients in levels:
             counts = [0] * clients
+            decoding: list[tuple[int, float]] = []
 
-            def client(i: int, counts: list[int] = counts) -> None:
+            def client(i: int, counts: list[int] = counts, decoding: list = decoding) -> None:
                 rng = np.random.default_rng(i)
                 for _ in range(requests):
                     length, budget = request_shape(rng, prompt_len, new_tokens, vary)
-                    counts[i] += len(list(scheduler.stream(rng.integers(0, vocab, length), budget, SamplingConfig())))
+                    arrivals = [time.perf_counter() for _ in scheduler.stream(rng.integers(0, vocab, length), budget,
+                                                                              SamplingConfig())]
+                    counts[i] += len(arrivals)
+                    if len(arrivals) > 1:
+                        decoding.append((len(arrivals) - 1, arrivals[-1] - arrivals[0]))
 
             threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
             start = time.perf_counter()
@@ -225,7 +248,8 @@ def scheduler_alone(artifact, levels: list[int], requests: int, prompt_len: int,
                 t.start()
             for t in threads:
                 t.join()
-            results[clients] = sum(counts) / (time.perf_counter() - start)
+            results[clients] = {"tokens_per_s": sum(counts) / (time.perf_counter() - start),
+                                **decode_rates(decoding, clients)}
     finally:
         scheduler.stop()
     return results
@@ -244,6 +268,8 @@ def main() -> None:
                         "0.5-1.5x --prompt-len and --new-tokens (requests start and end at different steps)")
     parser.add_argument("--bad-client", action="store_true", help="one more client sending malformed requests throughout")
     parser.add_argument("--stream-interval", type=int, default=1, help="serve --stream-interval: tokens per response after the first")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="serve --prefill-chunk (and the scheduler "
+                        "alone's): prompt tokens a step takes while streams decode; 0: whole prompts")
     parser.add_argument("--packed-weights", choices=("stream", "all"), default=None, help="serve --packed-weights")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
@@ -262,7 +288,8 @@ def main() -> None:
     max_positions = artifact.manifest["config"]["max_positions"] if args.bad_client else None
     bare = bare_decode(artifact, args.prompt_len, args.new_tokens)
     levels = [int(c) for c in args.clients.split(",")]
-    alone = scheduler_alone(artifact, levels, args.requests, args.prompt_len, args.new_tokens, args.vary)
+    alone = scheduler_alone(artifact, levels, args.requests, args.prompt_len, args.new_tokens, args.vary,
+                            args.prefill_chunk)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(artifact.path, args, dynamic=True, log=Path(tmp) / "triton.log")
@@ -278,18 +305,25 @@ def main() -> None:
                 bad = r["bad_requests"]
                 bad_text = (f"  bad requests: {bad['answered_own_error']} own errors, {bad['wrong_answer']} wrong"
                             if bad else "")
-                print(f"{clients:>3} clients: {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} "
-                      f"p99 {r['ttft_p99_ms']:8.1f} ms  ITL p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  "
+                print(f"{clients:>3} clients: {r['tokens_per_s']:7.1f} tok/s  decode {r['decode_tokens_per_s']:7.1f} "
+                      f"tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 {r['ttft_p99_ms']:8.1f} ms  "
+                      f"TPOT p50 {r['tpot_p50_ms']:6.1f} p99 {r['tpot_p99_ms']:6.1f} ms  "
+                      f"ITL p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  "
                       f"errors {r['errors']}  server PSS {r['server_pss_mb']:.0f} MB{bad_text}", flush=True)
         finally:
             server.stop()
-    one = results[0]["tokens_per_s"] if results and results[0]["clients"] == 1 else None
+    one = results[0] if results and results[0]["clients"] == 1 else None
     print(f"the model alone (OrtDecoder, one sequence): {bare:.1f} tok/s")
     for r in results:
-        r["vs_one_client"] = r["tokens_per_s"] / one if one else None
+        r["vs_one_client"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
+        r["decode_vs_one_client"] = r["decode_tokens_per_s"] / one["decode_tokens_per_s"] if one else None
         r["of_bare_decode"] = r["tokens_per_s"] / bare
-        r["scheduler_alone_tokens_per_s"] = alone[r["clients"]]
-    print("the in-flight scheduler without Triton: " + ", ".join(f"{c} clients {t:.1f}" for c, t in alone.items())
+        r["scheduler_alone"] = alone[r["clients"]]
+        if one:
+            print(f"{r['clients']:>3} clients: x{r['vs_one_client']:.2f} one client's tok/s, "
+                  f"x{r['decode_vs_one_client']:.2f} its decode tok/s")
+    print("the in-flight scheduler without Triton: " + ", ".join(
+        f"{c} clients {a['tokens_per_s']:.1f} (decode {a['decode_tokens_per_s']:.1f})" for c, a in alone.items())
           + " tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.processor() or platform.machine(),

@@ -179,16 +179,14 @@ def scheduler(exported):
     scheduler.stop()
 
 
-@torch.no_grad()
-def test_concurrent_greedy_generations_are_each_transformers_alone(exported, scheduler) -> None:
+SEVEN_REQUESTS = [(4, 12), (9, 3), (4, 20), (2, 1), (13, 9), (6, 15), (4, 6)]  # (prompt tokens, new tokens)
+
+
+def _concurrent_greedy(hf, scheduler: InflightScheduler) -> None:
     """Seven requests of different lengths and budgets from seven threads, started a few ms
-    apart, on three rows: they join and leave between steps, some wait for a row and are
-    prefilled in the step that decodes the others, and each gets the tokens transformers'
-    greedy generate gives it alone."""
-    hf, _ = exported
+    apart, on three rows: each gets the tokens transformers' greedy generate gives it alone."""
     vocab = hf.config.vocab_size
-    requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate([(4, 12), (9, 3), (4, 20), (2, 1), (13, 9),
-                                                                              (6, 15), (4, 6)])]
+    requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate(SEVEN_REQUESTS)]
     expected = [hf.generate(torch.from_numpy(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
                 for p, new in requests]
     got: list[list[int] | None] = [None] * len(requests)
@@ -197,7 +195,6 @@ def test_concurrent_greedy_generations_are_each_transformers_alone(exported, sch
         time.sleep(0.003 * i)
         got[i] = list(scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()))
 
-    mixed_before = scheduler.mixed_steps
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
     for t in threads:
         t.start()
@@ -205,7 +202,37 @@ def test_concurrent_greedy_generations_are_each_transformers_alone(exported, sch
         t.join(60)
     assert got == expected
     assert scheduler.running == 0 and scheduler.queued == 0
+
+
+@torch.no_grad()
+def test_concurrent_greedy_generations_are_each_transformers_alone(exported, scheduler) -> None:
+    """They join and leave between steps, some wait for a row and are prefilled in the step
+    that decodes the others (every prompt here fits one chunk)."""
+    hf, _ = exported
+    mixed_before = scheduler.mixed_steps
+    _concurrent_greedy(hf, scheduler)
     assert scheduler.mixed_steps > mixed_before  # prompts did join beside decoding rows
+    assert scheduler.partial_chunks == 0
+
+
+@torch.no_grad()
+def test_prompts_fed_in_chunks_beside_decoding_rows_give_the_same_tokens(exported) -> None:
+    """prefill_chunk=3: a prompt that joins while rows decode goes into its row 3 tokens a
+    step (its rows at a past length the ragged step must honour), and its first token comes
+    after its last chunk; the tokens are still transformers' for each request alone."""
+    hf, artifact = exported
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=3, capacity=64), max_queued=16, prefill_chunk=3)
+    try:
+        _concurrent_greedy(hf, scheduler)
+    finally:
+        scheduler.stop()
+    assert scheduler.partial_chunks > 0 and scheduler.mixed_steps > 0
+
+
+def test_a_negative_prefill_chunk_is_refused(exported) -> None:
+    _, artifact = exported
+    with pytest.raises(ValueError, match=r"prefill_chunk must be >= 0"):
+        InflightScheduler(RowCacheDecoder(artifact, slots=1, capacity=16), prefill_chunk=-1)
 
 
 @torch.no_grad()
@@ -337,3 +364,32 @@ def test_a_prompt_that_fails_in_the_backend_fails_alone(exported, scheduler) -> 
     for (events, _), prompt in zip((runs[0], runs[2]), good, strict=True):
         expected = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, 5:]
         assert events == [*expected.tolist(), Finished("length")]
+
+
+@torch.no_grad()
+def test_a_prompt_that_fails_in_a_later_chunk_fails_alone(exported) -> None:
+    """With prefill_chunk=2, a prompt whose third id is outside the vocabulary joins two
+    decoding rows beside another prompt: its first chunk runs, its second fails the step.
+    Retried row by row, only it fails, its row is freed, and the decoding rows and the other
+    prompt get transformers' tokens."""
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=4, capacity=64), prefill_chunk=2)
+    try:
+        prompts = [_ids(vocab, 4, 51), _ids(vocab, 3, 53), np.array([1, 2, vocab + 7, 3]), _ids(vocab, 5, 52)]
+        budgets = [14, 14, 6, 6]
+        runs = [_events(scheduler, prompts[i], budgets[i]) for i in (0, 1)]
+        while not (runs[0][0] and runs[1][0]):  # two rows decode before the others join
+            time.sleep(0.001)
+        runs += [_events(scheduler, prompts[i], budgets[i]) for i in (2, 3)]
+        for _, done in runs:
+            assert done.wait(30)
+        assert scheduler.partial_chunks > 0
+    finally:
+        scheduler.stop()
+    assert isinstance(runs[2][0][-1], ServerError) and "generation failed" in str(runs[2][0][-1])
+    assert runs[2][0][:-1] == []  # no token before it failed
+    for (events, _), prompt, new in ((runs[i], prompts[i], budgets[i]) for i in (0, 1, 3)):
+        expected = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert events == [*expected[0, prompt.size:].tolist(), Finished("length")]
+    assert scheduler.running == 0 and scheduler.finished["failed"] == 1

@@ -70,6 +70,8 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
         "no instances": (["serve", moe, "--instances", "0", *ports], "--instances must be >= 1"),
         "stream interval 0": (["serve", moe, "--stream-interval", "0", *ports],
                               "--stream-interval must be >= 1 (tokens per streamed response), got 0"),
+        "negative prefill chunk": (["serve", moe, "--prefill-chunk", "-1", *ports],
+                                   "--prefill-chunk must be >= 0 (prompt tokens a step takes; 0: whole prompts), got -1"),
         "packed weights": (["serve", moe, "--packed-weights", "some", *ports],
                            "unknown --packed-weights 'some'; choose from: stream, all"),
         "accuracy level": (["serve", moe, "--accuracy-level", "8", *ports],
@@ -83,7 +85,7 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
 
 
 CASES = ["missing artifact", "unknown backend", "bf16", "port in use", "same port twice", "batch size 0",
-         "no instances", "stream interval 0", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
+         "no instances", "stream interval 0", "negative prefill chunk", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,3 +192,16 @@ def test_serve_defaults_to_the_level_quantized_artifacts_run_at() -> None:
     command = typer.main.get_command(cli_app()).commands["serve"]
     (default,) = [p.default for p in command.params if p.name == "accuracy_level"]
     assert default == ServeOptions().accuracy_level == RUN_ACCURACY
+
+
+def test_serve_defaults_to_the_schedulers_prefill_chunk() -> None:
+    """serve's --prefill-chunk default is a literal too: held equal to
+    serving.inflight.DEFAULT_PREFILL_CHUNK and ServeOptions' default here."""
+    import typer
+
+    from moedeploy.serving import ServeOptions
+    from moedeploy.serving.inflight import DEFAULT_PREFILL_CHUNK
+
+    command = typer.main.get_command(cli_app()).commands["serve"]
+    (default,) = [p.default for p in command.params if p.name == "prefill_chunk"]
+    assert default == ServeOptions().prefill_chunk == DEFAULT_PREFILL_CHUNK

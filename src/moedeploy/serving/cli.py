@@ -36,6 +36,8 @@ def register(app: typer.Typer) -> None:
         max_sequences: int = typer.Option(32, "--max-sequences", help="In-flight batching: the most generations a decoder's stream model runs at once, sharing each decode step (ONNX Runtime, attention on GroupQueryAttention)."),
         max_queued: int = typer.Option(128, "--max-queued", help="In-flight batching: the most stream requests that wait for a free sequence; beyond it a request is answered busy (HTTP 503, gRPC UNAVAILABLE)."),
         max_context: int = typer.Option(4096, "--max-context", help="In-flight batching: positions (prompt + max_tokens) each sequence may reach, at most the model's max_positions; its KV cache is preallocated with twice that per row (room for a joining prompt's padded chunk) and touched as it fills."),
+        prefill_chunk: int = typer.Option(32, "--prefill-chunk",  # serving.inflight.DEFAULT_PREFILL_CHUNK (a test holds them equal)
+            help="In-flight batching: the most tokens of a prompt one step prefills while sequences decode (chunked prefill, as vLLM and TensorRT-LLM do), so the decoding streams wait for a chunk, not a whole prompt; a prompt's first token comes after its last chunk. Applies while the decoding sequences are at least as many as the prompts being prefilled (else whole prompts go in one step). 0: whole prompts always. Measured in benchmarks/README.md: higher decode tokens/s at 16 streams, a later first token."),
         stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed response after the first, which always goes alone (vLLM's --stream-interval). 1 sends each token as it is made; 4 or 8 cut the per-response cost (PyTriton, Triton, gRPC/HTTP) at many concurrent streams, for less smooth streaming. A stream that falls behind gets what is waiting in one response at any setting."),
         packed_weights: str = typer.Option("stream", "--packed-weights", help="ONNX Runtime: which of a decoder's sessions repack the weights into a faster copy of their own. stream: one copy, for the session that serves streams and the OpenAI API; the logits model (and the generate model beside in-flight batching) share the artifact's memory-mapped file (one copy for all of them, decoding about a sixth slower). all: every model and instance keeps its own copy (memory: the weights once per session). A quantized decoder's mapped sessions compute in float and 20-30x slower (ONNX Runtime's int8/int4 kernels want their packed layout), so its generate model repacks at either setting; only its logits model is mapped (a warning says so)."),
         accuracy_level: int = typer.Option(4, "--accuracy-level",  # runtime.quantized.RUN_ACCURACY (a test holds them equal; importing it here would load torch for --help)
@@ -72,6 +74,7 @@ def register(app: typer.Typer) -> None:
             instances=instances, exit_timeout_s=exit_timeout, max_request_mb=max_request_mb, log_file=log_file,
             openai_port=openai_port, max_sequences=max_sequences, max_queued=max_queued, max_context=max_context,
             stream_interval=stream_interval, packed_weights=packed_weights, accuracy_level=accuracy_level,
+            prefill_chunk=prefill_chunk,
         )
         if log_file is not None:
             check_writable(log_file.parent)

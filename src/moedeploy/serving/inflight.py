@@ -6,8 +6,10 @@ by the last row, so the running rows stay packed), then runs one step that decod
 every running sequence, each at its own position with its own sampling settings and
 generator. Waiting requests join in free rows in that same step: their prompts are
 prefilled beside the rows' single tokens (a ragged step), so one pass over the weights
-serves both and the running sequences do not stall while a prompt is prefilled. So a
-request's tokens are those it would get alone: greedy rows do not influence each other's
+serves both. While rows decode (at least as many as the prompts being prefilled), a prompt
+goes in chunks of at most `prefill_chunk` tokens a step (chunked prefill, as vLLM and
+TensorRT-LLM do): the decoding rows are padded only to the chunk for attention and wait for a
+chunk, not a whole prompt, each step; a prompt's first token comes after its last chunk. So a request's tokens are those it would get alone: greedy rows do not influence each other's
 argmax, and a seeded row draws from its own generator exactly as
 `models.generation.iterate_tokens` does for a request alone (the same `next_token`).
 
@@ -60,6 +62,7 @@ class Sequence:
     cancelled: Callable[[], bool]
     generator: torch.Generator | None = None
     length: int = 0  # positions in its cache row
+    fed: int = 0  # prompt tokens in its cache row: it decodes once all are
     last: int = -1  # the token to feed next
     produced: int = 0
     closed: threading.Event = field(default_factory=threading.Event)
@@ -75,17 +78,31 @@ class Sequence:
     def gone(self) -> bool:
         return self.closed.is_set() or self.cancelled()
 
+    @property
+    def decoding(self) -> bool:
+        return self.fed == self.prompt.size
+
+
+#: the most tokens of a prompt a step takes while rows decode (benchmarks/inflight_step.py)
+DEFAULT_PREFILL_CHUNK = 32
+
 
 class InflightScheduler:
     """Runs every submitted generation on one row cache, batching their decode steps."""
 
     def __init__(self, decoder: RowCacheDecoder, max_queued: int = 64, name: str = "decoder",
-                 prompts_in_step: bool = True) -> None:
+                 prompts_in_step: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         """prompts_in_step: prefill joining prompts in the step that decodes the running rows (a
         ragged step); False runs them in a step of their own first, as before that existed
-        (benchmarks/inflight_step.py compares the two)."""
+        (benchmarks/inflight_step.py compares the two).
+        prefill_chunk: with prompts_in_step, the most tokens of a prompt one step takes while
+        rows decode (0: whole prompts); a step with fewer decoding rows than prompts being
+        prefilled takes whole prompts, as one with none does."""
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.decoder = decoder
         self.prompts_in_step = prompts_in_step
+        self.prefill_chunk = prefill_chunk if prompts_in_step else 0
         self.slots = decoder.slots
         self.capacity = decoder.capacity
         self.max_queued = max_queued
@@ -101,6 +118,8 @@ class InflightScheduler:
         self.peak_running = 0
         #: steps in which prompts were prefilled beside rows that decoded
         self.mixed_steps = 0
+        #: prompt chunks that left part of their prompt for a later step
+        self.partial_chunks = 0
         self._thread = threading.Thread(target=self._loop, name=f"inflight-{name}", daemon=True)
         self._thread.start()
 
@@ -174,10 +193,13 @@ class InflightScheduler:
             try:
                 self._release(lambda s: s.gone(), "cancelled")
                 joining = [s for s in joining if not self._dropped(s)]
-                if joining:
-                    self._join(joining)
-                elif self._rows:
-                    self._decode()
+                if self.prompts_in_step and (joining or self._rows):
+                    self._step(joining)
+                else:
+                    if joining:
+                        self._admit(joining)
+                    if self._rows:
+                        self._decode()
                 with self._cond:
                     self._joining = []
             except Exception as e:  # a bug here must not leave every client waiting forever
@@ -212,39 +234,65 @@ class InflightScheduler:
                 self.decoder.move(len(self._rows), i, last.length)
                 self._rows[i] = last
 
-    def _join(self, joining: list[Sequence]) -> None:
-        """One step: a token for every running row and each joining prompt, prefilled into the
-        next free rows. If it fails, the two are retried apart (`_admit`, then `_decode`), so a
-        prompt that fails alone fails alone."""
-        rows = self._rows
-        chunks = [np.array([s.last], dtype=np.int64) for s in rows] + [s.prompt for s in joining]
-        lengths = np.array([s.length for s in rows] + [0] * len(joining), dtype=np.int64)
-        logits = None
-        if self.prompts_in_step:
-            try:
-                logits = self.decoder.step(0, chunks, lengths)
-            except Exception as e:  # retried apart below, so that only what fails alone fails
-                LOGGER.warning("%s: a step with %d joining prompt(s) failed (%s); running them apart",
-                               self.name, len(joining), first_line(e))
-                logits = None
-        if logits is None:
-            self._admit(joining)
-            if self._rows:
-                self._decode()
+    def _step(self, joining: list[Sequence]) -> None:
+        """One step: a token for every decoding row, the next chunk of every row still
+        prefilling, and the first chunk of each joining prompt in the next free rows. If it
+        fails, each row is retried alone (`_apart`), so only what fails alone fails."""
+        members = self._rows + joining
+        decoding = sum(s.decoding for s in self._rows)
+        # chunks pay where the rows they keep from waiting are at least as many as the prompts
+        # they spread over more steps (lockstep traffic: many prompts beside a few rows)
+        limit = self.prefill_chunk if self.prefill_chunk and decoding >= len(members) - decoding else None
+        chunks = [np.array([s.last], dtype=np.int64) if s.decoding else s.prompt[s.fed:s.fed + limit if limit else None]
+                  for s in members]
+        lengths = np.array([s.length for s in members], dtype=np.int64)
+        try:
+            logits = self.decoder.step(0, chunks, lengths)
+        except Exception as e:  # retried apart below, so that only what fails alone fails
+            LOGGER.warning("%s: a step of %d row(s) failed (%s); running them one by one",
+                           self.name, len(members), first_line(e))
+            self._apart(members, chunks, lengths)
             return
-        self.peak_running = max(self.peak_running, len(chunks))
-        self.mixed_steps += bool(rows)
-        for s in rows:
-            s.length += 1
-        for s in joining:
-            s.length = s.prompt.size
+        self.peak_running = max(self.peak_running, len(members))
+        self.mixed_steps += any(s.decoding for s in self._rows) and any(not s.decoding for s in members)
         self._rows.extend(joining)
-        self._emit(self._rows, logits)
+        self._advance(members, chunks, logits)
+
+    def _advance(self, members: list[Sequence], chunks: list[np.ndarray], logits: np.ndarray) -> None:
+        """After a step ran `chunks` into the members' rows: move each along, send a token for
+        every row that decoded or fed its prompt's last chunk, and free the rows that ended."""
+        ready = []
+        for i, (s, chunk) in enumerate(zip(members, chunks, strict=True)):
+            if not s.decoding:
+                s.fed += chunk.size
+                self.partial_chunks += not s.decoding
+            s.length += chunk.size
+            if s.decoding:
+                ready.append(i)
+        self._emit([members[i] for i in ready], logits[ready])
         self._release(self._finished, None)
 
+    def _apart(self, members: list[Sequence], chunks: list[np.ndarray], lengths: np.ndarray) -> None:
+        """A failed step again, one row at a time: a row that fails alone fails (and is freed),
+        a joining sequence that fails takes no row."""
+        ran, parts = [], []
+        for i, s in enumerate(members):
+            joins = s not in self._rows
+            row = len(self._rows) if joins else self._rows.index(s)
+            try:
+                parts.append(self.decoder.step(row, [chunks[i]], lengths[i:i + 1])[0])
+            except Exception as e:
+                self._fail(s, e)
+                continue
+            if joins:
+                self._rows.append(s)
+            ran.append(i)
+        self._advance([members[i] for i in ran], [chunks[i] for i in ran],
+                      np.stack(parts) if parts else np.empty((0, 0), dtype=np.float32))
+
     def _admit(self, joining: list[Sequence]) -> None:
-        """Prefill the joining sequences into the next free rows, prompts of one length together
-        (when a step with them failed)."""
+        """Prefill the joining sequences into the next free rows in steps of their own, prompts
+        of one length together (the prompts_in_step=False policy)."""
         by_length: dict[int, list[Sequence]] = {}
         for s in joining:
             by_length.setdefault(s.prompt.size, []).append(s)
@@ -265,7 +313,7 @@ class InflightScheduler:
                     continue
                 logits = np.stack(rows)
             for s in admitted:
-                s.length = s.prompt.size
+                s.length = s.fed = s.prompt.size
             self._rows.extend(admitted)
             self._emit(admitted, logits)
         self._release(self._finished, None)
@@ -317,6 +365,8 @@ class InflightScheduler:
         """Whether a sequence just ended (told its Finished event) or was closed before."""
         if sequence.closed.is_set():
             return True
+        if not sequence.decoding:  # its prompt is still being fed
+            return False
         reason = "stop" if sequence.last in sequence.eos else "length" if sequence.produced >= sequence.max_new_tokens else None
         if reason is None:
             return False

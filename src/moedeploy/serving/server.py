@@ -110,6 +110,7 @@ class ServeOptions:
     max_queued: int = 128  # ... and the most that wait for a row; beyond: "busy" (503)
     max_context: int = 4096  # ... positions (prompt + new tokens) each row holds, at most the model's max_positions
     stream_interval: int = 1  # tokens per streamed response after the first (vLLM's --stream-interval)
+    prefill_chunk: int = 32  # in-flight batching: prompt tokens a step takes while sequences decode; 0: whole prompts
     packed_weights: str = "stream"  # which decoder sessions repack the weights: "stream" (in flight only) or "all"
     accuracy_level: int = RUN_ACCURACY  # a quantized artifact's MatMulNBits/QMoE level: 4 int8 activations, 0 float
 
@@ -147,6 +148,9 @@ class ServeOptions:
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ServingError(f"--accuracy-level must be one of {', '.join(map(str, ACCURACY_LEVELS))} "
                                f"(4: int8 activations, fast; 0: float), got {self.accuracy_level}")
+        if self.prefill_chunk < 0:
+            raise ServingError(f"--prefill-chunk must be >= 0 (prompt tokens a step takes; 0: whole prompts), "
+                               f"got {self.prefill_chunk}")
         if self.stream_interval < 1:
             raise ServingError(f"--stream-interval must be >= 1 (tokens per streamed response), got {self.stream_interval}")
 
@@ -505,7 +509,7 @@ class ModelServer:
         except LoweringError as e:
             LOGGER.warning("%s: no in-flight batching (%s); concurrent streams take turns", name, first_line(e))
             return None
-        scheduler = InflightScheduler(decoder, max_queued=o.max_queued, name=name)
+        scheduler = InflightScheduler(decoder, max_queued=o.max_queued, name=name, prefill_chunk=o.prefill_chunk)
         self._schedulers.append(scheduler)
         return scheduler
 
