@@ -182,21 +182,26 @@ def scheduler(exported):
 SEVEN_REQUESTS = [(4, 12), (9, 3), (4, 20), (2, 1), (13, 9), (6, 15), (4, 6)]  # (prompt tokens, new tokens)
 
 
-def _concurrent_greedy(hf, scheduler: InflightScheduler) -> None:
+def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = False) -> None:
     """Seven requests of different lengths and budgets from seven threads, started a few ms
-    apart, on three rows: each gets the tokens transformers' greedy generate gives it alone."""
+    apart (first_decodes: the others once the first has its first token), on three rows: each
+    gets the tokens transformers' greedy generate gives it alone."""
     vocab = hf.config.vocab_size
     requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate(SEVEN_REQUESTS)]
     expected = [hf.generate(torch.from_numpy(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
                 for p, new in requests]
-    got: list[list[int] | None] = [None] * len(requests)
+    got: list[list[int]] = [[] for _ in requests]
 
     def client(i: int) -> None:
         time.sleep(0.003 * i)
-        got[i] = list(scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()))
+        for token in scheduler.stream(requests[i][0], requests[i][1], SamplingConfig()):
+            got[i].append(token)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
-    for t in threads:
+    threads[0].start()
+    while first_decodes and not got[0]:
+        time.sleep(0.001)
+    for t in threads[1:]:
         t.start()
     for t in threads:
         t.join(60)
@@ -223,16 +228,22 @@ def test_prompts_fed_in_chunks_beside_decoding_rows_give_the_same_tokens(exporte
     hf, artifact = exported
     scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=3, capacity=64), max_queued=16, prefill_chunk=3)
     try:
-        _concurrent_greedy(hf, scheduler)
+        _concurrent_greedy(hf, scheduler, first_decodes=True)  # the second (9 tokens) joins a decoding row
     finally:
         scheduler.stop()
     assert scheduler.partial_chunks > 0 and scheduler.mixed_steps > 0
 
 
-def test_a_negative_prefill_chunk_is_refused(exported) -> None:
+def test_a_negative_prefill_chunk_and_an_empty_prompt_are_refused(exported) -> None:
     _, artifact = exported
     with pytest.raises(ValueError, match=r"prefill_chunk must be >= 0"):
         InflightScheduler(RowCacheDecoder(artifact, slots=1, capacity=16), prefill_chunk=-1)
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=1, capacity=16))
+    try:
+        with pytest.raises(ValueError, match="a prompt needs at least one token"):
+            scheduler.submit(np.array([], dtype=np.int64), 2, SamplingConfig(), lambda e: None)
+    finally:
+        scheduler.stop()
 
 
 @torch.no_grad()

@@ -9,9 +9,9 @@ positions, preallocated (zero pages are only touched as rows fill). Rows 0..n-1 
 running sequences, kept packed so that a step binds one contiguous view of them:
 
 - `step(first_row, chunks, lengths)` runs one step in which each of the rows first_row..
-  brings its own tokens at its own past length: one token for a row that decodes, a whole
-  prompt for a row that joins, so a prompt is prefilled in the same step (one pass over the
-  weights) as the rows that keep decoding. The graph is lowered for it (kv_cache="ragged",
+  brings its own tokens at its own past length: one token for a row that decodes, a prompt
+  or a chunk of one (after the chunks before it) for a row being prefilled, so a prompt is
+  prefilled in the same step (one pass over the weights) as the rows that keep decoding. The graph is lowered for it (kv_cache="ragged",
   runtime/gqa.py): every token of the step packed in one input, each layer's attention on
   the rows' right-padded chunks;
 - `prefill(first_row, ids)` and `decode(first_row, ids, lengths)`, the two uniform steps:

@@ -6,17 +6,22 @@ by the last row, so the running rows stay packed), then runs one step that decod
 every running sequence, each at its own position with its own sampling settings and
 generator. Waiting requests join in free rows in that same step: their prompts are
 prefilled beside the rows' single tokens (a ragged step), so one pass over the weights
-serves both. While rows decode (at least as many as the prompts being prefilled), a prompt
-goes in chunks of at most `prefill_chunk` tokens a step (chunked prefill, as vLLM and
-TensorRT-LLM do): the decoding rows are padded only to the chunk for attention and wait for a
-chunk, not a whole prompt, each step; a prompt's first token comes after its last chunk. So a request's tokens are those it would get alone: greedy rows do not influence each other's
-argmax, and a seeded row draws from its own generator exactly as
+serves both. A request's tokens are those it would get alone: greedy rows do not influence
+each other's argmax, and a seeded row draws from its own generator exactly as
 `models.generation.iterate_tokens` does for a request alone (the same `next_token`).
+
+Chunked prefill (as vLLM and TensorRT-LLM do): while rows decode, and they are at least as
+many as the prompts being prefilled, a prompt goes into its row at most `prefill_chunk`
+tokens a step, so the decoding rows are padded only to the chunk for attention and wait for
+a chunk, not a whole prompt, each step; the prompt's first token comes after its last chunk.
+Where prompts outnumber the decoding rows (lockstep traffic: many requests at once) whole
+prompts go in one step, which spends fewer steps on them.
 
 Limits keep memory bounded: at most `slots` sequences run and `max_queued` wait; a request
 beyond that is refused at once with a "busy" error (Unavailable: HTTP 503 / gRPC
-UNAVAILABLE) instead of queueing without end. A step that fails is retried row by row, so a
-backend failure fails only the rows that fail alone.
+UNAVAILABLE) instead of queueing without end. A step that fails is retried apart (the rows
+already running together, then each one and each joining prompt alone), so a backend failure
+fails only the rows that fail alone.
 
 Each request's events go to its own `on_event` callback, called on the scheduler thread:
 every token id as it is chosen, then one `Finished` (why it ended) or an exception.
@@ -109,7 +114,7 @@ class InflightScheduler:
         self.name = name
         self._rows: list[Sequence] = []  # row i of the cache holds _rows[i]
         self._waiting: deque[Sequence] = deque()
-        self._joining: list[Sequence] = []  # taken from the queue, being prefilled into rows
+        self._joining: list[Sequence] = []  # taken from the queue, joining rows in this step
         self._cond = threading.Condition()
         self._stopping = False
         #: counters since start: tokens made, sequences ended by reason, the most rows one step ran
@@ -134,9 +139,11 @@ class InflightScheduler:
     def submit(self, prompt: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, on_event: EventFn,
                eos: frozenset[int] = frozenset(), cancelled: Callable[[], bool] | None = None) -> Sequence:
         """Queue one sequence's generation, (S,) prompt ids; raises Unavailable when the server
-        is busy (every row taken and the queue full) or stopping, ValueError when the prompt and
-        its tokens do not fit a row."""
+        is busy (every row taken and the queue full) or stopping, ValueError when the prompt is
+        empty or it and its tokens do not fit a row."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("a prompt needs at least one token")
         if prompt.size + max_new_tokens > self.capacity:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({max_new_tokens}) exceeds the "
                              f"{self.capacity} positions a sequence may hold on this server (its --max-context)")
@@ -205,7 +212,8 @@ class InflightScheduler:
             except Exception as e:  # a bug here must not leave every client waiting forever
                 LOGGER.exception("%s: the in-flight scheduler failed", self.name)
                 for s in dict.fromkeys(self._rows + joining):  # a joined one is in both
-                    s.on_event(ServerError(f"generation failed: {first_line(e)}"))
+                    if not s.closed.is_set():  # one that failed alone was told already
+                        s.on_event(ServerError(f"generation failed: {first_line(e)}"))
                 self._rows, self._joining = [], []
 
     def _dropped(self, sequence: Sequence) -> bool:
@@ -239,17 +247,17 @@ class InflightScheduler:
         prefilling, and the first chunk of each joining prompt in the next free rows. If it
         fails, each row is retried alone (`_apart`), so only what fails alone fails."""
         members = self._rows + joining
-        decoding = sum(s.decoding for s in self._rows)
+        n_decoding = sum(s.decoding for s in self._rows)
         # chunks pay where the rows they keep from waiting are at least as many as the prompts
-        # they spread over more steps (lockstep traffic: many prompts beside a few rows)
-        limit = self.prefill_chunk if self.prefill_chunk and decoding >= len(members) - decoding else None
+        # they spread over more steps; else whole prompts
+        limit = self.prefill_chunk if self.prefill_chunk and n_decoding >= len(members) - n_decoding else None
         chunks = [np.array([s.last], dtype=np.int64) if s.decoding else s.prompt[s.fed:s.fed + limit if limit else None]
                   for s in members]
         lengths = np.array([s.length for s in members], dtype=np.int64)
         try:
             logits = self.decoder.step(0, chunks, lengths)
         except Exception as e:  # retried apart below, so that only what fails alone fails
-            LOGGER.warning("%s: a step of %d row(s) failed (%s); running them one by one",
+            LOGGER.warning("%s: a step of %d row(s) failed (%s); running them apart",
                            self.name, len(members), first_line(e))
             self._apart(members, chunks, lengths)
             return
@@ -273,19 +281,29 @@ class InflightScheduler:
         self._release(self._finished, None)
 
     def _apart(self, members: list[Sequence], chunks: list[np.ndarray], lengths: np.ndarray) -> None:
-        """A failed step again, one row at a time: a row that fails alone fails (and is freed),
-        a joining sequence that fails takes no row."""
+        """A failed step again, apart: the rows already running together (a bad joining prompt
+        costs them one more step), and if that fails too each row alone; then each joining
+        prompt alone. What fails alone fails (its row freed); a joining one takes no row."""
+        running = len(self._rows)
         ran, parts = [], []
-        for i, s in enumerate(members):
-            joins = s not in self._rows
-            row = len(self._rows) if joins else self._rows.index(s)
+        try:
+            if running:
+                parts.extend(self.decoder.step(0, chunks[:running], lengths[:running]))
+                ran.extend(range(running))
+        except Exception:
+            for i in range(running):
+                try:
+                    parts.append(self.decoder.step(i, [chunks[i]], lengths[i:i + 1])[0])
+                    ran.append(i)
+                except Exception as e:
+                    self._fail(members[i], e)
+        for i in range(running, len(members)):
             try:
-                parts.append(self.decoder.step(row, [chunks[i]], lengths[i:i + 1])[0])
+                parts.append(self.decoder.step(len(self._rows), [chunks[i]], lengths[i:i + 1])[0])
             except Exception as e:
-                self._fail(s, e)
+                self._fail(members[i], e)
                 continue
-            if joins:
-                self._rows.append(s)
+            self._rows.append(members[i])
             ran.append(i)
         self._advance([members[i] for i in ran], [chunks[i] for i in ran],
                       np.stack(parts) if parts else np.empty((0, 0), dtype=np.float32))
