@@ -152,8 +152,9 @@ def test_a_row_cache_refuses_attention_groupqueryattention_cannot_take(tmp_path)
 
 
 def test_compare_checks_in_flight_batching_against_eager_and_can_fail(exported, tmp_path) -> None:
-    """compare --backend ort-inflight: rows joining, leaving and moving, against eager PyTorch per
-    sequence; the same check against the eager model of other weights fails."""
+    """compare --backend ort-inflight: rows joining (the longer prompts in chunks of 4 beside
+    decoding rows), leaving and moving, against eager PyTorch per sequence at every position
+    a step gave logits for; the same check against the eager model of other weights fails."""
     from moedeploy.compare.api import compare, eager_reference
     from moedeploy.compare.inflight import inflight_accuracy
 
@@ -161,8 +162,11 @@ def test_compare_checks_in_flight_batching_against_eager_and_can_fail(exported, 
     report = compare(artifact, ["ort-inflight"], iterations=1)
     inflight = report["inflight"]
     assert report["passed"] and inflight["passed"] and inflight["skipped"] is None
-    assert inflight["most_rows_in_a_step"] == 4 and inflight["positions"] == 4 * 7
-    assert inflight["steps_with_a_prompt_beside_decoding_rows"] == 3  # every prompt after the first
+    # prompts of 3, 7, 5, 11: the first alone and whole, the others in chunks of 4 beside it
+    assert inflight["most_rows_in_a_step"] == 4 and inflight["positions"] == 4 * 7 + 4  # 7, 5, 11: 1 + 1 + 2 chunks
+    assert inflight["prompt_chunks_before_the_last"] == 4
+    assert inflight["steps_with_a_prompt_beside_decoding_rows"] == 5  # steps 1-5 (11 takes three)
+    assert "4 prompt chunks fed before their prompt's last" in (artifact.path / "report" / "report.md").read_text()
     assert inflight["max_abs_error"] < 1e-4 and inflight["within_tolerance"] == 1.0
     assert "In-flight batching (ort-inflight): pass" in (artifact.path / "report" / "report.md").read_text()
     hf_other = make_model(exported[0].config, seed=5)  # the same shape, other weights

@@ -112,8 +112,11 @@ def inflight_text(f: dict[str, Any]) -> str:
         return f"Not run: {f['skipped']}."
     lengths = ", ".join(map(str, f["prompt_lengths"]))
     mixed = f.get("steps_with_a_prompt_beside_decoding_rows")
-    joined = (f"joined one per step, {mixed} of them prefilled in the step that decoded the running rows"
+    partial = f.get("prompt_chunks_before_the_last")
+    joined = (f"joined one per step, prefilled in {mixed} steps that decoded the running rows"
               if mixed is not None else "joined one per decode step")
+    if partial:
+        joined += f" ({partial} prompt chunks fed before their prompt's last, chunked prefill)"
     return (f"{f['sequences']} prompts of {lengths} tokens {joined}, each ran {f['decode_steps']} "
             f"steps beside the others at its own position (up to {f['most_rows_in_a_step']} rows in one step; the "
             f"first to finish left and the last row moved into its place), seeded tokens fed; {f['positions']} logit "
