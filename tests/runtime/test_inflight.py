@@ -408,3 +408,27 @@ def test_a_prompt_that_fails_in_a_later_chunk_fails_alone(exported) -> None:
         expected = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)
         assert events == [*expected[0, prompt.size:].tolist(), Finished("length")]
     assert scheduler.running == 0 and scheduler.finished["failed"] == 1
+
+
+@torch.no_grad()
+def test_a_row_mid_prefill_moves_into_a_freed_row_and_goes_on(exported) -> None:
+    """prefill_chunk=2: a 9-token prompt joins beside one decoding row, which is cancelled right
+    after the prompt's first chunk. Its row 0 is freed, the prompt's row (mid-prefill, 2
+    positions fed) moves into it, and the rest of the prompt (in one step: no row decodes any
+    more) and its tokens follow from there: transformers' greedy tokens for that prompt alone."""
+    hf, artifact = exported
+    vocab = hf.config.vocab_size
+    scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=2, capacity=64), prefill_chunk=2)
+    try:
+        first = _events(scheduler, _ids(vocab, 4, 71), 40, cancelled=lambda: scheduler.partial_chunks >= 1)
+        while not first[0]:  # it decodes before the prompt joins, so the prompt goes in chunks
+            time.sleep(0.001)
+        prompt = _ids(vocab, 9, 72)
+        second = _events(scheduler, prompt, 6)
+        assert first[1].wait(30) and second[1].wait(30)
+    finally:
+        scheduler.stop()
+    assert first[0][-1] == Finished("cancelled")
+    expected = hf.generate(torch.from_numpy(prompt)[None], max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, 9:]
+    assert second[0] == [*expected.tolist(), Finished("length")]
+    assert scheduler.partial_chunks == 1 and scheduler.running == 0  # 9 tokens: 2, then 7 alone
