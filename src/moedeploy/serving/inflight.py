@@ -245,7 +245,7 @@ class InflightScheduler:
     def _step(self, joining: list[Sequence]) -> None:
         """One step: a token for every decoding row, the next chunk of every row still
         prefilling, and the first chunk of each joining prompt in the next free rows. If it
-        fails, each row is retried alone (`_apart`), so only what fails alone fails."""
+        fails, it is retried apart (`_apart`), so only what fails alone fails."""
         members = self._rows + joining
         n_decoding = sum(s.decoding for s in self._rows)
         # chunks pay where the rows they keep from waiting are at least as many as the prompts
