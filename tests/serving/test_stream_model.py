@@ -215,6 +215,42 @@ def test_a_stream_interval_sends_the_first_token_alone_then_groups_of_that_many(
     assert [a["finish_reason"][0, 0] for a in grouped] == [b""] * (len(grouped) - 1) + [b"length"]
 
 
+def test_in_flight_the_event_loop_is_woken_per_response_not_per_token(parts) -> None:
+    """InflightTokens(wake_every=5), as serve builds it at --stream-interval 5: the scheduler's
+    thread wakes the event loop for the first token alone, then once 5 wait, then for the rest
+    with the end: 4 wake-ups for 12 tokens, where wake_every=1 makes 13. The tokens are greedy's,
+    in order, the first alone."""
+    from moedeploy.models.generation import SamplingConfig
+    from moedeploy.serving.streaming import InflightTokens
+
+    hf, artifact, source = parts
+    if not hasattr(source, "scheduler"):
+        pytest.skip("only in-flight batching hands tokens over between threads")
+    ids = np.array([stream_model(artifact, source).codec.encode(PROMPT)], dtype=np.int64)
+    for wake_every, wakes in ((5, 4), (1, 13)):
+        loop = asyncio.new_event_loop()
+        calls = [0]
+        handover = loop.call_soon_threadsafe
+
+        def counted(*args, handover=handover, calls=calls):
+            calls[0] += 1
+            return handover(*args)
+
+        loop.call_soon_threadsafe = counted
+
+        async def read(wake_every: int) -> list[list[int]]:  # open() wants the running loop
+            tokens = InflightTokens(source.scheduler, wake_every).open(ids, 12, SamplingConfig(), frozenset(),
+                                                                       lambda: False)
+            return [made async for made in tokens]
+
+        try:
+            handed = loop.run_until_complete(read(wake_every))
+        finally:
+            loop.close()
+        assert calls[0] == wakes
+        assert len(handed[0]) == 1 and [t for made in handed for t in made] == greedy(hf, artifact, 12)
+
+
 def test_in_flight_a_request_beyond_the_rows_and_queue_is_answered_busy(parts) -> None:
     from moedeploy.serving.stub_guard import ERROR_OUTPUT
 

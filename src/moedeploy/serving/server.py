@@ -219,7 +219,8 @@ def model_callable(artifact: Artifact, spec: ModelSpec, runner: Any, cancel_dir:
     elif spec.name.endswith(STREAM_SUFFIX):  # a generator answering token by token: its own answers
         codec = TextCodec.from_artifact(artifact) if artifact.manifest.get("tokenizer") else None
         shape = DecoderShape.of(artifact)
-        source: TokenSource = InflightTokens(scheduler) if scheduler is not None else SerialTokens(run, shape)
+        source: TokenSource = (InflightTokens(scheduler, stream_interval) if scheduler is not None
+                               else SerialTokens(run, shape))
         return StreamModel(spec.name, source, shape, codec, cancel_dir, cancelled, metrics, stream_interval)
     else:
         model = BatchedModel(run, [t.name for t in spec.outputs], prepare=logits_prepare(DecoderShape.of(artifact)))

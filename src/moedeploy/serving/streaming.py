@@ -36,6 +36,7 @@ PyTriton's event loop serves every open stream while the scheduler works on its 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -167,17 +168,34 @@ class SerialTokens:
 class InflightTokens:
     """Every request joins one in-flight scheduler: concurrent streams share each decode step."""
 
-    def __init__(self, scheduler: InflightScheduler) -> None:
+    def __init__(self, scheduler: InflightScheduler, wake_every: int = 1) -> None:
+        """wake_every (the stream interval): the scheduler's thread hands a stream's events to
+        the event loop at its first token, at its end and then once that many tokens wait, not
+        at every token (a response waits for them anyway): on few cores each wake-up of the
+        loop takes a core from the decode step."""
         self.scheduler = scheduler
+        self.wake_every = wake_every
 
     def open(self, ids: np.ndarray, max_new_tokens: int, sampling: SamplingConfig, eos: frozenset[int],
              cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()  # lists of events, in order
+        held: list = []  # made on the scheduler's thread, not handed over yet
+        lock = threading.Lock()
+        first = [True]
+
+        def on_event(event: Any) -> None:  # on the scheduler's thread
+            with lock:
+                held.append(event)
+                if not (first[0] or not isinstance(event, int) or len(held) >= self.wake_every):
+                    return
+                first[0] = False
+                batch = held.copy()
+                held.clear()
+            loop.call_soon_threadsafe(events.put_nowait, batch)
+
         try:
-            sequence = self.scheduler.submit(ids.reshape(-1), max_new_tokens, sampling,
-                                             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                                             eos, cancelled)
+            sequence = self.scheduler.submit(ids.reshape(-1), max_new_tokens, sampling, on_event, eos, cancelled)
         except ValueError as e:  # it does not fit the server's rows
             raise RequestError(str(e)) from None
 
@@ -185,10 +203,10 @@ class InflightTokens:
             started = False
             try:
                 while True:
-                    made = [await events.get()]
+                    made = await events.get()
                     # what else is ready goes with it, except with the first token: that goes alone
                     while started and not events.empty() and isinstance(made[-1], int):
-                        made.append(events.get_nowait())
+                        made = made + events.get_nowait()
                     started = True
                     if cancelled():  # tokens made ahead of a slow reader are not sent once it has gone
                         raise Cancelled("the client cancelled the request")
