@@ -29,6 +29,7 @@ every token id as it is chosen, then one `Finished` (why it ended) or an excepti
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -200,13 +201,11 @@ class InflightScheduler:
             try:
                 self._release(lambda s: s.gone(), "cancelled")
                 joining = [s for s in joining if not self._dropped(s)]
-                if self.prompts_in_step and (joining or self._rows):
+                if joining and not self.prompts_in_step:  # prefilled in steps of their own first
+                    self._admit(joining)
+                    joining = []
+                if joining or self._rows:
                     self._step(joining)
-                else:
-                    if joining:
-                        self._admit(joining)
-                    if self._rows:
-                        self._decode()
                 with self._cond:
                     self._joining = []
             except Exception as e:  # a bug here must not leave every client waiting forever
@@ -262,7 +261,7 @@ class InflightScheduler:
             self._apart(members, chunks, lengths)
             return
         self.peak_running = max(self.peak_running, len(members))
-        self.mixed_steps += any(s.decoding for s in self._rows) and any(not s.decoding for s in members)
+        self.mixed_steps += 0 < n_decoding < len(members)
         self._rows.extend(joining)
         self._advance(members, chunks, logits)
 
@@ -281,16 +280,20 @@ class InflightScheduler:
         self._release(self._finished, None)
 
     def _apart(self, members: list[Sequence], chunks: list[np.ndarray], lengths: np.ndarray) -> None:
-        """A failed step again, apart: the rows already running together (a bad joining prompt
-        costs them one more step), and if that fails too each row alone; then each joining
-        prompt alone. What fails alone fails (its row freed); a joining one takes no row."""
+        """A failed step again, apart: the rows already running together if prompts joined (a
+        bad joining prompt costs them one more step), and if that fails too or none joined,
+        each row alone; then each joining prompt alone. What fails alone fails (its row freed);
+        a joining one takes no row."""
         running = len(self._rows)
         ran, parts = [], []
-        try:
-            if running:
-                parts.extend(self.decoder.step(0, chunks[:running], lengths[:running]))
-                ran.extend(range(running))
-        except Exception:
+        together = None
+        if 0 < running < len(members):  # prompts joined: the running rows again without them
+            with contextlib.suppress(Exception):
+                together = self.decoder.step(0, chunks[:running], lengths[:running])
+        if together is not None:
+            parts.extend(together)
+            ran.extend(range(running))
+        else:
             for i in range(running):
                 try:
                     parts.append(self.decoder.step(i, [chunks[i]], lengths[i:i + 1])[0])
@@ -334,32 +337,6 @@ class InflightScheduler:
                 s.length = s.fed = s.prompt.size
             self._rows.extend(admitted)
             self._emit(admitted, logits)
-        self._release(self._finished, None)
-
-    def _decode(self) -> None:
-        """One token for every running row, each at its own position."""
-        rows = self._rows
-        self.peak_running = max(self.peak_running, len(rows))
-        tokens = np.array([s.last for s in rows], dtype=np.int64)
-        lengths = np.array([s.length for s in rows], dtype=np.int64)
-        try:
-            logits = self.decoder.decode(0, tokens, lengths)
-            ok = rows
-        except Exception:  # retried row by row: a row that fails alone fails, the others go on
-            ok, parts = [], []
-            for i, s in enumerate(rows):
-                try:
-                    parts.append(self.decoder.decode(i, tokens[i:i + 1], lengths[i:i + 1])[0])
-                    ok.append(s)
-                except Exception as e:
-                    self._fail(s, e)
-            if not ok:
-                self._release(lambda s: s.closed.is_set(), None)
-                return
-            logits = np.stack(parts)
-        for s in ok:
-            s.length += 1
-        self._emit(ok, logits)
         self._release(self._finished, None)
 
     def _fail(self, sequence: Sequence, error: Exception) -> None:

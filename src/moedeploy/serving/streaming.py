@@ -36,7 +36,6 @@ PyTriton's event loop serves every open stream while the scheduler works on its 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -180,19 +179,16 @@ class InflightTokens:
              cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # lists of events, in order
-        held: list = []  # made on the scheduler's thread, not handed over yet
-        lock = threading.Lock()
-        first = [True]
+        held: list = []  # events made since the last hand-over (only the scheduler's thread calls on_event)
+        first = True
 
-        def on_event(event: Any) -> None:  # on the scheduler's thread
-            with lock:
-                held.append(event)
-                if not (first[0] or not isinstance(event, int) or len(held) >= self.wake_every):
-                    return
-                first[0] = False
-                batch = held.copy()
+        def on_event(event: Any) -> None:
+            nonlocal first
+            held.append(event)
+            if first or not isinstance(event, int) or len(held) >= self.wake_every:
+                first = False
+                loop.call_soon_threadsafe(events.put_nowait, held.copy())
                 held.clear()
-            loop.call_soon_threadsafe(events.put_nowait, batch)
 
         try:
             sequence = self.scheduler.submit(ids.reshape(-1), max_new_tokens, sampling, on_event, eos, cancelled)
