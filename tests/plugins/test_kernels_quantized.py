@@ -89,13 +89,14 @@ def test_quantized_experts_with_biases_routing_and_activations(run: str, activat
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_weight_is_the_artifacts_bytes() -> None:
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_packed_weight_is_the_artifacts_bytes(symmetric: bool) -> None:
     """PackedWeight holds what the export writes for an expert stack (export/quantize.part_chunks,
     one expert at a time) and dequantizes to what its DequantizeLinear gives."""
     from moedeploy.export.quantize import part_chunks
 
     w = torch.randn(3, 8, 48, generator=torch.Generator().manual_seed(3))
-    scheme = QuantScheme(4, 16, False)
+    scheme = QuantScheme(4, 16, symmetric)
     packed = PackedWeight.from_weight(w, scheme)
 
     class OneStack:  # the two WeightSource methods an expert stack's chunks read
@@ -106,12 +107,16 @@ def test_packed_weight_is_the_artifacts_bytes() -> None:
             yield from w
 
     source = OneStack()
+    names = ("codes", "scale") if symmetric else ("codes", "scale", "zero_point")  # signed codes: no zero point
     parts = {p: torch.cat([c.flatten() for c in part_chunks(p, "rows", ("experts.w_up",), source, torch.float32, scheme)])
-             for p in ("codes", "scale", "zero_point")}
+             for p in names}
     assert torch.equal(parts["codes"], packed.codes.flatten())
     assert torch.equal(parts["scale"], packed.scale.flatten())
-    assert torch.equal(parts["zero_point"], packed.zero_point.flatten())
-    assert packed.zero_point.numel() == (3 * 8 * 3 + 1) // 2  # 72 four-bit zero points, two to a byte
+    if symmetric:
+        assert packed.zero_point is None
+    else:
+        assert torch.equal(parts["zero_point"], packed.zero_point.flatten())
+        assert packed.zero_point.numel() == (3 * 8 * 3 + 1) // 2  # 72 four-bit zero points, two to a byte
     assert torch.equal(packed.dequantize(), dequantized(w, scheme))
 
 

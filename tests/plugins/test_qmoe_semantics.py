@@ -1,7 +1,8 @@
 """What ONNX Runtime's com.microsoft::QMoE computes on the CPU, pinned, because the quantized
 contrib lowering (plugins/moe.lower_to_contrib) relies on it: it reads a quantized artifact's
 own bytes (codes (E, N, K * bits / 8) raw, scales (E, N, K / block), zero points packed per
-row), int4 at accuracy level 0 is the dequantized products, and it renormalises the top-k
+row; without zero points, unsigned codes around 2^(bits-1): signed codes with their top bit
+flipped), int4 at accuracy level 0 is the dequantized products, and it renormalises the top-k
 routing weights even when normalize_routing_weights is 0 (so the lowering routes such nodes
 on graph ops). The reference is a token-by-token float64 loop, independent of moedeploy's MoE."""
 
@@ -34,11 +35,17 @@ def _hand_moe(x, logits, w1, w2, renormalise: bool) -> np.ndarray:
 
 
 def _qmoe(x, logits, q1, q2, bits: int, normalize: int, accuracy: int) -> np.ndarray:
-    inits = [numpy_helper.from_array(a.numpy(), n) for a, n in (
-        (q1.packed_codes(), "w1"), (q1.scale, "s1"), (q2.packed_codes(), "w2"), (q2.scale, "s2"),
-        (pack(q1.zero_point, bits), "z1"), (pack(q2.zero_point, bits), "z2"))]
+    if q1.zero_point is None:  # signed codes: flip each value's top bit, no zero points
+        flip = 0x88 if bits == 4 else 0x80
+        parts = ((q1.packed_codes() ^ flip, "w1"), (q1.scale, "s1"), (q2.packed_codes() ^ flip, "w2"), (q2.scale, "s2"))
+        zero_points = ["", ""]
+    else:
+        parts = ((q1.packed_codes(), "w1"), (q1.scale, "s1"), (q2.packed_codes(), "w2"), (q2.scale, "s2"),
+                 (pack(q1.zero_point, bits), "z1"), (pack(q2.zero_point, bits), "z2"))
+        zero_points = ["z1", "z2"]
+    inits = [numpy_helper.from_array(a.numpy(), n) for a, n in parts]
     node = helper.make_node(
-        "QMoE", ["x", "r", "w1", "s1", "", "w2", "s2", "", "", "", "", "z1", "z2"], ["y"], domain="com.microsoft",
+        "QMoE", ["x", "r", "w1", "s1", "", "w2", "s2", "", "", "", "", *zero_points], ["y"], domain="com.microsoft",
         k=K, normalize_routing_weights=normalize, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
         activation_beta=0.0, expert_weight_bits=bits, block_size=32, accuracy_level=accuracy, weights_prepacked=0)
     graph = helper.make_graph(
@@ -50,14 +57,15 @@ def _qmoe(x, logits, q1, q2, bits: int, normalize: int, accuracy: int) -> np.nda
     return session.run(None, {"x": x.numpy(), "r": logits.numpy()})[0]
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("normalize", [1, 0])
-def test_qmoe_reads_our_bytes_and_always_renormalises(bits: int, normalize: int) -> None:
+def test_qmoe_reads_our_bytes_and_always_renormalises(bits: int, normalize: int, symmetric: bool) -> None:
     g = torch.Generator().manual_seed(bits)
     x, logits = torch.randn(N, H, generator=g), torch.randn(N, E, generator=g)
     w1 = torch.randn(E, 2 * I, H, generator=g) / 8
     w2 = torch.randn(E, H, I, generator=g) / 10
-    q1, q2 = quantize(w1, QuantScheme(bits, 32)), quantize(w2, QuantScheme(bits, 32))
+    q1, q2 = quantize(w1, QuantScheme(bits, 32, symmetric)), quantize(w2, QuantScheme(bits, 32, symmetric))
     got = _qmoe(x, logits, q1, q2, bits, normalize, accuracy=0)
     renormalised = _hand_moe(x, logits, q1.dequantize(), q2.dequantize(), renormalise=True)
     plain = _hand_moe(x, logits, q1.dequantize(), q2.dequantize(), renormalise=False)

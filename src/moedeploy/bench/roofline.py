@@ -39,10 +39,11 @@ def _context(c: DecoderConfig, layer: int, context: int) -> int:
     return min(context, window) if window else context
 
 
-def quantized_bytes_per_param(bits: int, block_size: int, scale_bytes: int) -> float:
+def quantized_bytes_per_param(bits: int, block_size: int, scale_bytes: int, zero_point: bool = True) -> float:
     """What one weight of a blocked int8/int4 tensor costs in bytes: its code, and its share of
-    its block's scale (in the artifact's dtype) and zero point (as wide as a code)."""
-    return bits / 8 + (scale_bytes + bits / 8) / block_size
+    its block's scale (in the artifact's dtype) and zero point (as wide as a code; signed codes
+    have none)."""
+    return bits / 8 + (scale_bytes + (bits / 8 if zero_point else 0)) / block_size
 
 
 def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_per_param: int) -> float:
@@ -56,10 +57,13 @@ def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in MoEDecoder(c).state_dict().items()}
     touched = min(c.n_experts, c.top_k * batch) / c.n_experts
+    zero_point = not (quantization.get("format", 1) >= 2 and quantization.get("symmetric", True))
+    per_channel = set(quantization.get("per_channel", ()))
     saved = 0.0
     for name, bits in quantization["tensors"].items():
         numel = shapes[name].numel() * (touched if len(shapes[name]) == 3 else 1)
-        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, quantization["block_size"], bytes_per_param))
+        block = shapes[name][-1] if name in per_channel else quantization["block_size"]
+        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, block, bytes_per_param, zero_point))
     return saved
 
 

@@ -54,6 +54,7 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
+from moedeploy.export.quantize import QUANT_FORMAT
 from moedeploy.export.reference import build_decoder, eager_decoder, save_reference_weights
 from moedeploy.export.streaming import (
     DATA_ALIGNMENT,
@@ -275,7 +276,7 @@ def export_decoder(
     if quantization is not None:
         progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}")
         counts = quantize_weights(traced, weights, quantization, mixed)
-        quantized = {"bits": quantization.bits, "block_size": quantization.block_size,
+        quantized = {"format": QUANT_FORMAT, "bits": quantization.bits, "block_size": quantization.block_size,
                      "symmetric": quantization.symmetric, "mixed": mixed and quantization.bits == 4, "weights": counts,
                      "tensors": {name: f.bits for name, f in sorted(traced.quantization.items())}}
 

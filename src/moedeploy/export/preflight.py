@@ -61,7 +61,8 @@ class PreflightReport:
 
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    return ranks | {i.name: len(i.dims) for i in model.graph.initializer}
 
 
 def _const_int(model: onnx.ModelProto, name: str) -> int | None:
@@ -80,14 +81,7 @@ def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, 
                  initializer_types: dict[str, int] | None = None) -> str | None:
     """The documented restrictions our exported graphs could run into."""
     if node.op_type == "DequantizeLinear" and ops is not None:
-        # a quantized artifact's codes: TensorRT dequantizes signed INT8/INT4 (or FP8/FP4) with a zero
-        # point of 0, and moedeploy writes unsigned codes with zero points (what MatMulNBits reads)
-        allowed = ops.get("DequantizeLinear", {}).get("types", [])
-        elem = (initializer_types or {}).get(node.input[0])
-        name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
-        if name is not None and name not in allowed:
-            return (f"its codes are {name} with a zero point; TensorRT's DequantizeLinear takes "
-                    f"{', '.join(allowed)} with a zero point of 0, so this quantized artifact does not parse there")
+        return _dequantize_restriction(node, ranks, ops, initializer_types or {})
     if node.op_type == "Attention":
         if len(node.input) > 3 and node.input[3] and ranks.get(node.input[3], 4) != 4:
             return f"attn_mask has rank {ranks[node.input[3]]}; TensorRT takes only 4-D masks"
@@ -99,6 +93,31 @@ def _restriction(model: onnx.ModelProto, node: onnx.NodeProto, ranks: dict[str, 
         k = _const_int(model, node.input[1])
         if k is not None and k >= TOPK_MAX:
             return f"K = {k}; TensorRT needs K < {TOPK_MAX}"
+    return None
+
+
+def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: dict,
+                            initializer_types: dict[str, int]) -> str | None:
+    """A quantized artifact's DequantizeLinear against TensorRT's Dequantize layer (NVIDIA's
+    operator documentation): signed INT8/INT4 (or FP8/FP4) codes, a zero point of 0 if any, and
+    scales that are a scalar, per channel (1-D), or blocked (INT4 only, rank 2)."""
+    allowed = ops.get("DequantizeLinear", {}).get("types", [])
+    elem = initializer_types.get(node.input[0])
+    name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
+    if name is not None and name not in allowed:
+        return (f"its codes are {name} with a zero point; TensorRT's DequantizeLinear takes {', '.join(allowed)} "
+                "with a zero point of 0: export with --symmetric (the default) for signed codes")
+    if len(node.input) > 2 and node.input[2]:
+        return "it has a zero-point input; TensorRT takes none but zeros: export with --symmetric (the default)"
+    block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+    if block:
+        if name == "INT8":
+            return ("INT8 codes with blocked scales; TensorRT's Dequantize blocks INT4 only (INT8 per tensor or "
+                    "per channel): quantize with int4 (its int8 parts stay on ONNX Runtime)")
+        rank = ranks.get(node.input[0])
+        if rank is not None and rank != 2:
+            return (f"blocked scales on a rank-{rank} tensor; TensorRT's Dequantize takes blocked scales of rank 2 "
+                    "(an expert stack reaches the moe::MoE plugin dequantized only once its plugin takes codes)")
     return None
 
 

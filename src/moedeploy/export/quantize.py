@@ -9,14 +9,14 @@ bytes a decode step reads, the tensors whose error the logits feel most; `mixed=
 quantizes them to int4 too.
 
 How they are written (`models/blockquant.py` has the formulas): a weight W (N, K), as
-nn.Linear stores it, becomes three initializers, codes (N, K) uint8 or uint4, scale
-(N, K / block) in the artifact's dtype and zero_point (N, K / block) in the codes' type, and
-the graph reads them through DequantizeLinear(axis=1, block_size) and a Transpose into the
-MatMul that took W^T. Expert stacks (E, out, in) the same way along their last axis, the
-interleaved gate/up stack included, into the moe::MoE node. So plain ONNX Runtime reads the
-artifact with standard ops, and the ONNX Runtime lowering hands the very same bytes to
-com.microsoft::MatMulNBits (runtime/quantized.py). TensorRT does not: its DequantizeLinear
-takes signed codes with a zero point of 0 (`check --target trt` says so).
+nn.Linear stores it, becomes codes (N, K) and scale (N, K / block) in the artifact's dtype:
+symmetric (the default), signed int8 or int4 codes and no zero point, what TensorRT's
+Dequantize takes; asymmetric, uint8 or uint4 codes and a zero_point (N, K / block) in the
+codes' type (ONNX Runtime only). The graph reads them through DequantizeLinear(axis=1,
+block_size) and a Transpose into the MatMul that took W^T. Expert stacks (E, out, in) the
+same way along their last axis, the interleaved gate/up stack included, into the moe::MoE
+node. So plain ONNX Runtime reads the artifact with standard ops, and the ONNX Runtime
+lowering hands the same bytes to com.microsoft::MatMulNBits and QMoE (runtime/quantized.py).
 
 Streaming: each part is written one row block or one expert at a time, quantized as it is
 read, so a checkpoint is never held whole in float (or twice).
@@ -40,6 +40,13 @@ PARTS = ("codes", "scale", "zero_point")
 KEPT_LINEARS = ("router", "shared_gate")
 #: Linear weights a mixed int4 export keeps at int8, by the end of their name
 INT8_IN_MIXED_INT4 = ("lm_head.weight", ".attn.wk.weight", ".attn.wv.weight")
+#: the manifest's quantization "format": 2, symmetric codes signed with no zero point (what
+#: TensorRT's Dequantize takes; int4 with a searched scale). Format 1 (the field absent) had
+#: unsigned symmetric codes around a zero point of 8 or 7 per block (q4_0's levels).
+QUANT_FORMAT = 2
+#: the ONNX type of the codes, by (bits, signed)
+CODE_TYPES = {(4, True): ir.DataType.INT4, (8, True): ir.DataType.INT8,
+              (4, False): ir.DataType.UINT4, (8, False): ir.DataType.UINT8}
 
 
 class QuantizeError(ValueError):
@@ -93,7 +100,8 @@ def float_chunks(layout: str, names: tuple[str, ...], source: WeightSource, dtyp
 def part_chunks(part: str, layout: str, names: tuple[str, ...], source: WeightSource, dtype: torch.dtype,
                 scheme: QuantScheme) -> Iterator[torch.Tensor]:
     """One part's bytes in order: codes packed per row (K is even), scales in the artifact's dtype,
-    zero points packed as ONNX packs a 4-bit tensor (flattened, across chunk boundaries)."""
+    zero points (unsigned codes only) packed as ONNX packs a 4-bit tensor (flattened, across chunk
+    boundaries)."""
     pending: torch.Tensor | None = None  # a zero point waiting for its byte's high nibble
     for weight in float_chunks(layout, names, source, dtype):
         q = quantize(weight, scheme)
@@ -136,7 +144,7 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
         if layout is None:
             continue
         tensor_scheme = scheme_for(names[0], scheme, mixed)
-        codes_type = ir.DataType.UINT4 if tensor_scheme.bits == 4 else ir.DataType.UINT8
+        codes_type = CODE_TYPES[(tensor_scheme.bits, tensor_scheme.signed)]
         formats.update(dict.fromkeys(names, tensor_scheme))
         shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
         if shape[-1] % scheme.block_size:
@@ -145,8 +153,10 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
                 f"{scheme.block_size}; choose a power of two that divides it (16, 32, 64, ...)")
         blocks = [*shape[:-1], shape[-1] // scheme.block_size]
         parts = []
-        for part, dtype, part_shape in (("codes", codes_type, shape), ("scale", value.dtype, blocks),
-                                        ("zero_point", codes_type, blocks)):
+        layout_parts = [("codes", codes_type, shape), ("scale", value.dtype, blocks)]
+        if not tensor_scheme.signed:
+            layout_parts.append(("zero_point", codes_type, blocks))
+        for part, dtype, part_shape in layout_parts:
             v = ir.Value(name=f"{name}.{part}", shape=ir.Shape(part_shape), type=ir.TensorType(dtype))
             register(graph, v)
             recipes[v.name] = (part, (layout, *names))
@@ -208,5 +218,8 @@ def reference_weights(weights: WeightSource, manifest: dict, dtype: torch.dtype)
     q = manifest.get("quantization")
     if not q:
         return weights
+    if q.get("format", 1) != QUANT_FORMAT:
+        raise QuantizeError(f"this artifact was quantized by an earlier moedeploy (format {q.get('format', 1)}, "
+                            f"this one reads {QUANT_FORMAT}): its eager reference cannot be rebuilt; export it again")
     formats = {name: QuantScheme(bits, q["block_size"], q["symmetric"]) for name, bits in q["tensors"].items()}
     return DequantizedWeights(weights, formats, dtype)

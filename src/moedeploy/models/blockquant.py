@@ -1,27 +1,36 @@
 """Weight-only round-to-nearest quantization in blocks along the input dimension: int8 and int4.
 
 A weight (..., N, K), as nn.Linear and our experts store it (out, in), is cut into blocks of
-`block_size` consecutive values along K; each block gets one float scale and one zero point,
-and each value an unsigned code: weight ~ (code - zero_point) * scale.
+`block_size` consecutive values along K; each block gets one float scale and each value a code.
 
-The codes are unsigned (uint8, uint4) with the zero point stored, because that one layout is
-read as it is by both consumers of a quantized artifact on ONNX Runtime:
-  - ONNX DequantizeLinear (opset 21, blocked: `axis`, `block_size`), the portable graph:
-    y = (x - zero_point) * scale (TensorRT's takes only signed codes with zero point 0);
-  - ONNX Runtime's com.microsoft::MatMulNBits, whose B is (N, K / block_size, block_size *
-    bits / 8) uint8, codes along K, two 4-bit codes per byte with the lower-index one in the
-    low nibble (as ONNX packs uint4), scales (N, K / block_size), and 4-bit zero points packed
-    two per byte the same way. A per-expert slice of the artifact's bytes is such a B.
+Symmetric schemes (the default) store signed codes and no zero point: weight ~ code * scale,
+int8 codes in [-127, 127] and int4 in [-8, 7], scales positive. That is what every consumer of
+the artifact reads without conversion but one:
+  - ONNX DequantizeLinear (opset 21, blocked: `axis`, `block_size`), y = x * scale, the
+    portable graph;
+  - TensorRT's Dequantize layer, which takes signed INT8/INT4 codes with a zero point of 0 and
+    positive scales (and blocked scales for INT4 only);
+  - ONNX Runtime's com.microsoft::MatMulNBits and QMoE read unsigned codes around an implied
+    zero point of 2^(bits-1): code + 2^(bits-1), which is the signed code's bits with the top
+    bit of each value flipped (XOR 0x80 a byte, 0x88 a byte of two 4-bit codes). The ONNX
+    Runtime lowering flips them with a BitwiseXor that ONNX Runtime folds at session creation
+    (runtime/quantized.py). Their B is (N, K / block_size, block_size * bits / 8) uint8, codes
+    along K, two 4-bit codes per byte with the lower-index one in the low nibble (as ONNX packs
+    int4), scales (N, K / block_size): a per-expert slice of the artifact's bytes is such a B.
 
-Symmetric schemes are llama.cpp's q8_0 and q4_0, so their accuracy compares like for like:
-  int8  scale = max|w| / 127, code = round(w / scale) + 128, in [1, 255];
-  int4  scale = max|w| / 8, code = clamp(round(w / scale) + z, 0, 15) with z = 8, or 7 where
-        the value of largest magnitude is positive: the full 16 levels with that value exact.
-        q4_0 writes the same values as a negative scale times codes 0..15 around 8; here the
-        scale stays positive and the zero point moves.
-Asymmetric (uint codes, a zero point per block): the block's range widened to include 0 (so 0
-stays exact, as ONNX Runtime's blockwise quantizer does), scale = (max - min) / (2^bits - 1),
-zero_point = round(-min / scale), code = clamp(round(w / scale) + zero_point, 0, 2^bits - 1).
+  int8  llama.cpp's q8_0: scale = max|w| / 127, code = round(w / scale).
+  int4  16 levels [-8, 7] with a positive scale cannot hold the block's largest magnitude at
+        both ends, as q4_0's signed scale does (its codes 0..15 around 8 times max / -8). So the
+        scale is searched: for each divisor d in INT4_DIVISORS, codes q = clamp(round(w * d /
+        max|w|), -8, 7) and the least-squares scale for them, s = sum(w q) / sum(q^2); the
+        block keeps the (q, s) with the smallest squared error sum((w - q s)^2), the first
+        such d on a tie. On Gaussian weights its squared error is within 1% of q4_0's
+        (tests/models/test_blockquant.py measures it), where a fixed max / 8 or max / 7
+        loses 5-13%.
+Asymmetric (uint codes, a zero point per block, read by ONNX Runtime only: TensorRT takes no
+zero point): the block's range widened to include 0 (so 0 stays exact, as ONNX Runtime's
+blockwise quantizer does), scale = (max - min) / (2^bits - 1), zero_point = round(-min /
+scale), code = clamp(round(w / scale) + zero_point, 0, 2^bits - 1).
 Rounding is half away from zero (C's roundf, as llama.cpp). An all-zero block has scale 0
 and dequantizes to exact zeros.
 """
@@ -33,11 +42,14 @@ from dataclasses import dataclass
 import torch
 
 BITS = (4, 8)
+#: int4 symmetric: the divisors of max|w| whose codes' least-squares scale a block may take
+INT4_DIVISORS = tuple(6.5 + 0.25 * i for i in range(11))
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a weight is quantized: bits per value, values per block, symmetric or not."""
+    """How a weight is quantized: bits per value, values per block, symmetric (signed codes,
+    no zero point) or not (unsigned codes and a zero point per block)."""
 
     bits: int
     block_size: int = 32
@@ -55,25 +67,32 @@ class QuantScheme:
         return 1 << self.bits
 
     @property
+    def signed(self) -> bool:
+        """Whether the codes are signed (symmetric: no zero point) or unsigned around a zero point."""
+        return self.symmetric
+
+    @property
     def name(self) -> str:
         return f"int{self.bits}"
 
 
 @dataclass
 class BlockQuantized:
-    """A (..., N, K) weight quantized along K: codes (..., N, K) uint8 in [0, 2^bits), unpacked;
-    scale and zero_point (..., N, K / block_size), float32 and uint8."""
+    """A (..., N, K) weight quantized along K: codes (..., N, K), unpacked: int8 in [-2^(bits-1),
+    2^(bits-1)) when the scheme is signed, else uint8 in [0, 2^bits); scale (..., N, K /
+    block_size) float32; zero_point the same shape, uint8, or None for signed codes."""
 
     codes: torch.Tensor
     scale: torch.Tensor
-    zero_point: torch.Tensor
+    zero_point: torch.Tensor | None
     scheme: QuantScheme
 
     def dequantize(self) -> torch.Tensor:
         """(code - zero_point) * scale, in float32 (what DequantizeLinear computes)."""
         blocks = self.codes.unflatten(-1, (-1, self.scheme.block_size)).float()
-        values = (blocks - self.zero_point.unsqueeze(-1).float()) * self.scale.unsqueeze(-1)
-        return values.flatten(-2)
+        if self.zero_point is not None:
+            blocks = blocks - self.zero_point.unsqueeze(-1).float()
+        return (blocks * self.scale.unsqueeze(-1)).flatten(-2)
 
     def packed_codes(self) -> torch.Tensor:
         """The codes as stored: uint8 bytes, (..., N, K * bits / 8)."""
@@ -83,20 +102,21 @@ class BlockQuantized:
         """The zero points packed per row, as MatMulNBits takes them: (..., N, ceil(blocks * bits / 8))
         uint8. (An ONNX uint4 tensor packs its values flattened: the same bytes when each row
         has an even number of blocks.)"""
+        assert self.zero_point is not None, "signed codes have no zero point"
         return pack(self.zero_point, self.scheme.bits)
 
 
 @dataclass
 class PackedWeight:
     """A quantized weight as a quantized artifact stores it, the bytes kernels read in place:
-    codes (..., N, K * bits / 8) uint8 packed per row; scale (..., N, K / block_size) in the
-    artifact's dtype; zero_point uint8, all of them flattened and packed as ONNX packs a uint4
-    tensor (element 2i in the low nibble of byte i; for int8 one byte each). `shape` is the
-    float weight's (..., N, K)."""
+    codes (..., N, K * bits / 8) uint8 packed per row (signed codes in two's complement); scale
+    (..., N, K / block_size) in the artifact's dtype; zero_point (unsigned codes only, else None)
+    uint8, flattened and packed as ONNX packs a uint4 tensor (element 2i in the low nibble of
+    byte i; for int8 one byte each). `shape` is the float weight's (..., N, K)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
-    zero_point: torch.Tensor
+    zero_point: torch.Tensor | None
     scheme: QuantScheme
     shape: tuple[int, ...]
 
@@ -104,14 +124,15 @@ class PackedWeight:
     def from_weight(cls, weight: torch.Tensor, scheme: QuantScheme) -> PackedWeight:
         """Quantize `weight` as the export does, the scale kept in the weight's dtype."""
         q = quantize(weight, scheme)
-        zero_point = pack(q.zero_point.flatten(), scheme.bits)
+        zero_point = None if q.zero_point is None else pack(q.zero_point.flatten(), scheme.bits)
         return cls(q.packed_codes(), q.scale.to(weight.dtype), zero_point, scheme, tuple(weight.shape))
 
     def dequantize(self) -> torch.Tensor:
         """(code - zero_point) * scale in float32, rounded to the scale's dtype: what the
         artifact's DequantizeLinear gives."""
-        codes = unpack(self.codes, self.scheme.bits, self.shape[-1])
-        zero_point = unpack(self.zero_point, self.scheme.bits, self.scale.numel()).reshape(self.scale.shape)
+        codes = unpack(self.codes, self.scheme.bits, self.shape[-1], self.scheme.signed)
+        zero_point = None if self.zero_point is None else \
+            unpack(self.zero_point, self.scheme.bits, self.scale.numel()).reshape(self.scale.shape)
         return BlockQuantized(codes, self.scale.float(), zero_point, self.scheme).dequantize().to(self.scale.dtype)
 
     @property
@@ -124,8 +145,8 @@ class PackedWeight:
         return self.codes.device
 
     def to(self, device: torch.device | str) -> PackedWeight:
-        return PackedWeight(self.codes.to(device), self.scale.to(device), self.zero_point.to(device),
-                            self.scheme, self.shape)
+        zero_point = None if self.zero_point is None else self.zero_point.to(device)
+        return PackedWeight(self.codes.to(device), self.scale.to(device), zero_point, self.scheme, self.shape)
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -141,40 +162,62 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> BlockQuantized:
         raise ValueError(f"the input dimension {k} is not a multiple of the block size {scheme.block_size}; "
                          f"choose a block size that divides it")
     blocks = weight.float().unflatten(-1, (-1, scheme.block_size))  # (..., N, K / bs, bs)
-    top = scheme.levels - 1
     if scheme.symmetric:
-        half = scheme.levels // 2
-        amax = blocks.abs().amax(-1)
-        if scheme.bits == 8:  # q8_0: max|w| / 127, codes 1..255 around 128
-            scale = amax / (half - 1)
-            zero = torch.full_like(scale, half)
-        else:  # q4_0's 16 levels, the largest magnitude exact at the far end whatever its sign
-            signed_max = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
-            scale = amax / half
-            zero = torch.where(signed_max > 0, half - 1, half).to(scale.dtype)
-    else:
-        low, high = blocks.amin(-1).clamp(max=0.0), blocks.amax(-1).clamp(min=0.0)
-        scale = (high - low) / top
-        zero = round_half_away(-low / torch.where(scale == 0, torch.ones_like(scale), scale)).clamp(0, top)
+        codes, scale = _symmetric_int8(blocks) if scheme.bits == 8 else _symmetric_int4(blocks)
+        return BlockQuantized(codes.to(torch.int8).flatten(-2), scale, None, scheme)
+    top = scheme.levels - 1
+    low, high = blocks.amin(-1).clamp(max=0.0), blocks.amax(-1).clamp(min=0.0)
+    scale = (high - low) / top
+    zero = round_half_away(-low / torch.where(scale == 0, torch.ones_like(scale), scale)).clamp(0, top)
     divisor = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
     codes = (round_half_away(blocks / divisor) + zero.unsqueeze(-1)).clamp(0, top).to(torch.uint8)
-    zero_point = zero.to(torch.uint8)
-    return BlockQuantized(codes.flatten(-2), scale.float(), zero_point, scheme)
+    return BlockQuantized(codes.flatten(-2), scale.float(), zero.to(torch.uint8), scheme)
+
+
+def _symmetric_int8(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q8_0: scale max|w| / 127, codes round(w / scale) in [-127, 127]."""
+    scale = blocks.abs().amax(-1) / 127
+    divisor = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
+    return round_half_away(blocks / divisor).clamp(-127, 127), scale
+
+
+def _symmetric_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes in [-8, 7] and a positive scale per block, searched over INT4_DIVISORS (module doc):
+    for fixed codes q the least-squares scale is s = sum(wq) / sum(q^2), whose squared error is
+    sum(w^2) - sum(wq)^2 / sum(q^2), so the best candidate has the largest sum(wq)^2 / sum(q^2)."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax == 0, torch.zeros_like(amax), 1 / amax)
+    best_codes = torch.zeros_like(blocks)
+    best_gain = torch.full(blocks.shape[:-1], -1.0, dtype=blocks.dtype)
+    best_scale = torch.zeros(blocks.shape[:-1], dtype=blocks.dtype)
+    for d in INT4_DIVISORS:
+        q = round_half_away(blocks * (inverse * d)).clamp(-8, 7)
+        wq, qq = (blocks * q).sum(-1), (q * q).sum(-1)
+        gain = torch.where(qq > 0, wq * wq / qq.clamp(min=1), torch.zeros_like(wq))
+        better = gain > best_gain
+        best_gain = torch.where(better, gain, best_gain)
+        best_scale = torch.where(better, torch.where(qq > 0, wq / qq.clamp(min=1), torch.zeros_like(wq)), best_scale)
+        best_codes = torch.where(better.unsqueeze(-1), q, best_codes)
+    return best_codes, best_scale
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes (..., K) -> bytes: 8-bit as they are; 4-bit two per byte, element 2i in the
-    low nibble of byte i (ONNX's uint4 packing); an odd K gets a zero high nibble at the end."""
+    """Codes (..., K), uint8 or int8 (two's complement) -> bytes: 8-bit as they are; 4-bit two per
+    byte, element 2i in the low nibble of byte i (ONNX's uint4/int4 packing); an odd K gets a zero
+    high nibble at the end."""
     if bits == 8:
-        return codes.to(torch.uint8)
+        return codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)
     if codes.shape[-1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    nibbles = (codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)) & 0x0F
+    pairs = nibbles.unflatten(-1, (-1, 2))
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The inverse of `pack`: (..., bytes) -> (..., count) uint8 codes."""
+def unpack(packed: torch.Tensor, bits: int, count: int, signed: bool = False) -> torch.Tensor:
+    """The inverse of `pack`: (..., bytes) -> (..., count) codes, uint8, or int8 when `signed`."""
     if bits == 8:
-        return packed[..., :count]
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :count]
+        codes = packed[..., :count]
+        return codes.view(torch.int8) if signed else codes
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :count]
+    return ((codes ^ 8).to(torch.int8) - 8) if signed else codes

@@ -1,16 +1,23 @@
 """Quantized weights (DequantizeLinear over blocked codes, export/quantize.py) lowered to ONNX
-Runtime's com.microsoft::MatMulNBits, which reads the artifact's bytes as they are.
+Runtime's com.microsoft::MatMulNBits, which reads the artifact's bytes.
 
-A quantized artifact computes y = x @ DequantizeLinear(codes, scale, zero_point)^T with
+A quantized artifact computes y = x @ DequantizeLinear(codes, scale[, zero_point])^T with
 standard ops: correct everywhere, but it dequantizes every weight to float on every run.
 MatMulNBits multiplies by the blocked codes directly. Its B is (N, K / block, block * bits /
-8) uint8 codes along K, scales (N, K / block), zero points packed per row: the artifact's
-codes and scales are exactly those bytes (one expert's slice of a stack too), so the new
-initializers are views into the same data file at the same offsets, nothing copied. Only
-4-bit zero points with an odd number of blocks per row differ (ONNX packs a tensor's
-nibbles flattened, MatMulNBits per row): those few bytes are repacked in memory.
+8) uint8 codes along K, scales (N, K / block), zero points packed per row (absent: 2^(bits-1)).
+The artifact's codes and scales are laid out exactly so (one expert's slice of a stack too):
+the new initializers are views into the same data file at the same offsets.
 
-accuracy_level 0 computes in float (the dequantized weights' products, to rounding);
+Signed codes (symmetric schemes, no zero point: what TensorRT reads) are the unsigned codes
+around 2^(bits-1) with each value's top bit flipped. The lowering feeds MatMulNBits (and QMoE)
+BitwiseXor(view, 0x88 or 0x80), which ONNX Runtime's constant folding computes once at session
+creation; the folded copy is freed once the kernel has prepacked it (measured: the same
+resident and peak memory as a view of unsigned codes). Unsigned codes with zero points
+(asymmetric schemes, and artifacts of format 1) are read as they are; only 4-bit zero points
+with an odd number of blocks per row differ (ONNX packs a tensor's nibbles flattened,
+MatMulNBits per row): those few bytes are repacked in memory.
+
+accuracy_level 0 computes in float (the dequantized products, to rounding);
 4 quantizes the activations to int8 per block for integer dot products (faster, less exact).
 """
 
@@ -26,7 +33,11 @@ from moedeploy.runtime.gqa import constant_initializer, packs_qkv_for_gqa
 
 DOMAIN = "com.microsoft"
 OP_TYPE = "MatMulNBits"
-CODE_BITS = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
+#: codes' ONNX type -> (bits, signed)
+CODE_TYPES = {ir.DataType.UINT4: (4, False), ir.DataType.UINT8: (8, False),
+              ir.DataType.INT4: (4, True), ir.DataType.INT8: (8, True)}
+#: XOR a byte of signed codes with this to get the unsigned codes around 2^(bits-1), by bits
+SIGN_FLIP = {4: 0x88, 8: 0x80}
 #: providers and activation dtypes ONNX Runtime has a MatMulNBits kernel for
 KERNELS = {"CPUExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16},
            "CUDAExecutionProvider": {ir.DataType.FLOAT, ir.DataType.FLOAT16}}
@@ -44,14 +55,19 @@ RUN_ACCURACY = 4
 
 @dataclass(frozen=True)
 class BlockedWeight:
-    """A constant weight (..., N, K) given as DequantizeLinear over blocked codes along K."""
+    """A constant weight (..., N, K) given as DequantizeLinear over blocked codes along K: signed
+    codes and no zero point, or unsigned codes and a zero point."""
 
     codes: ir.Value
     scale: ir.Value
-    zero_point: ir.Value
+    zero_point: ir.Value | None
     bits: int
     block_size: int
     shape: tuple[int, ...]
+
+    @property
+    def signed(self) -> bool:
+        return self.zero_point is None
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,7 @@ class NBitsWeight:
 
     b: ir.Value
     scales: ir.Value
-    zero_points: ir.Value
+    zero_points: ir.Value | None
     n: int
     k: int
     bits: int
@@ -68,26 +84,29 @@ class NBitsWeight:
 
     def matmul(self, add, x: ir.Value, accuracy_level: int) -> ir.Value:
         """x (..., K) @ W^T through MatMulNBits, appended with `add(op, inputs, **attrs)`."""
-        return add(OP_TYPE, [x, self.b, self.scales, self.zero_points], domain=DOMAIN, K=self.k, N=self.n,
+        inputs = [x, self.b, self.scales] + ([self.zero_points] if self.zero_points is not None else [])
+        return add(OP_TYPE, inputs, domain=DOMAIN, K=self.k, N=self.n,
                    bits=self.bits, block_size=self.block_size, accuracy_level=accuracy_level)
 
 
 def blocked_source(value: ir.Value | None) -> BlockedWeight | None:
     """The blocked DequantizeLinear over constant initializers that `value` is, if it is one."""
     node = value.producer() if value is not None else None
-    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.inputs) not in (2, 3):
         return None
-    codes, scale, zero_point = node.inputs
-    if any(v is None or v.const_value is None or v.shape is None for v in (codes, scale, zero_point)):
+    codes, scale, zero_point = (*node.inputs, None)[:3]
+    if any(v is None or v.const_value is None or v.shape is None for v in (codes, scale)):
         return None
-    if codes.dtype not in CODE_BITS or zero_point.dtype != codes.dtype:
+    if codes.dtype not in CODE_TYPES or CODE_TYPES[codes.dtype][1] != (zero_point is None):
+        return None  # signed codes without a zero point, unsigned with one: what the export writes
+    if zero_point is not None and (zero_point.const_value is None or zero_point.dtype != codes.dtype):
         return None
     shape = tuple(int(d) for d in codes.shape)
     axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 1
     block = node.attributes["block_size"].as_int() if "block_size" in node.attributes else 0
     if axis not in (len(shape) - 1, -1) or block < 16 or shape[-1] % block:
         return None
-    return BlockedWeight(codes, scale, zero_point, CODE_BITS[codes.dtype], block, shape)
+    return BlockedWeight(codes, scale, zero_point, CODE_TYPES[codes.dtype][0], block, shape)
 
 
 def transposed_blocked_source(value: ir.Value | None) -> BlockedWeight | None:
@@ -107,20 +126,21 @@ def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -
     blocks = k // w.block_size
     tag = "" if expert is None else f".expert{expert}"
     index = 0 if expert is None else expert
-    b = _view(graph, w.codes, index, ir.DataType.UINT8, [n, blocks, w.block_size * w.bits // 8], f"{tag}.nbits_b")
+    b = _codes(graph, w, index, [n, blocks, w.block_size * w.bits // 8], f"{tag}.nbits_b")
     scales = _view(graph, w.scale, index, w.scale.dtype, [n, blocks], f"{tag}.nbits_scales")
-    zero_points = _row_packed_zero_points(graph, w, index, (n,), blocks, f"{tag}.nbits_zero_points")
+    zero_points = None if w.signed else _row_packed_zero_points(graph, w, index, (n,), blocks, f"{tag}.nbits_zero_points")
     return NBitsWeight(b, scales, zero_points, n, k, w.bits, w.block_size)
 
 
 @dataclass(frozen=True)
 class QMoEStack:
     """One expert stack's com.microsoft::QMoE inputs: codes (E, N, K * bits / 8) uint8 in the
-    raw layout (weights_prepacked=0), scales (E, N, K / block), zero points packed per row."""
+    raw layout (weights_prepacked=0), scales (E, N, K / block), zero points packed per row
+    (None for codes around 2^(bits-1), QMoE's default)."""
 
     codes: ir.Value
     scales: ir.Value
-    zero_points: ir.Value
+    zero_points: ir.Value | None
     bits: int
     block_size: int
 
@@ -135,8 +155,8 @@ def qmoe_stack(graph: ir.Graph, value: ir.Value | None) -> QMoEStack | None:
         return None
     e, n, k = w.shape
     blocks = k // w.block_size
-    codes = _view(graph, w.codes, 0, ir.DataType.UINT8, [e, n, k * w.bits // 8], ".qmoe_codes")
-    zero_points = _row_packed_zero_points(graph, w, 0, (e, n), blocks, ".qmoe_zero_points")
+    codes = _codes(graph, w, 0, [e, n, k * w.bits // 8], ".qmoe_codes")
+    zero_points = None if w.signed else _row_packed_zero_points(graph, w, 0, (e, n), blocks, ".qmoe_zero_points")
     return QMoEStack(codes, w.scale, zero_points, w.bits, w.block_size)
 
 
@@ -163,6 +183,37 @@ def _view(graph: ir.Graph, value: ir.Value, index: int, dtype: ir.DataType, shap
     out = constant_view(value, index, dtype, shape, f"{value.name}{suffix}")
     graph.register_initializer(out)
     return out
+
+
+def _codes(graph: ir.Graph, w: BlockedWeight, index: int, shape: list[int], suffix: str) -> ir.Value:
+    """Part `index` of the codes as unsigned bytes the quantized kernels read: a view of the
+    artifact's bytes, through BitwiseXor(view, SIGN_FLIP) when they are signed. The BitwiseXor
+    goes first in `graph` (the main graph, where ONNX Runtime folds it into a constant at session
+    creation, also for a branch that reads it from the outer scope)."""
+    view = _view(graph, w.codes, index, ir.DataType.UINT8, shape, suffix)
+    if not w.signed:
+        return view
+    return _sign_flipped(graph, view, w.bits)
+
+
+def _sign_flipped(graph: ir.Graph, codes: ir.Value, bits: int) -> ir.Value:
+    """BitwiseXor(codes, SIGN_FLIP[bits]), inserted first in `graph`."""
+    name = f"moedeploy.sign_flip_{bits}"
+    flip = graph.initializers.get(name) or constant_initializer(graph, name, np.array(SIGN_FLIP[bits], dtype=np.uint8))
+    node = ir.node("BitwiseXor", [codes, flip], name=f"{codes.name}/unsigned")
+    out = node.outputs[0]
+    out.name, out.shape, out.type = f"{codes.name}.unsigned", codes.shape, ir.TensorType(ir.DataType.UINT8)
+    graph.insert_before(next(iter(graph)), node)
+    return out
+
+
+def _flipped_source(value: ir.Value) -> tuple[ir.Value, int | None]:
+    """(the constant codes, bits) when `value` is `_sign_flipped` codes, else (value, None)."""
+    node = value.producer()
+    if node is not None and node.op_type == "BitwiseXor" and node.inputs[1] is not None \
+            and node.inputs[1].name.startswith("moedeploy.sign_flip_"):
+        return node.inputs[0], int(node.inputs[1].name.rsplit("_", 1)[1])
+    return value, None
 
 
 def _row_packed_zero_points(graph: ir.Graph, w: BlockedWeight, index: int, rows: tuple[int, ...], blocks: int,
@@ -232,24 +283,28 @@ def fuse_shared_input(graph: ir.Graph) -> int:
     MLP's gate and up, say) stay as they are, mapped."""
     groups: dict[tuple, list[ir.Node]] = {}
     for node in graph:
-        if node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) != 4:
+        if node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) not in (3, 4):
             continue
         if not _feeds_attention(node.outputs[0]):
             continue
-        if any(v is None or v.const_value is None for v in node.inputs[1:]) or node.inputs[0] is None:
+        codes, flip = _flipped_source(node.inputs[1])
+        if any(v is None or v.const_value is None for v in (codes, *node.inputs[2:])) or node.inputs[0] is None:
             continue
         attrs = {k: a.value for k, a in node.attributes.items()}
-        key = (node.inputs[0], attrs.get("K"), attrs.get("bits"), attrs.get("block_size"), attrs.get("accuracy_level", 0))
+        key = (node.inputs[0], attrs.get("K"), attrs.get("bits"), attrs.get("block_size"), attrs.get("accuracy_level", 0),
+               flip, len(node.inputs))
         groups.setdefault(key, []).append(node)
     removed = 0
-    for (x, *_), nodes in groups.items():
+    for (x, *_, flip, _inputs), nodes in groups.items():
         if len(nodes) < 2:
             continue
         first = nodes[0]
         sizes = [node.attributes["N"].as_int() for node in nodes]
         name = f"{first.name}/fused"
-        stacked = [_stacked(graph, [node.inputs[i] for node in nodes], f"{name}.{part}")
-                   for i, part in ((1, "b"), (2, "scales"), (3, "zero_points"))]
+        codes = _stacked(graph, [_flipped_source(node.inputs[1])[0] for node in nodes], f"{name}.b")
+        stacked = [codes if flip is None else _sign_flipped(graph, codes, flip)]
+        stacked += [_stacked(graph, [node.inputs[i] for node in nodes], f"{name}.{part}")
+                    for i, part in ((2, "scales"), (3, "zero_points")) if i < len(first.inputs)]
         attrs = {k: a.value for k, a in first.attributes.items()} | {"N": sum(sizes)}
         fused = ir.node(OP_TYPE, [x, *stacked], attrs, domain=DOMAIN, name=name)
         split = ir.node("Split", [fused.outputs[0], constant_initializer(graph, f"{name}.sizes", np.array(sizes, dtype=np.int64))],

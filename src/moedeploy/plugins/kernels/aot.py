@@ -120,7 +120,7 @@ def compile_moe_fused(
     signature.update({"SCORE_BIAS": "*fp32", "H": "i32", "I": "i32", "E": "i32", "Y": f"*{t}"})
     if quantized is None:
         return _compile(moe_fused_kernel, signature, constexprs, arch)
-    constexprs.update({"BITS": quantized.bits, "QBLOCK": quantized.block_size})
+    constexprs.update({"BITS": quantized.bits, "QBLOCK": quantized.block_size, "SIGNED": quantized.signed})
     return _compile(moe_fused_nbits_kernel, signature, constexprs, arch)
 
 

@@ -2,10 +2,11 @@
 dequantized in registers.
 
 A quantized weight arrives as the quantized artifact stores it (`models/blockquant.PackedWeight`,
-the bytes its DequantizeLinear nodes read): codes uint8, per row of K values K bytes at 8 bits
-or K / 2 at 4 bits (element 2i in the low nibble); one scale per block of QBLOCK values along K,
-in the weights' dtype; one zero point per block, flattened over all rows and, at 4 bits, packed
-two to a byte the same way. A tile is dequantized as DequantizeLinear computes it, (code -
+the bytes its DequantizeLinear nodes read): codes, per row of K values K bytes at 8 bits or
+K / 2 at 4 bits (element 2i in the low nibble), signed (SIGNED: two's complement, no zero
+point) or unsigned; one scale per block of QBLOCK values along K, in the weights' dtype; for
+unsigned codes one zero point per block, flattened over all rows and, at 4 bits, packed two to
+a byte the same way. A tile is dequantized as DequantizeLinear computes it, (code -
 zero_point) * scale in fp32, and rounded to the weights' dtype, so the kernel sees exactly the
 float weights the eager reference of a quantized artifact runs on. Reading 1 or 1/2 byte per
 weight instead of 4 (fp32) is the point: a decode step is bound by the bytes of weights it reads.
@@ -18,10 +19,12 @@ import triton.language as tl
 
 
 @triton.jit
-def load_weight(W, S, Z, rows, cols, mask, K, BITS: tl.constexpr, QBLOCK: tl.constexpr, dtype: tl.constexpr):
+def load_weight(W, S, Z, rows, cols, mask, K, BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+                dtype: tl.constexpr):
     """The tile W[rows, cols] of a row-major (R, K) weight as fp32 (rows and cols broadcast
     against each other; out-of-mask elements are 0). BITS 0: W is the float weight and S, Z
-    are not read. BITS 8 or 4: W the codes, S the scales, Z the zero points (module doc)."""
+    are not read. BITS 8 or 4: W the codes, S the scales, Z the zero points, not read when
+    SIGNED (module doc)."""
     if BITS == 0:
         w = tl.load(W + rows * K + cols, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -29,16 +32,21 @@ def load_weight(W, S, Z, rows, cols, mask, K, BITS: tl.constexpr, QBLOCK: tl.con
         scale = tl.load(S + block, mask=mask, other=0.0).to(tl.float32)
         if BITS == 8:
             code = tl.load(W + rows * K + cols, mask=mask, other=0).to(tl.int32)
-            zero = tl.load(Z + block, mask=mask, other=0).to(tl.int32)
         else:
             code = (tl.load(W + rows * (K // 2) + cols // 2, mask=mask, other=0).to(tl.int32) >> ((cols % 2) * 4)) & 15
+        if SIGNED:
+            code = (code ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # two's complement, sign-extended
+            zero = 0
+        elif BITS == 8:
+            zero = tl.load(Z + block, mask=mask, other=0).to(tl.int32)
+        else:
             zero = (tl.load(Z + block // 2, mask=mask, other=0).to(tl.int32) >> ((block % 2) * 4)) & 15
         w = ((code - zero).to(tl.float32) * scale).to(dtype).to(tl.float32)
     return w
 
 
 @triton.jit
-def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
     """The transposed tile W[rows, k0:k0 + BLOCK_K]^T, (BLOCK_K, BLOCK_N) fp32, of a row-major
     (R, K) weight (rows, n_mask: (1, BLOCK_N)), what a GEMM's B operand takes; out-of-range
@@ -57,12 +65,16 @@ def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.c
             byte = tl.load(W + rows * (K // 2) + pairs, mask=(pairs * 2 < K) & n_mask, other=0).to(tl.int32)
             # (BK / 2, BN) bytes -> (BK / 2, 2, BN) nibbles, low first -> (BK, BN) in K order
             code = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        if SIGNED:
+            code = (code ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # two's complement, sign-extended
         if BLOCK_K >= QBLOCK:
             blocks = k0 // QBLOCK + tl.arange(0, BLOCK_K // QBLOCK)[:, None]  # (NB, 1)
             index = rows * (K // QBLOCK) + blocks  # (NB, BN)
             block_mask = (blocks < K // QBLOCK) & n_mask
             scale = tl.load(S + index, mask=block_mask, other=0.0).to(tl.float32)
-            if BITS == 8:
+            if SIGNED:
+                zero = tl.zeros_like(index)
+            elif BITS == 8:
                 zero = tl.load(Z + index, mask=block_mask, other=0).to(tl.int32)
             else:
                 zero = (tl.load(Z + index // 2, mask=block_mask, other=0).to(tl.int32) >> ((index % 2) * 4)) & 15
@@ -72,7 +84,9 @@ def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.c
         else:  # the whole tile lies in one block of each column
             index = rows * (K // QBLOCK) + k0 // QBLOCK  # (1, BN)
             scale = tl.load(S + index, mask=n_mask, other=0.0).to(tl.float32)
-            if BITS == 8:
+            if SIGNED:
+                zero = tl.zeros_like(index)
+            elif BITS == 8:
                 zero = tl.load(Z + index, mask=n_mask, other=0).to(tl.int32)
             else:
                 zero = (tl.load(Z + index // 2, mask=n_mask, other=0).to(tl.int32) >> ((index % 2) * 4)) & 15

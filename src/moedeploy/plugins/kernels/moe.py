@@ -201,7 +201,7 @@ def gate_up_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -221,10 +221,10 @@ def gate_up_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < H
         a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        wu = load_weight_t(WU, SU, ZU, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
+        wu = load_weight_t(WU, SU, ZU, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         if ACT == 0:
-            wg = load_weight_t(WG, SG, ZG, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
+            wg = load_weight_t(WG, SG, ZG, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
     if HAS_BIAS:
         b_off = expert.to(tl.int64) * stride_be + n_cols
@@ -247,7 +247,7 @@ def down_kernel(
     n_slots, H, I, E, stride_h, stride_be, stride_o,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -265,7 +265,7 @@ def down_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < I
         a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = load_weight_t(WD, SD, ZD, w_rows, n_valid[None, :], k0, I, BITS, QBLOCK, BLOCK_K, BLOCK_N, dtype).to(dtype)
+        w = load_weight_t(WD, SD, ZD, w_rows, n_valid[None, :], k0, I, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(BD + expert.to(tl.int64) * stride_be + n_cols, mask=n_valid, other=0.0).to(tl.float32)[None, :]
@@ -360,18 +360,19 @@ def expert_weights(
     """The expert stacks as the kernels take them, three pointers per stack (gate, up, down;
     up again when there is no gate), with the BITS and QBLOCK of `dequant.load_weight`: for
     int8/int4 stacks (all three `PackedWeight`s of one scheme) each one's codes, scale and zero
-    point; for float stacks the contiguous weight three times (BITS 0 reads only the first)."""
+    point (the codes again for signed codes, which have none), and SIGNED; for float stacks the contiguous weight three times (BITS 0 reads only the first)."""
     stacks = (w_up if w_gate is None else w_gate, w_up, w_down)
     packed = [isinstance(w, PackedWeight) for w in stacks]
     if not any(packed):
-        return [t for w in stacks for t in [w.contiguous()] * 3], {"BITS": 0, "QBLOCK": 1}
+        return [t for w in stacks for t in [w.contiguous()] * 3], {"BITS": 0, "QBLOCK": 1, "SIGNED": False}
     if not all(packed) or len({w.scheme for w in stacks}) != 1:
         raise ValueError("quantized experts need W_gate, W_up and W_down all quantized in one scheme")
     if any(w.dtype != dtype for w in stacks):
         raise ValueError(f"quantized experts' scales must be in x's dtype {dtype}; got {[w.dtype for w in stacks]}")
     scheme = stacks[0].scheme
-    tensors = [t.contiguous() for w in stacks for t in (w.codes, w.scale, w.zero_point)]
-    return tensors, {"BITS": scheme.bits, "QBLOCK": scheme.block_size}
+    # signed codes have no zero point: the kernels do not read Z then, and get the codes again
+    tensors = [t.contiguous() for w in stacks for t in (w.codes, w.scale, w.codes if w.zero_point is None else w.zero_point)]
+    return tensors, {"BITS": scheme.bits, "QBLOCK": scheme.block_size, "SIGNED": scheme.signed}
 
 
 def dense_score_bias(score_bias: torch.Tensor | None, n_experts: int, device) -> torch.Tensor:

@@ -45,7 +45,7 @@ def fused_moe_program(
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
 ):
     """One program's work (module doc), on float weights (BITS 0) or int8/int4 blocked ones,
     whose tiles `load_weight` dequantizes as it reads them."""
@@ -77,10 +77,10 @@ def fused_moe_program(
                 k_valid = ks < H
                 x = tl.load(X + token * H + ks, mask=k_valid, other=0.0).to(tl.float32)
                 w_mask = i_valid[:, None] & k_valid[None, :]
-                w_up = load_weight(WU, SU, ZU, rows, ks[None, :], w_mask, H, BITS, QBLOCK, dtype)
+                w_up = load_weight(WU, SU, ZU, rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
                 up += tl.sum(w_up * x[None, :], axis=1)
                 if ACT == 0:
-                    w_gate = load_weight(WG, SG, ZG, rows, ks[None, :], w_mask, H, BITS, QBLOCK, dtype)
+                    w_gate = load_weight(WG, SG, ZG, rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
                     gate += tl.sum(w_gate * x[None, :], axis=1)
             up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             if ACT == 0:
@@ -92,7 +92,7 @@ def fused_moe_program(
                 hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
             hidden = tl.where(i_valid, hidden.to(dtype).to(tl.float32), 0.0)
             d_rows = expert * H + h_cols[:, None]  # (BH, 1) rows of the (E * H, I) down stack
-            w_down = load_weight(WD, SD, ZD, d_rows, i_cols[None, :], h_valid[:, None] & i_valid[None, :], I, BITS, QBLOCK, dtype)
+            w_down = load_weight(WD, SD, ZD, d_rows, i_cols[None, :], h_valid[:, None] & i_valid[None, :], I, BITS, QBLOCK, SIGNED, dtype)
             y += tl.sum(w_down * hidden[None, :], axis=1)
         y = (y + tl.load(BD + expert * H + h_cols, mask=h_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         acc += y * weight
@@ -113,7 +113,7 @@ def moe_fused_kernel(
     fused_moe_program(
         X, LOGITS, WG, WG, WG, WU, WU, WU, WD, WD, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
         TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
-        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, 0, 1,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, 0, 1, False,
     )
 
 
@@ -126,14 +126,14 @@ def moe_fused_nbits_kernel(
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
 ):
     """The same on int8/int4 blocked expert weights: codes, scale and zero point of each stack
     (`dequant.load_weight`), dequantized in the kernel."""
     fused_moe_program(
         X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
         TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
-        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, BITS, QBLOCK,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, BITS, QBLOCK, SIGNED,
     )
 
 
