@@ -503,6 +503,11 @@ def test_quantized_decode_step_bytes_of_the_tiny_preset_by_hand() -> None:
                       "ffn.w_gate": 4, "ffn.w_up": 4, "ffn.w_down": 4}, 8)
     at8, at4 = 2 * k_v + head, 2 * (q_o + experts)
     assert decode_step_bytes(c, quantization=mixed4) == round(fp32 - at8 * (4 - int8) - at4 * (4 - int4))
+    # format 2, symmetric: signed codes and no zero points, 1 + 4/32 and 1/2 + 4/32 bytes a weight
+    signed8, signed4 = 1 + 4 / 32, 0.5 + 4 / 32
+    signed = mixed4 | {"format": 2, "symmetric": True}
+    assert decode_step_bytes(c, quantization=signed) == round(fp32 - at8 * (4 - signed8) - at4 * (4 - signed4))
+    assert decode_step_bytes(c, quantization=signed | {"symmetric": False}) == decode_step_bytes(c, quantization=mixed4)
 
 
 def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

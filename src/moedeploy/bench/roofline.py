@@ -58,12 +58,11 @@ def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_
         shapes = {name: t.shape for name, t in MoEDecoder(c).state_dict().items()}
     touched = min(c.n_experts, c.top_k * batch) / c.n_experts
     zero_point = not (quantization.get("format", 1) >= 2 and quantization.get("symmetric", True))
-    per_channel = set(quantization.get("per_channel", ()))
     saved = 0.0
     for name, bits in quantization["tensors"].items():
         numel = shapes[name].numel() * (touched if len(shapes[name]) == 3 else 1)
-        block = shapes[name][-1] if name in per_channel else quantization["block_size"]
-        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, block, bytes_per_param, zero_point))
+        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, quantization["block_size"], bytes_per_param,
+                                                                      zero_point))
     return saved
 
 
