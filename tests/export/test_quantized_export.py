@@ -258,26 +258,55 @@ def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_e
     assert report["passed"], report["comparisons"][0]["outputs"]["logits"]
 
 
-def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_layer(artifacts) -> None:
+def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_layer(artifacts, checkpoint,
+                                                                                      tmp_path) -> None:
     """TensorRT's Dequantize takes signed INT8/INT4 codes, no zero point but zeros, and blocked
     scales for INT4 only, of rank 2 (NVIDIA's operator documentation): `check --target trt` names
-    each node that falls outside that, and passes the rest."""
+    each node of the graph build_engine parses (the TensorRT lowering's) that falls outside that,
+    and passes the rest."""
     from moedeploy.export.preflight import check_tensorrt
 
-    def findings(name: str) -> list[str]:
-        report = check_tensorrt(artifacts[name])
+    def findings(artifact) -> list[str]:
+        report = check_tensorrt(artifact)
         assert {f.op for f in report.blocking} <= {"DequantizeLinear"}  # the rest of the graph parses
         assert report.op_counts["DequantizeLinear"] == 13
         return [f.detail for f in report.blocking]
 
-    asymmetric = findings("int4-asym-16")  # unsigned codes with zero points: none parses
+    asymmetric = findings(artifacts["int4-asym-16"])  # unsigned codes with zero points: none parses
     assert len(asymmetric) == 13 and all("UINT4 with a zero point" in d for d in asymmetric)
-    blocked_int8 = findings("int8")  # signed, but TensorRT blocks INT8 nowhere
+    blocked_int8 = findings(artifacts["int8"])  # signed, but TensorRT blocks INT8 nowhere
     assert len(blocked_int8) == 13 and all("INT8 codes with blocked scales" in d for d in blocked_int8)
-    mixed = findings("int4")  # q and o at int4 parse (2 a layer); K/V and the LM head at int8 do not,
-    assert len(mixed) == 13 - 4  # nor the 3-D expert stacks (2 a layer)
-    assert sum("INT8 codes with blocked scales" in d for d in mixed) == 5
-    assert sum("rank-3" in d for d in mixed) == 4
+    # mixed int4: q, o and the expert stacks (as rows) at int4 parse; K/V and the LM head at int8 do not
+    mixed = findings(artifacts["int4"])
+    assert len(mixed) == 5 and all("INT8 codes with blocked scales" in d for d in mixed)
+    uniform = export("decoder", tmp_path / "uniform", checkpoint=checkpoint, quantization=SCHEMES["int4"], mixed=False)
+    assert findings(uniform) == []  # every weight int4: the whole graph parses
+
+
+def test_tensorrt_lowering_reads_expert_stacks_as_rows_and_computes_the_same(artifacts) -> None:
+    """The rank-3 expert stacks become rank-2 DequantizeLinear + Reshape over the same external
+    bytes (dims changed, data untouched): ONNX Runtime gives the same logits for both graphs."""
+    from moedeploy.export.decoder import past_names, past_shapes
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    artifact = artifacts["int4"]
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    lowered, counts = lower_for_tensorrt(model)
+    assert counts == {"expert_stacks_as_rows": 4}  # gate/up and down, two layers
+    stacks = [n for n in lowered.graph.node if n.op_type == "DequantizeLinear" and n.output[0].endswith("/rows")]
+    inits = {i.name: i for i in lowered.graph.initializer}
+    assert len(stacks) == 4 and all(len(inits[n.input[0]].dims) == 2 for n in stacks)
+    assert all(i.data_location == onnx.TensorProto.EXTERNAL for i in (inits[n.input[0]] for n in stacks))
+    feed = {"input_ids": prompt().numpy()}
+    feed |= {n: np.zeros(s, np.float32)
+             for n, s in zip(past_names(2), past_shapes(artifact_config(artifact), 2, 0) * 2, strict=True)}
+    outputs = []
+    for graph in (model, lowered):
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.path))
+        session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        outputs.append(session.run(["logits"], feed)[0])
+    np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
 def test_compare_measures_quantization_against_the_float_model_as_transformers_does(artifacts, checkpoint) -> None:

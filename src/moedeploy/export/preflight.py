@@ -1,8 +1,11 @@
 """Pre-flight checks that need no GPU: will TensorRT's ONNX parser take this artifact?
 
-The parser's published operator support matrix (onnx-tensorrt docs/operators.md, kept as
-data in `moedeploy/data/tensorrt_onnx_ops.json`) says which standard ops it imports; the
-restrictions that our graphs can actually hit are checked on the node itself. Each custom
+The graph checked is the one `build_engine` hands the parser: the artifact's, through the
+TensorRT lowering (runtime/tensorrt_lowering.py). The parser's published operator support
+matrix (onnx-tensorrt docs/operators.md, kept as data in `moedeploy/data/tensorrt_onnx_ops.json`)
+says which standard ops it imports; the restrictions that our graphs can actually hit, and
+those of the layers NVIDIA's operator documentation states (Dequantize), are checked on the
+node itself. Each custom
 node is claimed by its plugin (plugin_namespace="moe" makes the parser prefer the plugin
 over the function body), so its function body is never parsed.
 """
@@ -17,6 +20,7 @@ import onnx
 
 from moedeploy.export.artifact import Artifact
 from moedeploy.plugins import CUSTOM_OPS
+from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
 PLUGIN_IMPLEMENTATIONS = {
     ("moe", "RMSNorm"): "plugin moe::RMSNorm (AOT rms_norm_kernel | JIT kernels.rms_norm)",
@@ -116,8 +120,7 @@ def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: di
                     "per channel): quantize with int4 (its int8 parts stay on ONNX Runtime)")
         rank = ranks.get(node.input[0])
         if rank is not None and rank != 2:
-            return (f"blocked scales on a rank-{rank} tensor; TensorRT's Dequantize takes blocked scales of rank 2 "
-                    "(an expert stack reaches the moe::MoE plugin dequantized only once its plugin takes codes)")
+            return f"blocked scales on a rank-{rank} tensor; TensorRT's Dequantize takes blocked scales of rank 2"
     return None
 
 
@@ -126,6 +129,7 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     onnx.checker.check_model(str(artifact.model_path), full_check=True)  # by path: any size
     model = onnx.load(str(artifact.model_path), load_external_data=False)  # the graph, not the weights
+    model, _ = lower_for_tensorrt(model)  # what build_engine hands the parser
     matrix = support_matrix()
     ops = matrix["operators"]
     report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"])

@@ -15,7 +15,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
+
 from moedeploy.export.artifact import Artifact
+from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 from moedeploy.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 ENGINES_DIR = "engines"
@@ -108,7 +111,10 @@ def build_engine(
         flags |= 1 << int(flag.STRONGLY_TYPED)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(artifact.model_path)):
+    # the artifact's graph through the TensorRT lowering, parsed from memory; the path resolves
+    # its external data (the weights, unchanged) against the artifact's folder
+    lowered, _ = lower_for_tensorrt(onnx.load(str(artifact.model_path), load_external_data=False))
+    if not parser.parse(lowered.SerializeToString(), str(artifact.model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise RuntimeError(f"TensorRT's ONNX parser rejected {artifact.model_path}: {errors}")
 
