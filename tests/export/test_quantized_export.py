@@ -321,7 +321,7 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
     report = compare(artifacts["int4"], ["ort-gqa"], iterations=1, seed=3)
     q = report["quantization"]
     assert (q["bits"], q["stream_tokens"], q["greedy_prompt_tokens"], q["greedy_new_tokens"]) == (4, 64, 16, 48)
-    assert q["thresholds"] == {"kl_mean": 0.15, "top1": 0.5} and q["passed"] and report["passed"]
+    assert q["thresholds"] == {"kl_mean": 0.15, "top1": 0.25} and q["passed"] and report["passed"]
     stream = token_stream(SHAPE["vocab_size"], 64, seed=3)
     float_model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
                                                      experts_implementation="eager").eval()

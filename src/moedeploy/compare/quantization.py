@@ -33,11 +33,15 @@ STREAM_TOKENS = 1024
 GREEDY_TOKENS = 64
 GREEDY_PROMPT = 64
 #: per narrowest bit width: the most mean KL and the least top-1 agreement that pass, with room
-#: over what was measured (KL mean / top-1: the `small` preset int8 0.0002 / 0.95, int4 0.005 /
-#: 0.70, beside llama.cpp's q8_0 0.0002 / 0.94 and q4_0 0.005 / 0.65 on the same weights; the
-#: tests' tiny Hugging Face Mixtral, whose logits span several units, int4 0.056 / 0.67). A
-#: broken kernel or a wrong zero point gives KL of order 1.
-THRESHOLDS: dict[int, dict[str, float]] = {8: {"kl_mean": 0.01, "top1": 0.8}, 4: {"kl_mean": 0.15, "top1": 0.5}}
+#: over what was measured (KL mean / top-1: the `small` preset, random weights, on compare's
+#: 1,024-token stream, int4 0.0086 / 0.31, and on bench's 512-token stream int8 0.0002 / 0.95,
+#: int4 0.0046 / 0.51; the `small` preset trained on a Markov chain, int4 0.007 / 0.98; the tests'
+#: tiny Hugging Face Mixtral, whose logits span several units, int4 0.056 / 0.67). A
+#: broken kernel or a wrong zero point gives KL of order 1 and top-1 near 1 / vocabulary. int4's
+#: top-1 bar is low because near-flat logits (random weights, the mean top-token probability 5x
+#: uniform) rank by near-ties: llama.cpp's own q4_0 agreed with its f32 on 38% to 65% of such
+#: positions, and the q4_0-style codes moedeploy wrote before format 2 on 51% of this stream.
+THRESHOLDS: dict[int, dict[str, float]] = {8: {"kl_mean": 0.01, "top1": 0.8}, 4: {"kl_mean": 0.15, "top1": 0.25}}
 #: positions per chunk of the KL computation (a 152k vocabulary in float64 is 1.2 MB a row)
 _CHUNK = 256
 
