@@ -248,7 +248,7 @@ def export_cmd(
     golden: bool = typer.Option(True, "--golden/--no-golden", help="Decoder: run eager PyTorch on the golden inputs and store its outputs (--no-golden skips that pass over the weights; `compare` still runs eager)."),
     quantize_as: str = typer.Option(None, "--quantize", help="Decoder: int8 or int4 weight-only for the Linear and expert weights (router, norms, embeddings stay in --dtype), as ONNX DequantizeLinear.", show_default=False),
     block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it)."),
-    symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: symmetric codes (llama.cpp's q8_0/q4_0), or a zero point per block."),
+    symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: signed codes and no zero point (int8 is llama.cpp's q8_0; what TensorRT reads), or unsigned codes and a zero point per block (ONNX Runtime only)."),
     mixed: bool = typer.Option(True, "--mixed/--uniform", help="With --quantize int4: keep the LM head and attention K/V at int8, as llama.cpp's q4_0 does (--uniform: all int4)."),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
@@ -259,7 +259,8 @@ def export_cmd(
     at a time: memory does not grow with the model, so any size exports (the disk must
     hold the weights in the chosen --dtype; that is checked before any work).
     --quantize int8|int4 stores the Linear and expert weights as blocked codes, one scale
-    and zero point per --block-size values, read through ONNX DequantizeLinear; the golden
+    per --block-size values (signed codes; --asymmetric: unsigned with a zero point), read
+    through ONNX DequantizeLinear (`moedeploy check --target trt` says what TensorRT takes); the golden
     outputs are then eager PyTorch's on the dequantized weights, what the artifact computes.
     An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
 

@@ -90,8 +90,9 @@ def compile_moe_fused(
     routing (a Routing, or top_k and normalize_topk of softmax routing) and activation (an
     ExpertActivation, or a name with default parameters) baked in. With `quantized` (the
     experts' int8/int4 scheme) it is moe_fused_nbits_kernel(X, LOGITS, WG, SG, ZG, WU, SU, ZU,
-    WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): each stack's uint8 codes, `dtype` scales
-    and uint8 zero points, the bits and block size baked in.
+    WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): each stack's codes (uint8 bytes), `dtype`
+    scales and uint8 zero points (unread for signed codes), the bits, block size and signedness
+    baked in.
 
     Every routing variant compiles (the kernel routes with `route_token`); SCORE_BIAS is fp32
     whatever `dtype` is, as the node's score_bias input.
