@@ -540,6 +540,10 @@ def check_cmd(
     out.print(f"TensorRT {report.tensorrt_version} ONNX parser ({report.source})", highlight=False)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
     out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)
+    if rewritten := {k: n for k, n in report.lowering.items() if n}:
+        what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in rewritten.items())
+        out.print(f"[dim]as build_engine parses it, through moedeploy's TensorRT lowering: {what} "
+                  "(the same bytes, reshaped)[/dim]", highlight=False)
     if report.plugins:
         table = make_table("custom nodes -> plugins", columns := ["node", "op", "implemented by"], text=tuple(columns))
         for f in report.plugins:

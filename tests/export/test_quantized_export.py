@@ -276,6 +276,7 @@ def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_
     assert len(asymmetric) == 13 and all("UINT4 with a zero point" in d for d in asymmetric)
     # signed codes parse once lowered: int8 blocks as channels, int4 expert stacks as rows
     assert findings(artifacts["int8"]) == [] and findings(artifacts["int4"]) == []
+    assert check_tensorrt(artifacts["int4"]).lowering == {"int4_stacks_as_rows": 4, "int8_blocks_as_channels": 5}
     uniform = export("decoder", tmp_path / "uniform", checkpoint=checkpoint, quantization=SCHEMES["int4"], mixed=False)
     assert findings(uniform) == []
 

@@ -49,6 +49,8 @@ class PreflightReport:
     source: str
     findings: list[NodeFinding] = field(default_factory=list)
     op_counts: dict[str, int] = field(default_factory=dict)
+    #: what the TensorRT lowering rewrote before the check (runtime/tensorrt_lowering.py)
+    lowering: dict[str, int] = field(default_factory=dict)
 
     @property
     def blocking(self) -> list[NodeFinding]:
@@ -129,10 +131,10 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     onnx.checker.check_model(str(artifact.model_path), full_check=True)  # by path: any size
     model = onnx.load(str(artifact.model_path), load_external_data=False)  # the graph, not the weights
-    model, _ = lower_for_tensorrt(model)  # what build_engine hands the parser
+    model, lowering = lower_for_tensorrt(model)  # what build_engine hands the parser
     matrix = support_matrix()
     ops = matrix["operators"]
-    report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"])
+    report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"], lowering=lowering)
     ranks = _ranks(model)
     initializer_types = {i.name: i.data_type for i in model.graph.initializer}
     for node in model.graph.node:
