@@ -432,3 +432,35 @@ def test_the_in_flight_decoder_runs_a_quantized_artifact_at_the_served_level(nam
     exact = RowCacheDecoder(artifacts[name], slots=2, capacity=32)
     assert exact.lowered.lowering["moe_qmoe"] == (2 if name == "int4" else 0)
     np.testing.assert_allclose(exact.prefill(0, ids.numpy()), expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_mapped_session_flips_signed_codes_per_run_instead_of_holding_a_flipped_copy(artifacts) -> None:
+    """prepack=False exists to share the artifact's mapped bytes between sessions: folding the
+    BitwiseXor that feeds signed codes to the kernels would give each session a private copy, so
+    such a session skips constant folding; it computes the same logits."""
+    from moedeploy.export.decoder import past_names, past_shapes
+    from moedeploy.runtime.ort import DISABLED_OPTIMIZERS
+
+    artifact = artifacts["int4"]
+    packed, mapped = create_session(artifact), create_session(artifact, prepack=False)
+    assert packed.lowering["sign_flips"] > 0
+    assert mapped.session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS) == "ConstantFolding"
+    assert not _skips_optimizers(packed.session)
+    feed = {"input_ids": prompt().numpy()}
+    feed |= {n: np.zeros(s, np.float32)
+             for n, s in zip(past_names(2), past_shapes(artifact_config(artifact), 2, 0) * 2, strict=True)}
+    np.testing.assert_allclose(mapped.session.run(["logits"], feed)[0], packed.session.run(["logits"], feed)[0],
+                               rtol=1e-5, atol=1e-5)
+    asymmetric = create_session(artifacts["int4-asym-16"], prepack=False)  # unsigned codes: nothing to flip
+    assert asymmetric.lowering["sign_flips"] == 0
+    assert not _skips_optimizers(asymmetric.session)
+
+
+def _skips_optimizers(session) -> bool:
+    """Whether the session was told to skip any graph optimizer (reading an unset entry raises)."""
+    from moedeploy.runtime.ort import DISABLED_OPTIMIZERS
+
+    try:
+        return bool(session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS))
+    except RuntimeError:
+        return False

@@ -75,8 +75,9 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: 6: attention lowering counts, and fp32 SwiGLU MoE on one If per expert; 7: the logits count;
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
 #: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: q/k/v MatMulNBits
-#: that share an input fused and handed to GroupQueryAttention packed).
-LOWERING_VERSION = 12
+#: that share an input fused and handed to GroupQueryAttention packed; 13: signed codes reach the
+#: quantized kernels through BitwiseXor).
+LOWERING_VERSION = 13
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last")
@@ -120,7 +121,7 @@ def lower_for_ort(
     counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
               "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0,
-              "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0}
+              "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0}
     query_lengths = _ragged_input(graph) if kv_cache == "ragged" else None
     if logits == "last":
         counts["logits_last"] = _last_position_logits(graph, query_lengths)
@@ -178,6 +179,7 @@ def lower_for_ort(
             raise LoweringError(f"kv_cache='ragged' cannot take this graph: {e}; use kv_cache='inplace'") from e
     if kv_cache != "copy" and (why := gqa.cache_read_only_by_gqa(graph)):
         raise LoweringError(f"kv_cache={kv_cache!r} would be read wrongly: {why}; use kv_cache='copy'")
+    counts["sign_flips"] = quantized.sign_flips(graph)
     return ir.to_proto(ir_model), counts
 
 

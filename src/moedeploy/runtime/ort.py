@@ -39,6 +39,8 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 #: "1": the MatMul/Gemm weights are used as they lie in the artifact's memory-mapped data file
 #: instead of being repacked into a copy of the session's own
 DISABLE_PREPACKING = "session.disable_prepacking"
+#: graph optimizers a session skips, by name (comma-separated)
+DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 #: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
 PROFILE_FOLDER_PREFIX = "moedeploy-ort-profile-"
 
@@ -151,6 +153,13 @@ def create_session(
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy)
     options = session_options(threads, profile, prepack)
+    if not prepack and counts.get("sign_flips"):
+        # Signed codes reach the quantized kernels through BitwiseXor. Folded, each mapped session
+        # would hold its own flipped copy of the codes, which is what mapping exists to avoid;
+        # flipped per run, the session shares the file. `small` int4, private memory after a few
+        # steps: 97 MB folded, 55 flipped per run (the flips' scratch), 27 for format 1's unsigned
+        # codes; 249 ms a step flipped per run, 243 for format 1 (the mapped path is slow anyway).
+        options.add_session_config_entry(DISABLED_OPTIMIZERS, "ConstantFolding")
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
     try:

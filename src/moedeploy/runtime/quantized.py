@@ -207,6 +207,11 @@ def _sign_flipped(graph: ir.Graph, codes: ir.Value, bits: int) -> ir.Value:
     return out
 
 
+def sign_flips(graph: ir.Graph) -> int:
+    """How many `_sign_flipped` codes the graph reads (BitwiseXor nodes ONNX Runtime can fold)."""
+    return sum(node.op_type == "BitwiseXor" and _flipped_source(node.outputs[0])[1] is not None for node in graph)
+
+
 def _flipped_source(value: ir.Value) -> tuple[ir.Value, int | None]:
     """(the constant codes, bits) when `value` is `_sign_flipped` codes, else (value, None)."""
     node = value.producer()
