@@ -27,7 +27,7 @@ def _stack_bytes(w: torch.Tensor | PackedWeight, taken: int) -> int:
     """Bytes of `taken` experts of one stack."""
     experts = w.shape[0]
     if isinstance(w, PackedWeight):
-        total = w.codes.numel() + w.scale.numel() * w.scale.element_size() + w.zero_point.numel()
+        total = w.codes.numel() + w.scale.numel() * w.scale.element_size() + (0 if w.zero_point is None else w.zero_point.numel())
     else:
         total = w.numel() * w.element_size()
     return total * taken // experts

@@ -186,6 +186,22 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         assert not out.exists()  # nothing half-written
 
 
+def test_a_checkpoint_with_a_nan_weight_is_refused_in_one_line_and_nothing_is_written(tmp_path) -> None:
+    """No scale represents NaN: int4's searched scale would have made the block zeros silently."""
+    from moedeploy.cli import app
+
+    model = tiny_mixtral(seed=5, **SHAPE)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[3, 7] = float("nan")
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["export", "decoder", "--checkpoint", str(tmp_path / "ckpt"), "--quantize", "int4",
+                                      "--no-golden", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "weight layers.1.attn.wo.weight cannot be quantized: it has NaN or infinite values" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
 def test_an_unquantized_session_is_unchanged_by_the_lowering(tmp_path) -> None:
     """The fp32 artifact lowers exactly as before: no MatMulNBits."""
     artifact = export("decoder", tmp_path / "fp32", preset_name="tiny")
@@ -273,7 +289,7 @@ def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_
         return [f.detail for f in report.blocking]
 
     asymmetric = findings(artifacts["int4-asym-16"])  # unsigned codes with zero points: none parses
-    assert len(asymmetric) == 13 and all("UINT4 with a zero point" in d for d in asymmetric)
+    assert len(asymmetric) == 13 and all("its codes are UINT4" in d for d in asymmetric)
     # signed codes parse once lowered: int8 blocks as channels, int4 expert stacks as rows
     assert findings(artifacts["int8"]) == [] and findings(artifacts["int4"]) == []
     assert check_tensorrt(artifacts["int4"]).lowering == {"int4_stacks_as_rows": 4, "int8_blocks_as_channels": 5}
@@ -293,7 +309,7 @@ def test_tensorrt_preflight_names_int8_blocks_and_rank_3_int4_blocks_left_as_the
     found = [preflight._dequantize_restriction(n, ranks, ops, types) for n in model.graph.node
              if n.op_type == "DequantizeLinear"]
     assert sum(f is not None and "INT8 codes with blocked scales" in f for f in found) == 5  # LM head, K/V
-    assert sum(f is not None and "rank-3" in f for f in found) == 4  # gate/up and down, two layers
+    assert sum(f is not None and "blocked scales on a rank-3 tensor" in f for f in found) == 4  # gate/up, down; 2 layers
     assert found.count(None) == 4  # q and o at int4, rank 2
 
 

@@ -111,18 +111,20 @@ def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: di
     elem = initializer_types.get(node.input[0])
     name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
     if name is not None and name not in allowed:
-        return (f"its codes are {name} with a zero point; TensorRT's DequantizeLinear takes {', '.join(allowed)} "
-                "with a zero point of 0: export with --symmetric (the default) for signed codes")
+        return (f"its codes are {name}; TensorRT's DequantizeLinear takes {', '.join(allowed)} with a zero point of 0: "
+                "export with --symmetric (the default), which writes signed codes (artifacts from before "
+                "moedeploy's quantization format 2 have unsigned ones: export them again)")
     if len(node.input) > 2 and node.input[2]:
         return "it has a zero-point input; TensorRT takes none but zeros: export with --symmetric (the default)"
     block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
     if block:
-        if name == "INT8":
-            return ("INT8 codes with blocked scales; TensorRT's Dequantize blocks INT4 only (INT8 per tensor or "
-                    "per channel): quantize with int4 (its int8 parts stay on ONNX Runtime)")
         rank = ranks.get(node.input[0])
+        why = ("moedeploy's TensorRT lowering rewrites blocked INT8, and rank-3 INT4, only when the node's "
+               "codes and scales are its own and blocked along their last axis")
+        if name == "INT8":
+            return f"INT8 codes with blocked scales (TensorRT's Dequantize takes INT8 per tensor or per channel); {why}"
         if rank is not None and rank != 2:
-            return f"blocked scales on a rank-{rank} tensor; TensorRT's Dequantize takes blocked scales of rank 2"
+            return f"blocked scales on a rank-{rank} tensor (TensorRT's Dequantize blocks rank 2 only); {why}"
     return None
 
 

@@ -104,7 +104,10 @@ def part_chunks(part: str, layout: str, names: tuple[str, ...], source: WeightSo
     boundaries)."""
     pending: torch.Tensor | None = None  # a zero point waiting for its byte's high nibble
     for weight in float_chunks(layout, names, source, dtype):
-        q = quantize(weight, scheme)
+        try:
+            q = quantize(weight, scheme)
+        except ValueError as e:
+            raise QuantizeError(f"weight {names[0]} cannot be quantized: {e}") from None
         if part == "codes":
             yield q.packed_codes()
         elif part == "scale":
@@ -131,7 +134,8 @@ def dequantized(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: QuantScheme,
                   register: Callable[[ir.Graph, ir.Value], None], mixed: bool = True,
                   ) -> tuple[dict[str, int], dict[str, QuantScheme]]:
-    """Replace every quantized weight initializer by DequantizeLinear over its three parts, and
+    """Replace every quantized weight initializer by DequantizeLinear over its parts (codes and
+    scale, and a zero point when asymmetric), and
     their recipes; returns counts by layout and the format of each quantized tensor of ours.
     `register(graph, value)` adds an initializer to be written later. Raises QuantizeError
     naming a weight whose input dimension the block size does not divide."""
@@ -218,7 +222,7 @@ def reference_weights(weights: WeightSource, manifest: dict, dtype: torch.dtype)
     q = manifest.get("quantization")
     if not q:
         return weights
-    if q.get("format", 1) != QUANT_FORMAT:
+    if q.get("format", 1) != QUANT_FORMAT and q["symmetric"]:  # format 1's asymmetric codes are format 2's
         raise QuantizeError(f"this artifact was quantized by an earlier moedeploy (format {q.get('format', 1)}, "
                             f"this one reads {QUANT_FORMAT}): its eager reference cannot be rebuilt; export it again")
     formats = {name: QuantScheme(bits, q["block_size"], q["symmetric"]) for name, bits in q["tensors"].items()}

@@ -31,8 +31,9 @@ Asymmetric (uint codes, a zero point per block, read by ONNX Runtime only: Tenso
 zero point): the block's range widened to include 0 (so 0 stays exact, as ONNX Runtime's
 blockwise quantizer does), scale = (max - min) / (2^bits - 1), zero_point = round(-min /
 scale), code = clamp(round(w / scale) + zero_point, 0, 2^bits - 1).
-Rounding is half away from zero (C's roundf, as llama.cpp). An all-zero block has scale 0
-and dequantizes to exact zeros.
+Rounding is half away from zero (C's roundf, as llama.cpp). An all-zero block dequantizes to
+exact zeros: codes 0, and scale 1 when symmetric (TensorRT's parser takes positive scales only),
+0 when not. A weight with NaN or infinite values is refused: no scale represents them.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class BlockQuantized:
     scheme: QuantScheme
 
     def dequantize(self) -> torch.Tensor:
-        """(code - zero_point) * scale, in float32 (what DequantizeLinear computes)."""
+        """code * scale, or (code - zero_point) * scale, in float32 (what DequantizeLinear computes)."""
         blocks = self.codes.unflatten(-1, (-1, self.scheme.block_size)).float()
         if self.zero_point is not None:
             blocks = blocks - self.zero_point.unsqueeze(-1).float()
@@ -128,8 +129,8 @@ class PackedWeight:
         return cls(q.packed_codes(), q.scale.to(weight.dtype), zero_point, scheme, tuple(weight.shape))
 
     def dequantize(self) -> torch.Tensor:
-        """(code - zero_point) * scale in float32, rounded to the scale's dtype: what the
-        artifact's DequantizeLinear gives."""
+        """code * scale, or (code - zero_point) * scale, in float32, rounded to the scale's dtype:
+        what the artifact's DequantizeLinear gives."""
         codes = unpack(self.codes, self.scheme.bits, self.shape[-1], self.scheme.signed)
         zero_point = None if self.zero_point is None else \
             unpack(self.zero_point, self.scheme.bits, self.scale.numel()).reshape(self.scale.shape)
@@ -162,8 +163,12 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> BlockQuantized:
         raise ValueError(f"the input dimension {k} is not a multiple of the block size {scheme.block_size}; "
                          f"choose a block size that divides it")
     blocks = weight.float().unflatten(-1, (-1, scheme.block_size))  # (..., N, K / bs, bs)
+    if not torch.isfinite(blocks).all():
+        raise ValueError("it has NaN or infinite values, which no scale represents: check the checkpoint")
     if scheme.symmetric:
         codes, scale = _symmetric_int8(blocks) if scheme.bits == 8 else _symmetric_int4(blocks)
+        # an all-zero block: codes 0 and scale 1, not 0 (TensorRT takes positive scales only)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         return BlockQuantized(codes.to(torch.int8).flatten(-2), scale, None, scheme)
     top = scheme.levels - 1
     low, high = blocks.amin(-1).clamp(max=0.0), blocks.amax(-1).clamp(min=0.0)
@@ -188,8 +193,8 @@ def _symmetric_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax == 0, torch.zeros_like(amax), 1 / amax)
     best_codes = torch.zeros_like(blocks)
-    best_gain = torch.full(blocks.shape[:-1], -1.0, dtype=blocks.dtype)
-    best_scale = torch.zeros(blocks.shape[:-1], dtype=blocks.dtype)
+    best_gain = torch.full_like(amax[..., 0], -1.0)
+    best_scale = torch.zeros_like(amax[..., 0])
     for d in INT4_DIVISORS:
         q = round_half_away(blocks * (inverse * d)).clamp(-8, 7)
         wq, qq = (blocks * q).sum(-1), (q * q).sum(-1)

@@ -667,7 +667,8 @@ def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int) 
     from moedeploy.runtime.quantized import blocked_source
 
     w1, w2 = blocked_source(fc1), blocked_source(fc2)
-    if w1 is None or w2 is None or (w1.bits, w1.block_size) != (w2.bits, w2.block_size) or len(w1.shape) != 3:
+    if w1 is None or w2 is None or (w1.bits, w1.block_size, w1.signed) != (w2.bits, w2.block_size, w2.signed) \
+            or len(w1.shape) != 3:
         return False
     return w1.bits == 4 or nbits_accuracy == 4
 

@@ -12,7 +12,8 @@ Signed codes (symmetric schemes, no zero point: what TensorRT reads) are the uns
 around 2^(bits-1) with each value's top bit flipped. The lowering feeds MatMulNBits (and QMoE)
 BitwiseXor(view, 0x88 or 0x80), which ONNX Runtime's constant folding computes once at session
 creation; the folded copy is freed once the kernel has prepacked it (measured: the same
-resident and peak memory as a view of unsigned codes). Unsigned codes with zero points
+resident and peak memory as a view of unsigned codes). A session that does not prepack (the
+mapped weights) skips the folding and flips per run instead (runtime/ort.create_session). Unsigned codes with zero points
 (asymmetric schemes, and artifacts of format 1) are read as they are; only 4-bit zero points
 with an odd number of blocks per row differ (ONNX packs a tensor's nibbles flattened,
 MatMulNBits per row): those few bytes are repacked in memory.
@@ -121,7 +122,8 @@ def transposed_blocked_source(value: ir.Value | None) -> BlockedWeight | None:
 
 def nbits_weight(graph: ir.Graph, w: BlockedWeight, expert: int | None = None) -> NBitsWeight:
     """MatMulNBits inputs for the 2-D weight, or for expert `expert` of an (E, N, K) stack:
-    views of the artifact's codes and scales, registered as initializers of `graph`."""
+    views of the artifact's codes (sign-flipped when signed, `_codes`) and scales, registered as
+    initializers of `graph`."""
     n, k = w.shape[-2:]
     blocks = k // w.block_size
     tag = "" if expert is None else f".expert{expert}"
@@ -147,7 +149,7 @@ class QMoEStack:
 
 def qmoe_stack(graph: ir.Graph, value: ir.Value | None) -> QMoEStack | None:
     """QMoE's inputs for an (E, N, K) expert stack given as blocked DequantizeLinear, if it is
-    one: the artifact's codes and scales as they are (views, no copy), 4-bit zero points
+    one: views of the artifact's codes (sign-flipped when signed, `_codes`) and its scales, 4-bit zero points
     repacked per row when a row has an odd number of blocks (QMoE, like MatMulNBits, packs them
     per row)."""
     w = blocked_source(value)

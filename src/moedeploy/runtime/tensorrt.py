@@ -116,7 +116,8 @@ def build_engine(
     lowered, _ = lower_for_tensorrt(onnx.load(str(artifact.model_path), load_external_data=False))
     if not parser.parse(lowered.SerializeToString(), str(artifact.model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT's ONNX parser rejected {artifact.model_path}: {errors}")
+        raise RuntimeError(f"TensorRT's ONNX parser rejected {artifact.model_path} as moedeploy's TensorRT lowering "
+                           f"rewrote it (runtime/tensorrt_lowering.py): {errors}")
 
     config = builder.create_builder_config()
     if workspace_mb:

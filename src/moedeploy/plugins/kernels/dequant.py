@@ -35,7 +35,7 @@ def load_weight(W, S, Z, rows, cols, mask, K, BITS: tl.constexpr, QBLOCK: tl.con
         else:
             code = (tl.load(W + rows * (K // 2) + cols // 2, mask=mask, other=0).to(tl.int32) >> ((cols % 2) * 4)) & 15
         if SIGNED:
-            code = (code ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # two's complement, sign-extended
+            code = ((code & ((1 << BITS) - 1)) ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # sign-extended
             zero = 0
         elif BITS == 8:
             zero = tl.load(Z + block, mask=mask, other=0).to(tl.int32)
@@ -66,7 +66,7 @@ def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.c
             # (BK / 2, BN) bytes -> (BK / 2, 2, BN) nibbles, low first -> (BK, BN) in K order
             code = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
         if SIGNED:
-            code = (code ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # two's complement, sign-extended
+            code = ((code & ((1 << BITS) - 1)) ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # sign-extended
         if BLOCK_K >= QBLOCK:
             blocks = k0 // QBLOCK + tl.arange(0, BLOCK_K // QBLOCK)[:, None]  # (NB, 1)
             index = rows * (K // QBLOCK) + blocks  # (NB, BN)
