@@ -69,21 +69,25 @@ def prompt(n: int = 9) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(1))
 
 
+def prefill_feed(artifact: Artifact, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """The artifact graph's inputs for a prefill of `ids`: the ids and an empty past per layer."""
+    from moedeploy.export.decoder import past_names, past_shapes
+
+    shapes = past_shapes(artifact_config(artifact), ids.shape[0], 0)
+    return {"input_ids": ids.numpy()} | {n: np.zeros(s, np.float32)
+                                         for n, s in zip(past_names(SHAPE["num_hidden_layers"]), shapes * 2, strict=True)}
+
+
 @pytest.mark.parametrize("name", SCHEMES)
 def test_portable_artifact_on_plain_onnxruntime_equals_transformers_dequantized(name, artifacts, checkpoint) -> None:
     """No lowering: ONNX Runtime runs the DequantizeLinear nodes and the custom ops' function bodies."""
-    from moedeploy.export.decoder import past_names, past_shapes
-
     artifact = artifacts[name]
     model = onnx.load(str(artifact.model_path), load_external_data=False)
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dq) == 2 * 4 + 1 + 2 * 2  # q, k, v, o per layer, the LM head, gate/up and down per layer
     session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
     ids = prompt()
-    feed = {"input_ids": ids.numpy()}
-    shapes = past_shapes(artifact_config(artifact), 2, 0)
-    feed |= {n: np.zeros(s, np.float32) for n, s in zip(past_names(2), shapes * 2, strict=True)}
-    logits = session.run(["logits"], feed)[0]
+    logits = session.run(["logits"], prefill_feed(artifact, ids))[0]
     with torch.no_grad():
         expected = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)(ids).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
@@ -320,7 +324,6 @@ def test_tensorrt_lowering_views_the_same_bytes_and_computes_the_same(name, expe
     Reshape back, over the same external bytes (dims changed, data untouched): ONNX Runtime gives
     the same logits for both graphs. (At ORT_ENABLE_BASIC: ONNX Runtime 1.32's MatMulNBits fusion
     miscomputes per-axis INT8 weights, README.md; the lowered graph is TensorRT's, not ORT's.)"""
-    from moedeploy.export.decoder import past_names, past_shapes
     from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
     artifact = artifacts[name]
@@ -333,9 +336,7 @@ def test_tensorrt_lowering_views_the_same_bytes_and_computes_the_same(name, expe
     onnx.shape_inference.infer_shapes(lowered, strict_mode=True, check_type=True)  # dims and value_info agree
     assert all(len(inits[n.input[0]].dims) == 2 and inits[n.input[0]].data_location == onnx.TensorProto.EXTERNAL
                for n in rewritten)
-    feed = {"input_ids": prompt().numpy()}
-    feed |= {n: np.zeros(s, np.float32)
-             for n, s in zip(past_names(2), past_shapes(artifact_config(artifact), 2, 0) * 2, strict=True)}
+    feed = prefill_feed(artifact, prompt())
     outputs = []
     for graph in (model, lowered):
         options = ort.SessionOptions()
@@ -454,7 +455,6 @@ def test_a_mapped_session_flips_signed_codes_per_run_instead_of_holding_a_flippe
     """prepack=False exists to share the artifact's mapped bytes between sessions: folding the
     BitwiseXor that feeds signed codes to the kernels would give each session a private copy, so
     such a session skips constant folding; it computes the same logits."""
-    from moedeploy.export.decoder import past_names, past_shapes
     from moedeploy.runtime.ort import DISABLED_OPTIMIZERS
 
     artifact = artifacts["int4"]
@@ -462,9 +462,7 @@ def test_a_mapped_session_flips_signed_codes_per_run_instead_of_holding_a_flippe
     assert packed.lowering["sign_flips"] > 0
     assert mapped.session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS) == "ConstantFolding"
     assert not _skips_optimizers(packed.session)
-    feed = {"input_ids": prompt().numpy()}
-    feed |= {n: np.zeros(s, np.float32)
-             for n, s in zip(past_names(2), past_shapes(artifact_config(artifact), 2, 0) * 2, strict=True)}
+    feed = prefill_feed(artifact, prompt())
     np.testing.assert_allclose(mapped.session.run(["logits"], feed)[0], packed.session.run(["logits"], feed)[0],
                                rtol=1e-5, atol=1e-5)
     asymmetric = create_session(artifacts["int4-asym-16"], prepack=False)  # unsigned codes: nothing to flip

@@ -167,8 +167,6 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> BlockQuantized:
         raise ValueError("it has NaN or infinite values, which no scale represents: check the checkpoint")
     if scheme.symmetric:
         codes, scale = _symmetric_int8(blocks) if scheme.bits == 8 else _symmetric_int4(blocks)
-        # an all-zero block: codes 0 and scale 1, not 0 (TensorRT takes positive scales only)
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         return BlockQuantized(codes.to(torch.int8).flatten(-2), scale, None, scheme)
     top = scheme.levels - 1
     low, high = blocks.amin(-1).clamp(max=0.0), blocks.amax(-1).clamp(min=0.0)
@@ -179,11 +177,15 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> BlockQuantized:
     return BlockQuantized(codes.flatten(-2), scale.float(), zero.to(torch.uint8), scheme)
 
 
+def _positive(scale: torch.Tensor) -> torch.Tensor:
+    """An all-zero block's scale 0 as 1 (its codes are 0 either way): TensorRT takes positive scales only."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
 def _symmetric_int8(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q8_0: scale max|w| / 127, codes round(w / scale) in [-127, 127]."""
-    scale = blocks.abs().amax(-1) / 127
-    divisor = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
-    return round_half_away(blocks / divisor).clamp(-127, 127), scale
+    scale = _positive(blocks.abs().amax(-1) / 127)
+    return round_half_away(blocks / scale.unsqueeze(-1)).clamp(-127, 127), scale
 
 
 def _symmetric_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,25 +199,25 @@ def _symmetric_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     best_scale = torch.zeros_like(amax[..., 0])
     for d in INT4_DIVISORS:
         q = round_half_away(blocks * (inverse * d)).clamp(-8, 7)
-        wq, qq = (blocks * q).sum(-1), (q * q).sum(-1)
-        gain = torch.where(qq > 0, wq * wq / qq.clamp(min=1), torch.zeros_like(wq))
+        wq, qq = (blocks * q).sum(-1), (q * q).sum(-1).clamp(min=1)  # all-zero codes: wq = 0, so 0 below
+        gain = wq * wq / qq
         better = gain > best_gain
         best_gain = torch.where(better, gain, best_gain)
-        best_scale = torch.where(better, torch.where(qq > 0, wq / qq.clamp(min=1), torch.zeros_like(wq)), best_scale)
+        best_scale = torch.where(better, wq / qq, best_scale)
         best_codes = torch.where(better.unsqueeze(-1), q, best_codes)
-    return best_codes, best_scale
+    return best_codes, _positive(best_scale)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes (..., K), uint8 or int8 (two's complement) -> bytes: 8-bit as they are; 4-bit two per
     byte, element 2i in the low nibble of byte i (ONNX's uint4/int4 packing); an odd K gets a zero
     high nibble at the end."""
+    raw = codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)
     if bits == 8:
-        return codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)
-    if codes.shape[-1] % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    nibbles = (codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)) & 0x0F
-    pairs = nibbles.unflatten(-1, (-1, 2))
+        return raw
+    if raw.shape[-1] % 2:
+        raw = torch.nn.functional.pad(raw, (0, 1))
+    pairs = (raw & 0x0F).unflatten(-1, (-1, 2))
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 

@@ -29,6 +29,7 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     lowered.CopyFrom(model)
     graph = lowered.graph
     initializers = {i.name: i for i in graph.initializer}
+    infos = {v.name: v for v in graph.value_info}
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -37,7 +38,7 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     nodes = list(graph.node)
     del graph.node[:]
     for node in nodes:
-        rewritten = _rewrite(node, initializers, readers, graph)  # rewrites the node first:
+        rewritten = _rewrite(node, initializers, infos, readers, graph)  # rewrites the node first:
         graph.node.append(node)  # appending copies it
         if rewritten is not None:
             kind, reshape = rewritten
@@ -46,8 +47,8 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     return lowered, counts
 
 
-def _rewrite(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], readers: dict[str, int],
-             graph: onnx.GraphProto) -> tuple[str, onnx.NodeProto] | None:
+def _rewrite(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], infos: dict[str, onnx.ValueInfoProto],
+             readers: dict[str, int], graph: onnx.GraphProto) -> tuple[str, onnx.NodeProto] | None:
     """Rewrite a blocked DequantizeLinear of a form TensorRT does not take (module doc) in place;
     returns (what was done, the Reshape that restores its shape under the node's old output
     name), or None when the node is not one (or its constants are read elsewhere)."""
@@ -71,8 +72,8 @@ def _rewrite(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], re
         scale_dims = [rows[0], shape[2] // block]
     else:
         return None
-    _set_dims(graph, codes, rows)
-    _set_dims(graph, scale, scale_dims)
+    _set_dims(codes, rows, infos.get(codes.name))
+    _set_dims(scale, scale_dims, infos.get(scale.name))
     kept = [a for a in node.attribute if a.name not in ("axis", "block_size")]
     del node.attribute[:]
     node.attribute.extend(kept)
@@ -86,13 +87,12 @@ def _rewrite(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], re
     return kind, helper.make_node("Reshape", [node.output[0], target.name], [original], name=f"{node.name or original}/reshape")
 
 
-def _set_dims(graph: onnx.GraphProto, tensor: onnx.TensorProto, dims: list[int]) -> None:
-    """New dims for an initializer, and for the value_info the exporter recorded for it."""
+def _set_dims(tensor: onnx.TensorProto, dims: list[int], info: onnx.ValueInfoProto | None) -> None:
+    """New dims for an initializer, and for the value_info the exporter recorded for it, if any."""
     tensor.ClearField("dims")
     tensor.dims.extend(dims)
-    for info in graph.value_info:
-        if info.name == tensor.name:
-            shape = info.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in dims:
-                shape.dim.add().dim_value = d
+    if info is not None:
+        shape = info.type.tensor_type.shape
+        shape.ClearField("dim")
+        for d in dims:
+            shape.dim.add().dim_value = d
