@@ -64,6 +64,10 @@ def test_quantized_moe_fused_aot_kernel_matches_tensorrt_launch() -> None:
     assert params[: len(params) - TRITON_HIDDEN_PARAMS] == ["u64"] * 15 + ["u32"] * 3 + ["u64"]
     assert kernel.name == "moe_fused_nbits_kernel" and kernel.global_scratch == 0
     assert ".target sm_90" in kernel.ptx
+    # moe::MoENBits on an interleaved gate/up stack: the same launch (the pointer passed twice)
+    interleaved = compile_moe_fused("fp16", Routing(2, True), n_experts=8, quantized=QuantScheme(4, 32),
+                                    interleaved=True, arch=90)
+    assert _entry_params(interleaved.ptx) == params and interleaved.ptx != kernel.ptx
 
 
 def test_moe_fused_aot_bakes_in_opset_3_attributes() -> None:

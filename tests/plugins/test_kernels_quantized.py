@@ -89,6 +89,31 @@ def test_quantized_experts_with_biases_routing_and_activations(run: str, activat
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 16, True), QuantScheme(8, 16, False)], ids=["float", "int4", "uint8"])
+def test_interleaved_gate_up_stack_reads_gate_from_even_rows_and_up_from_odd(run: str, scheme: QuantScheme | None) -> None:
+    """A streamed export stores gate and up as one (E, 2I, H) stack, rows alternating gate, up
+    (moe::MoENBits takes it as it is): `interleaved=True` gives the experts of the separate
+    stacks, with biases and gpt-oss's clamped SwiGLU. Zero points of the fused stack are
+    indexed by its own rows (an odd count of 4-bit values per row would share bytes)."""
+    x, logits, (w_gate, w_up, w_down), biases = _case(3, 32, 48, 4, seed=11, bias=True)
+    fused = torch.stack([w_gate, w_up], dim=2).reshape(4, 96, 32)  # (E, I, 2, H): row 2r gate, 2r + 1 up
+    act = ExpertActivation("swiglu", 1.702, 1.0, 7.0)
+    if scheme is None:
+        weights, reference = [fused, w_down], [w_gate, w_up, w_down]
+    else:
+        weights, (fused_dq, down_dq) = _quantized([fused, w_down], scheme, torch.float32)
+        reference = [fused_dq[:, 0::2], fused_dq[:, 1::2], down_dq]
+    expected = moe_reference(x, logits, *reference, 2, activation=act, b_gate=biases[0], b_up=biases[1], b_down=biases[2])
+    dev = [t.to(DEVICE) for t in (x, logits, *biases)]
+    actual = RUNS[run](dev[0], dev[1], None, weights[0].to(DEVICE), weights[1].to(DEVICE), 2, activation=act,
+                       b_gate=dev[2], b_up=dev[3], b_down=dev[4], interleaved=True).cpu()
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="interleaved gate/up weights"):
+        RUNS[run](dev[0], dev[1], None, weights[0].to(DEVICE), weights[1].to(DEVICE), 2, activation="relu",
+                  interleaved=True)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_packed_weight_is_the_artifacts_bytes(symmetric: bool) -> None:
     """PackedWeight holds what the export writes for an expert stack (export/quantize.part_chunks,

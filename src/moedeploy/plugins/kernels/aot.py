@@ -84,7 +84,7 @@ def compile_rms_norm(dtype: str, eps: float, arch: int | None = None) -> AotKern
 
 def compile_moe_fused(
     dtype: str, top_k: int | Routing, normalize_topk: bool = True, activation: str | ExpertActivation = "swiglu",
-    *, n_experts: int, quantized: QuantScheme | None = None, arch: int | None = None,
+    *, n_experts: int, quantized: QuantScheme | None = None, interleaved: bool = False, arch: int | None = None,
 ) -> AotKernel:
     """moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y) with the
     routing (a Routing, or top_k and normalize_topk of softmax routing) and activation (an
@@ -92,7 +92,8 @@ def compile_moe_fused(
     experts' int8/int4 scheme) it is moe_fused_nbits_kernel(X, LOGITS, WG, SG, ZG, WU, SU, ZU,
     WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): each stack's codes (uint8 bytes), `dtype`
     scales and uint8 zero points (unread for signed codes), the bits, block size and signedness
-    baked in.
+    baked in. `interleaved`: WG and WU are one (E, 2I, H) stack, the gate in its even rows and
+    the up in its odd ones (the kernel takes the same pointer twice).
 
     Every routing variant compiles (the kernel routes with `route_token`); SCORE_BIAS is fp32
     whatever `dtype` is, as the node's score_bias input.
@@ -102,14 +103,14 @@ def compile_moe_fused(
     routing.check(n_experts)
     if _interpreting():
         kwargs = {"dtype": dtype, "routing": routing.attributes(), "activation": act.attributes(),
-                  "n_experts": n_experts, "arch": arch}
+                  "n_experts": n_experts, "interleaved": interleaved, "arch": arch}
         if quantized is not None:
             kwargs["quantized"] = dataclasses.asdict(quantized)
         return _in_clean_process("moe_fused", kwargs)
     t = TRITON_TYPES[dtype]
     constexprs = {
         **routing_params(routing), **activation_params(act),
-        "BLOCK_E": triton.next_power_of_2(n_experts), **FUSED_BLOCKS,
+        "BLOCK_E": triton.next_power_of_2(n_experts), **FUSED_BLOCKS, "INTERLEAVED": interleaved,
     }
     signature = {"X": f"*{t}", "LOGITS": f"*{t}"}
     for stack in ("G", "U", "D"):

@@ -195,13 +195,23 @@ def _tile_expert(ENDS, E, row0, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def interleaved_rows(rows, INTERLEAVED: tl.constexpr):
+    """(up rows, gate rows) of the stacks for rows `rows` of an (E * I, H) gate or up stack. With
+    INTERLEAVED, WG and WU are one (E, 2I, H) stack holding the gate in its even rows and the up
+    in its odd ones (what a streamed export stores, the layout ONNX Runtime's fused SwiGLU takes)."""
+    if INTERLEAVED:
+        return 2 * rows + 1, 2 * rows
+    return rows, rows
+
+
+@triton.jit
 def gate_up_kernel(
     X, WG, SG, ZG, WU, SU, ZU, BG, BU, HBUF, SORTED, ENDS,
     n_slots, H, I, E, stride_x, stride_be, stride_h,
     TOP_K: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -214,6 +224,7 @@ def gate_up_kernel(
     n_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n_cols < I
     w_rows = expert.to(tl.int64) * I + n_cols[None, :]  # (1, BN) rows of the (E * I, H) stacks
+    up_rows, gate_rows = interleaved_rows(w_rows, INTERLEAVED)
     dtype = HBUF.dtype.element_ty
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -221,10 +232,10 @@ def gate_up_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < H
         a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        wu = load_weight_t(WU, SU, ZU, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
+        wu = load_weight_t(WU, SU, ZU, up_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         if ACT == 0:
-            wg = load_weight_t(WG, SG, ZG, w_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
+            wg = load_weight_t(WG, SG, ZG, gate_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
     if HAS_BIAS:
         b_off = expert.to(tl.int64) * stride_be + n_cols
@@ -306,9 +317,12 @@ def default_config(n_tokens: int, top_k: int, n_experts: int) -> TileConfig:
     return TileConfig(64, 64, 32, 4)
 
 
-def dense_biases(w_up: torch.Tensor, b_gate, b_up, b_down) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contiguous (E, I), (E, I), (E, H) biases, zeros for the missing ones: kernels take pointers."""
-    e, i, h = w_up.shape
+def dense_biases(w_up: ExpertWeight, b_gate, b_up, b_down, interleaved: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous (E, I), (E, I), (E, H) biases, zeros for the missing ones: kernels take pointers.
+    (`interleaved`: w_up is the (E, 2I, H) gate/up stack.)"""
+    e, rows, h = w_up.shape
+    i = rows // 2 if interleaved else rows
     zeros = lambda *shape: torch.zeros(*shape, dtype=w_up.dtype, device=w_up.device)  # noqa: E731
     return (
         (zeros(e, i) if b_gate is None else b_gate).contiguous(),
@@ -384,29 +398,36 @@ def dense_score_bias(score_bias: torch.Tensor | None, n_experts: int, device) ->
     return score_bias.to(torch.float32).contiguous()
 
 
-def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation) -> None:
+def _check(x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation,
+           interleaved: bool = False) -> None:
     if x.dim() != 2 or router_logits.dim() != 2:
         raise ValueError(f"x must be (N, H) and router_logits (N, E); got {tuple(x.shape)}, {tuple(router_logits.shape)}")
     n, h = x.shape
     e, i, h_up = w_up.shape
-    if h_up != h or w_down.shape != (e, h, i) or router_logits.shape != (n, e):
+    if interleaved:
+        if activation.activation != "swiglu" or w_gate is not None or i % 2:
+            raise ValueError("interleaved gate/up weights are one (E, 2I, H) stack of swiglu experts, passed as "
+                             f"w_up with w_gate None; got w_up {tuple(w_up.shape)} for {activation.activation} experts")
+        i //= 2
+    if h_up != h or tuple(w_down.shape) != (e, h, i) or router_logits.shape != (n, e):
         raise ValueError(
             f"inconsistent MoE shapes: x {tuple(x.shape)}, router_logits {tuple(router_logits.shape)}, "
             f"w_up {tuple(w_up.shape)}, w_down {tuple(w_down.shape)}"
         )
-    if activation.activation == "swiglu" and (w_gate is None or w_gate.shape != w_up.shape):
+    if activation.activation == "swiglu" and not interleaved and (w_gate is None or w_gate.shape != w_up.shape):
         raise ValueError("swiglu experts need w_gate with w_up's shape (E, I, H)")
     routing.check(e)
 
 
 def prepare(
-    x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation, out
+    x, router_logits, w_gate, w_up, w_down, routing: Routing, activation: ExpertActivation, out,
+    interleaved: bool = False,
 ) -> tuple[int, int, int, int, torch.Tensor]:
     """Validate a MoE call and give its sizes (N, H, E, I) and the output tensor."""
-    _check(x, router_logits, w_gate, w_up, w_down, routing, activation)
+    _check(x, router_logits, w_gate, w_up, w_down, routing, activation, interleaved)
     check_device(x)
     n, h = x.shape
-    e, i, _ = w_up.shape
+    e, _, i = w_down.shape  # I from the down stack: w_up's rows are 2I when interleaved
     y = torch.empty(n, h, dtype=x.dtype, device=x.device) if out is None else out
     return n, h, e, i, y
 
@@ -453,16 +474,18 @@ def moe(
     score_bias: torch.Tensor | None = None,
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """y (N, H) = sum over each token's routed experts of weight * expert(x); see the module doc.
 
     Arguments as `moedeploy.plugins.moe.moe_reference`: `top_k` is a Routing, or the top-k of
     plain softmax routing (with `normalize_topk`); `activation` an ExpertActivation or a name;
-    `score_bias` (E,) only selects.
+    `score_bias` (E,) only selects. `interleaved`: w_up is one (E, 2I, H) stack holding the
+    gate in its even rows and the up in its odd ones (what a streamed export stores), w_gate None.
     """
     routing = as_routing(top_k, normalize_topk)
     activation = as_activation(activation)
-    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out, interleaved)
     device, dtype = x.device, x.dtype
     if n == 0:
         return y
@@ -471,7 +494,7 @@ def moe(
     x, router_logits = x.contiguous(), router_logits.contiguous()
     stacks, quant = expert_weights(w_gate, w_up, w_down, dtype)
     has_bias = any(b is not None for b in (b_gate, b_up, b_down))
-    b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down)
+    b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down, interleaved)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     block_e = triton.next_power_of_2(e)
     n_slots = n * top_k
@@ -494,7 +517,8 @@ def moe(
         x, *stacks[:6], b_gate, b_up, hidden, sorted_slots, ends,
         n_slots, h, i, e, x.stride(0), b_up.stride(0), hidden.stride(0),
         TOP_K=top_k, **activation_params(activation), HAS_BIAS=has_bias, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps, **quant,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps,
+        INTERLEAVED=interleaved, **quant,
     )
     slot_out = torch.empty(n_slots, h, dtype=torch.float32, device=device)
     down_kernel[(n_tiles, triton.cdiv(h, cfg.block_n))](

@@ -30,6 +30,7 @@ from moedeploy.plugins.kernels.moe import (
     dense_biases,
     dense_score_bias,
     expert_weights,
+    interleaved_rows,
     prepare,
     route_token,
     routing_params,
@@ -45,10 +46,11 @@ def fused_moe_program(
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """One program's work (module doc), on float weights (BITS 0) or int8/int4 blocked ones,
-    whose tiles `load_weight` dequantizes as it reads them."""
+    whose tiles `load_weight` dequantizes as it reads them; with INTERLEAVED, WG and WU are one
+    (E, 2I, H) stack, the gate in its even rows and the up in its odd ones (`interleaved_rows`)."""
     token = tl.program_id(0).to(tl.int64)
     h_cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h_cols < H
@@ -72,15 +74,16 @@ def fused_moe_program(
             up = tl.zeros((BLOCK_I,), dtype=tl.float32)
             gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
             rows = expert * I + i_cols[:, None]  # (BI, 1) rows of the (E * I, H) gate/up stacks
+            up_rows, gate_rows = interleaved_rows(rows, INTERLEAVED)
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_valid = ks < H
                 x = tl.load(X + token * H + ks, mask=k_valid, other=0.0).to(tl.float32)
                 w_mask = i_valid[:, None] & k_valid[None, :]
-                w_up = load_weight(WU, SU, ZU, rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
+                w_up = load_weight(WU, SU, ZU, up_rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
                 up += tl.sum(w_up * x[None, :], axis=1)
                 if ACT == 0:
-                    w_gate = load_weight(WG, SG, ZG, rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
+                    w_gate = load_weight(WG, SG, ZG, gate_rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
                     gate += tl.sum(w_gate * x[None, :], axis=1)
             up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             if ACT == 0:
@@ -108,12 +111,13 @@ def moe_fused_kernel(
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """The moe::MoE plugin's kernel: float expert weights."""
     fused_moe_program(
         X, LOGITS, WG, WG, WG, WU, WU, WU, WD, WD, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
         TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
-        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, 0, 1, False,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, 0, 1, False, INTERLEAVED,
     )
 
 
@@ -126,14 +130,14 @@ def moe_fused_nbits_kernel(
     TOPK_GROUP: tl.constexpr, GROUP_SCORING: tl.constexpr, BLOCK_TOPK: tl.constexpr, scale: tl.constexpr,
     two_eps: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """The same on int8/int4 blocked expert weights: codes, scale and zero point of each stack
     (`dequant.load_weight`), dequantized in the kernel."""
     fused_moe_program(
         X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD, SCORE_BIAS, H, I, E, Y,
         TOP_K, NORMALIZE, SCORING, N_GROUP, TOPK_GROUP, GROUP_SCORING, BLOCK_TOPK, scale, two_eps,
-        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, BITS, QBLOCK, SIGNED,
+        ACT, ALPHA, BETA, CLAMP, LIMIT, BLOCK_E, BLOCK_H, BLOCK_I, BLOCK_K, BITS, QBLOCK, SIGNED, INTERLEAVED,
     )
 
 
@@ -145,14 +149,14 @@ def moe_fused(
     w_down: ExpertWeight, top_k: int | Routing, normalize_topk: bool = True,
     activation: str | ExpertActivation = "swiglu",
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    score_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    score_bias: torch.Tensor | None = None, out: torch.Tensor | None = None, interleaved: bool = False,
 ) -> torch.Tensor:
     """The single-kernel MoE as a function on torch tensors (what the AOT plugin launches);
     arguments as `moedeploy.plugins.kernels.moe`. The expert stacks are float tensors, or all
     three int8/int4 `PackedWeight`s, dequantized in the kernel."""
     routing = as_routing(top_k, normalize_topk)
     activation = as_activation(activation)
-    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out)
+    n, h, e, i, y = prepare(x, router_logits, w_gate, w_up, w_down, routing, activation, out, interleaved)
     if n == 0:
         return y
     stacks, quant = expert_weights(w_gate, w_up, w_down, x.dtype)
@@ -160,11 +164,11 @@ def moe_fused(
         kernel, stacks, extra = moe_fused_kernel, stacks[::3], {}
     else:
         kernel, extra = moe_fused_nbits_kernel, quant
-    args = [x.contiguous(), router_logits.contiguous(), *stacks, *dense_biases(w_up, b_gate, b_up, b_down),
+    args = [x.contiguous(), router_logits.contiguous(), *stacks, *dense_biases(w_up, b_gate, b_up, b_down, interleaved),
             dense_score_bias(score_bias, e, x.device)]
     grid = (n, triton.cdiv(h, FUSED_BLOCKS["BLOCK_H"]))
     kernel[grid](
         *args, h, i, e, y, **activation_params(activation), BLOCK_E=triton.next_power_of_2(e),
-        **routing_params(routing), **FUSED_BLOCKS, **extra,
+        **routing_params(routing), **FUSED_BLOCKS, INTERLEAVED=interleaved, **extra,
     )
     return y
