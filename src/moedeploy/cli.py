@@ -543,7 +543,7 @@ def check_cmd(
     if rewritten := {k: n for k, n in report.lowering.items() if n}:
         what = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in rewritten.items())
         out.print(f"[dim]as build_engine parses it, through moedeploy's TensorRT lowering: {what} "
-                  "(the same bytes, reshaped)[/dim]", highlight=False)
+                  "(the same weight bytes, re-typed or reshaped, none copied)[/dim]", highlight=False)
     if report.plugins:
         table = make_table("custom nodes -> plugins", columns := ["node", "op", "implemented by"], text=tuple(columns))
         for f in report.plugins:

@@ -289,14 +289,16 @@ def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_
     def findings(artifact) -> list[str]:
         report = check_tensorrt(artifact)
         assert {f.op for f in report.blocking} <= {"DequantizeLinear"}  # the rest of the graph parses
-        assert report.op_counts["DequantizeLinear"] == 13
+        assert report.op_counts["DequantizeLinear"] == 9  # the experts' 4 went to moe::MoENBits
+        assert [f.op for f in report.plugins].count("moe::MoENBits") == 2
         return [f.detail for f in report.blocking]
 
     asymmetric = findings(artifacts["int4-asym-16"])  # unsigned codes with zero points: none parses
-    assert len(asymmetric) == 13 and all("its codes are UINT4" in d for d in asymmetric)
-    # signed codes parse once lowered: int8 blocks as channels, int4 expert stacks as rows
+    assert len(asymmetric) == 9 and all("its codes are UINT4" in d for d in asymmetric)
+    # signed codes parse once lowered: int8 blocks as channels, the experts on their codes
     assert findings(artifacts["int8"]) == [] and findings(artifacts["int4"]) == []
-    assert check_tensorrt(artifacts["int4"]).lowering == {"int4_stacks_as_rows": 4, "int8_blocks_as_channels": 5}
+    assert check_tensorrt(artifacts["int4"]).lowering == {"moe_nodes_on_codes": 2, "int4_stacks_as_rows": 0,
+                                                          "int8_blocks_as_channels": 5}
     uniform = export("decoder", tmp_path / "uniform", checkpoint=checkpoint, quantization=SCHEMES["int4"], mixed=False)
     assert findings(uniform) == []
 
@@ -323,13 +325,15 @@ def test_tensorrt_lowering_views_the_same_bytes_and_computes_the_same(name, expe
     """int4 expert stacks become rank-2 rows, int8 blocks become per-channel rows, each with a
     Reshape back, over the same external bytes (dims changed, data untouched): ONNX Runtime gives
     the same logits for both graphs. (At ORT_ENABLE_BASIC: ONNX Runtime 1.32's MatMulNBits fusion
-    miscomputes per-axis INT8 weights, README.md; the lowered graph is TensorRT's, not ORT's.)"""
+    miscomputes per-axis INT8 weights, README.md; the lowered graph is TensorRT's, not ORT's.)
+    The experts stay on moe::MoE here (ONNX Runtime has no moe::MoENBits): the fallback for
+    stacks the plugin cannot take, checked on graphs ONNX Runtime runs."""
     from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
     artifact = artifacts[name]
     model = onnx.load(str(artifact.model_path), load_external_data=False)
-    lowered, counts = lower_for_tensorrt(model)
-    assert counts == expected
+    lowered, counts = lower_for_tensorrt(model, experts_on_codes=False)
+    assert counts == {"moe_nodes_on_codes": 0, **expected}
     rewritten = [n for n in lowered.graph.node if n.op_type == "DequantizeLinear" and "/int" in n.output[0]]
     inits = {i.name: i for i in lowered.graph.initializer}
     assert len(rewritten) == sum(expected.values())
@@ -345,6 +349,93 @@ def test_tensorrt_lowering_views_the_same_bytes_and_computes_the_same(name, expe
         session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
         outputs.append(session.run(["logits"], feed)[0])
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> None:
+    """Each moe::MoE over dequantized stacks becomes moe::MoENBits over the artifact's own codes
+    and scales (re-typed as INT8 bytes: the same external data, nothing copied), its
+    DequantizeLinear and Slice nodes gone. Its inputs, read from the lowered graph and run the
+    way the TensorRT plugin's JIT path runs them (moe_nbits.run: the Triton kernels, here under
+    the interpreter), give the output ONNX Runtime computes for the artifact's moe::MoE node on
+    the same activations (its DequantizeLinear, Slice and function body)."""
+    from onnx import external_data_helper, helper, numpy_helper
+
+    from moedeploy.plugins import moe_nbits
+    from moedeploy.plugins.moe import ExpertActivation, Routing
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    artifact = artifacts[name]
+    scheme = SCHEMES[name]
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    lowered, counts = lower_for_tensorrt(model)
+    assert counts["moe_nodes_on_codes"] == SHAPE["num_hidden_layers"] and counts["int4_stacks_as_rows"] == 0
+    onnx.shape_inference.infer_shapes(lowered, strict_mode=True, check_type=True)
+    assert not any(n.op_type in ("Slice", "Constant", "MoE") for n in lowered.graph.node)
+    original = {i.name: i for i in model.graph.initializer}
+    inits = {i.name: i for i in lowered.graph.initializer}
+    plugin_nodes = [n for n in lowered.graph.node if n.op_type == moe_nbits.OP_TYPE]
+    moe_nodes = [n for n in model.graph.node if n.op_type == "MoE"]
+    assert [n.name for n in plugin_nodes] == [n.name for n in moe_nodes]
+    node, source = plugin_nodes[0], moe_nodes[0]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs["symmetric"], attrs["interleaved"]) == \
+        (scheme.bits, scheme.block_size, int(scheme.symmetric), 1)  # the streamed export interleaves gate/up
+    e, h, i = SHAPE["num_local_experts"], SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    for stack, rows, k in ((2, 2 * i, h), (8, h, i)):  # gate (= up), down
+        codes = inits[node.input[stack]]
+        assert codes.data_type == onnx.TensorProto.INT8 and list(codes.dims) == [e, rows, k * scheme.bits // 8]
+        assert codes.external_data == original[codes.name].external_data  # the same bytes on disk
+        assert (node.input[stack + 2] == node.input[stack]) == scheme.symmetric  # signed: no zero point
+    assert node.input[2:5] == node.input[5:8]  # the gate and up inputs name one interleaved stack
+
+    # the artifact's moe::MoE on ONNX Runtime, its activations and output captured
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(v) for v in [*source.input[:2], source.output[0]])
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.path))
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x, logits, expected = session.run([*source.input[:2], source.output[0]], prefill_feed(artifact, prompt()))
+
+    def value(name: str) -> torch.Tensor:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(inits[name])
+        external_data_helper.load_external_data_for_tensor(tensor, str(artifact.path))
+        return torch.from_numpy(numpy_helper.to_array(tensor).copy())
+
+    assert node.input[11:] == source.input[5:]  # biases and score bias as they were: zeros, made in the graph
+    fills = [n for n in lowered.graph.node if n.output[0] in node.input[11:]]
+    assert fills and all(n.op_type == "ConstantOfShape" and not n.attribute for n in fills)
+    biases = [torch.zeros(e, i), torch.zeros(e, i), torch.zeros(e, h), torch.zeros(e)]
+    inputs = [torch.from_numpy(x), torch.from_numpy(logits), *(value(n) for n in node.input[2:11]), *biases]
+    routing, activation = Routing.from_attributes(attrs), ExpertActivation.from_attributes(attrs)
+    actual = moe_nbits.run(inputs, routing, activation, scheme, interleaved=bool(attrs["interleaved"]))
+    torch.testing.assert_close(actual, torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
+
+
+def test_moe_nbits_plugin_signature_matches_the_lowered_node(artifacts) -> None:
+    """moe::MoENBits' tensorrt.plugin functions take the lowered node's 15 inputs, then its
+    attributes in node order (plugin_namespace is the parser's), as the other plugins do; its
+    autotune types cover every I/O, codes and zero points INT8."""
+    import moedeploy.plugins.tensorrt_plugins as glue
+    from moedeploy.plugins import moe_nbits
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    from ..plugins.test_tensorrt_glue import TAILS, _decorated
+
+    lowered, _ = lower_for_tensorrt(onnx.load(str(artifacts["int4"].model_path), load_external_data=False))
+    node = next(n for n in lowered.graph.node if n.op_type == moe_nbits.OP_TYPE)
+    attributes = [a.name for a in node.attribute if a.name != "plugin_namespace"]
+    assert attributes[-len(moe_nbits.ATTRIBUTES):] == list(moe_nbits.ATTRIBUTES) and len(node.input) == 15
+    found = _decorated()
+    for kind, tail in TAILS.items():
+        assert found[("moe::MoENBits", kind)] == [*moe_nbits.INPUTS, *attributes, *tail]
+    types = [t.strip() for t in glue._moe_nbits_io_types().split(",")]
+    assert len(types) == len(node.input) + 1
+    assert [k for k, t in zip(moe_nbits.INPUTS, types, strict=False) if t.startswith("INT8")] == \
+        ["w_gate", "z_gate", "w_up", "z_up", "w_down", "z_down"]
+    assert all(len(t.split("|")) == 3 for t in types)  # every position pairs the three float types by index
 
 
 def test_compare_measures_quantization_against_the_float_model_as_transformers_does(artifacts, checkpoint) -> None:

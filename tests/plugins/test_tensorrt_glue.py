@@ -65,8 +65,8 @@ def test_moe_autotune_types_cover_every_io(nodes) -> None:
     """One type per I/O (9 inputs + Y); score_bias, the node's fp32 input 9, is FP32 only."""
     types = [t.strip() for t in glue._moe_io_types().split(",")]
     assert len(types) == len(nodes["moe::MoE"].input) + 1
-    assert types[8] == "FP32"
-    assert set(types) - {"FP32"} == {"FP32|FP16|BF16"}
+    assert types[8] == "FP32|FP32|FP32"  # "|" pairs types by index: fp32 in each combination
+    assert set(types) - {types[8]} == {"FP32|FP16|BF16"}
 
 
 @pytest.mark.parametrize("plugin", ["moe::RMSNorm", "moe::MoE"])

@@ -19,12 +19,13 @@ from importlib import resources
 import onnx
 
 from moedeploy.export.artifact import Artifact
-from moedeploy.plugins import CUSTOM_OPS
 from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
 PLUGIN_IMPLEMENTATIONS = {
     ("moe", "RMSNorm"): "plugin moe::RMSNorm (AOT rms_norm_kernel | JIT kernels.rms_norm)",
     ("moe", "MoE"): "plugin moe::MoE (AOT moe_fused_kernel | JIT grouped kernels.moe)",
+    ("moe", "MoENBits"): "plugin moe::MoENBits (AOT moe_fused_nbits_kernel | JIT grouped kernels.moe, "
+                         "int8/int4 codes dequantized in registers)",
 }
 TOPK_MAX = 3840  # "K input must be less than 3840"
 
@@ -144,7 +145,7 @@ def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
         label = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
         report.op_counts[label] = report.op_counts.get(label, 0) + 1
         name = node.name or node.output[0]
-        if key in CUSTOM_OPS:
+        if key in PLUGIN_IMPLEMENTATIONS:
             namespace = next((a.s.decode() for a in node.attribute if a.name == "plugin_namespace"), "")
             detail = PLUGIN_IMPLEMENTATIONS[key]
             if namespace != node.domain:

@@ -10,8 +10,9 @@ math lives in the Triton kernels of `moedeploy.plugins.kernels`, tested on CPU.
              without Python (trtexec, Triton Inference Server). Each plugin gets exactly one
              kernel, so MoE uses the single fused kernel (kernels/moe_fused.py).
 
-Plugin ids are "moe::RMSNorm" / "moe::MoE": the ONNX parser maps a node with op_type
-RMSNorm and attribute plugin_namespace="moe" to them. Attribute names and order match
+Plugin ids are "moe::RMSNorm" / "moe::MoE" / "moe::MoENBits" (moe::MoE over int8/int4 codes,
+the node the TensorRT lowering gives a quantized artifact's experts: plugins/moe_nbits.py): the
+ONNX parser maps a node with op_type RMSNorm and attribute plugin_namespace="moe" to them. Attribute names and order match
 the ONNX nodes (TensorRT passes every registered attribute to aot_impl, in order).
 
 This module deliberately has no `from __future__ import annotations`: tensorrt.plugin
@@ -37,6 +38,7 @@ def register_plugins() -> None:
     _DTYPES = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
     _register_rms_norm(trt, trtp)
     _register_moe(trt, trtp)
+    _register_moe_nbits(trt, trtp)
     _REGISTERED = True
 
 
@@ -117,11 +119,33 @@ def _activation(activation, activation_alpha, activation_beta, swiglu_limit):
     )
 
 
+FLOATS = ("FP32", "FP16", "BF16")
+
+
+def _fixed(dtype: str) -> str:
+    """A type that stays `dtype` in each of the float combinations ("|" pairs them by index)."""
+    return "|".join([dtype] * len(FLOATS))
+
+
 def _moe_io_types() -> str:
     """moe::MoE's type combinations: X, router_logits, the weights and biases and the output
     share one float type; score_bias (input 9) is always FP32."""
-    same = "FP32|FP16|BF16"
-    return ", ".join([same] * 8 + ["FP32", same])  # 9 inputs + 1 output
+    same = "|".join(FLOATS)
+    return ", ".join([same] * 8 + [_fixed("FP32"), same])  # 9 inputs + 1 output
+
+
+def _moe_nbits_io_types() -> str:
+    """moe::MoENBits' type combinations: as moe::MoE's, each stack's codes and zero points INT8
+    bytes and its scales in the float type (plugins/moe_nbits.py)."""
+    same = "|".join(FLOATS)
+    stack = [_fixed("INT8"), same, _fixed("INT8")]
+    return ", ".join([same] * 2 + stack * 3 + [same] * 3 + [_fixed("FP32"), same])  # 15 inputs + 1 output
+
+
+def _scheme(bits, block_size, symmetric):
+    from moedeploy.models.blockquant import QuantScheme
+
+    return QuantScheme(int(bits), int(block_size), bool(symmetric))
 
 
 def _register_moe(trt, trtp) -> None:
@@ -185,7 +209,6 @@ def _register_moe(trt, trtp) -> None:
         outputs: Tuple[trtp.TensorDesc], tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         from moedeploy.plugins.kernels.aot import compile_moe_fused
-        from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
 
         n_experts = _static(w_up.shape_expr[0], "number of experts")
         routing = _routing(
@@ -193,18 +216,114 @@ def _register_moe(trt, trtp) -> None:
         )
         act = _activation(activation, activation_alpha, activation_beta, swiglu_limit)
         kernel = compile_moe_fused(_DTYPES[X.dtype], routing, activation=act, n_experts=n_experts)
-        hidden, inter = X.shape_expr[1], w_up.shape_expr[1]
-        params = trtp.KernelLaunchParams()
-        params.grid_x = X.shape_expr[0]  # one program per token ...
-        params.grid_y = trtp.cdiv(hidden, FUSED_BLOCKS["BLOCK_H"])  # ... and output tile
-        params.block_x = kernel.num_warps * 32
-        params.shared_mem = kernel.shared
         # moe_fused_kernel(X, LOGITS, WG, WU, WD, BG, BU, BD, SCORE_BIAS, H, I, E, Y): TensorRT
         # passes the 9 input pointers, then these int32 scalars, then the output pointer.
-        extra = trtp.SymIntExprs.from_tuple(
-            [trtp.SymInt32(hidden), trtp.SymInt32(inter), trtp.SymInt32(w_up.shape_expr[0])]
+        return _fused_launch(kernel, X, _static(w_down.shape_expr[2], "intermediate size"), n_experts)
+
+
+def _register_moe_nbits(trt, trtp) -> None:
+    # Inputs and attributes in the node's order (plugins/moe_nbits.py): moe::MoE's attributes,
+    # then bits, block_size, symmetric.
+    @trtp.register("moe::MoENBits")
+    def moe_nbits_desc(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc,
+        w_gate: trtp.TensorDesc, s_gate: trtp.TensorDesc, z_gate: trtp.TensorDesc,
+        w_up: trtp.TensorDesc, s_up: trtp.TensorDesc, z_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, s_down: trtp.TensorDesc, z_down: trtp.TensorDesc,
+        b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc, score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
+        bits: int, block_size: int, symmetric: int, interleaved: int,
+    ) -> Tuple[trtp.TensorDesc]:
+        return (X.like(),)
+
+    @trtp.autotune("moe::MoENBits")
+    def moe_nbits_autotune(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc,
+        w_gate: trtp.TensorDesc, s_gate: trtp.TensorDesc, z_gate: trtp.TensorDesc,
+        w_up: trtp.TensorDesc, s_up: trtp.TensorDesc, z_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, s_down: trtp.TensorDesc, z_down: trtp.TensorDesc,
+        b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc, score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
+        bits: int, block_size: int, symmetric: int, interleaved: int, outputs: Tuple[trtp.TensorDesc],
+    ) -> List[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(_moe_nbits_io_types(), "LINEAR")]
+
+    @trtp.impl("moe::MoENBits")
+    def moe_nbits_impl(
+        X: trtp.Tensor, router_logits: trtp.Tensor,
+        w_gate: trtp.Tensor, s_gate: trtp.Tensor, z_gate: trtp.Tensor,
+        w_up: trtp.Tensor, s_up: trtp.Tensor, z_up: trtp.Tensor,
+        w_down: trtp.Tensor, s_down: trtp.Tensor, z_down: trtp.Tensor,
+        b_gate: trtp.Tensor, b_up: trtp.Tensor, b_down: trtp.Tensor, score_bias: trtp.Tensor,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
+        bits: int, block_size: int, symmetric: int, interleaved: int, outputs: Tuple[trtp.Tensor], stream: int,
+    ) -> None:
+        import torch
+
+        from moedeploy.plugins import moe_nbits
+
+        routing = _routing(
+            top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps, group_scoring
         )
-        return kernel.name.encode(), kernel.ptx.encode(), params, extra
+        act = _activation(activation, activation_alpha, activation_beta, swiglu_limit)
+        inputs = (X, router_logits, w_gate, s_gate, z_gate, w_up, s_up, z_up, w_down, s_down, z_down,
+                  b_gate, b_up, b_down, score_bias)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            moe_nbits.run([_torch(t) for t in inputs], routing, act, _scheme(bits, block_size, symmetric),
+                          interleaved=bool(interleaved), out=_torch(outputs[0]))
+
+    @trtp.aot_impl("moe::MoENBits")
+    def moe_nbits_aot_impl(
+        X: trtp.TensorDesc, router_logits: trtp.TensorDesc,
+        w_gate: trtp.TensorDesc, s_gate: trtp.TensorDesc, z_gate: trtp.TensorDesc,
+        w_up: trtp.TensorDesc, s_up: trtp.TensorDesc, z_up: trtp.TensorDesc,
+        w_down: trtp.TensorDesc, s_down: trtp.TensorDesc, z_down: trtp.TensorDesc,
+        b_gate: trtp.TensorDesc, b_up: trtp.TensorDesc, b_down: trtp.TensorDesc, score_bias: trtp.TensorDesc,
+        top_k: int, normalize_topk: int, scoring: str, n_group: int, topk_group: int,
+        routed_scaling_factor: float, jitter_eps: float, group_scoring: str,
+        activation: str, activation_alpha: float, activation_beta: float, swiglu_limit: float,
+        bits: int, block_size: int, symmetric: int, interleaved: int, outputs: Tuple[trtp.TensorDesc], tactic: int,
+    ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+        from moedeploy.plugins.kernels.aot import compile_moe_fused
+
+        n_experts = _static(w_up.shape_expr[0], "number of experts")
+        routing = _routing(
+            top_k, normalize_topk, scoring, n_group, topk_group, routed_scaling_factor, jitter_eps, group_scoring
+        )
+        act = _activation(activation, activation_alpha, activation_beta, swiglu_limit)
+        kernel = compile_moe_fused(_DTYPES[X.dtype], routing, activation=act, n_experts=n_experts,
+                                   quantized=_scheme(bits, block_size, symmetric), interleaved=bool(interleaved))
+        # moe_fused_nbits_kernel(X, LOGITS, WG, SG, ZG, WU, SU, ZU, WD, SD, ZD, BG, BU, BD,
+        # SCORE_BIAS, H, I, E, Y): the 15 input pointers in the node's order, then the scalars
+        # (I from the down stack's scales: one per block of I), then the output
+        inter = _static(s_down.shape_expr[2], "intermediate size") * int(block_size)
+        return _fused_launch(kernel, X, inter, n_experts)
+
+
+def _fused_launch(kernel, X, inter: int, n_experts: int):
+    """Launch parameters of moe_fused_kernel / moe_fused_nbits_kernel: one program per token and
+    output tile; after the input pointers the int32 scalars H, I, E (I and E static: the
+    expert weights are the graph's constants)."""
+    import tensorrt.plugin as trtp
+
+    from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
+
+    hidden = X.shape_expr[1]
+    params = trtp.KernelLaunchParams()
+    params.grid_x = X.shape_expr[0]  # one program per token ...
+    params.grid_y = trtp.cdiv(hidden, FUSED_BLOCKS["BLOCK_H"])  # ... and output tile
+    params.block_x = kernel.num_warps * 32
+    params.shared_mem = kernel.shared
+    extra = trtp.SymIntExprs.from_tuple(
+        [trtp.SymInt32(hidden), trtp.SymInt32(trtp.ShapeExpr(inter)), trtp.SymInt32(trtp.ShapeExpr(n_experts))]
+    )
+    return kernel.name.encode(), kernel.ptx.encode(), params, extra
 
 
 __all__ = ["register_plugins"]

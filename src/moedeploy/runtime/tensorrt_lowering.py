@@ -1,9 +1,16 @@
 """The portable artifact's graph as TensorRT's ONNX parser takes it: exact rewrites where
 NVIDIA documents a narrower form than ONNX allows.
 
+Expert stacks: each moe::MoE whose three stacks are blocked DequantizeLinear nodes read by it
+alone becomes a moe::MoENBits node over the codes and scales those nodes read (plugins/
+moe_nbits.py), and the DequantizeLinear nodes go: the plugin's kernels dequantize in registers,
+so the engine keeps the experts at 8 or 4 bits instead of in the float type. The codes (and
+zero points) are re-typed as INT8 bytes, the only 8-bit type a TensorRT plugin takes: the same
+bytes, so only their data_type and dims change.
+
 TensorRT's Dequantize layer takes a scale that is a scalar, per channel (1-D, along one axis),
-or blocked (INT4 only, rank 2). The artifact's DequantizeLinear nodes are blocked along the
-last axis, and two of their forms fall outside that:
+or blocked (INT4 only, rank 2). The artifact's other DequantizeLinear nodes are blocked along
+the last axis, and two of their forms fall outside that:
 - INT4 over a rank-3 expert stack (E, N, K) -> the same codes and scales read as (E * N, K)
   rows, blocked as before, then a Reshape back to (E, N, K);
 - INT8 in blocks of B (any rank) -> the codes read as (numel / B, B), one block a row, and the
@@ -22,9 +29,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from moedeploy.plugins import moe, moe_nbits
 
-def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """A copy of `model` rewritten for TensorRT's parser (module doc), and counts of what changed."""
+TensorProto = onnx.TensorProto
+#: the artifact's code types: (bits, signed)
+CODE_TYPES = {TensorProto.INT8: (8, True), TensorProto.UINT8: (8, False),
+              TensorProto.INT4: (4, True), TensorProto.UINT4: (4, False)}
+
+
+def lower_for_tensorrt(model: onnx.ModelProto, experts_on_codes: bool = True) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """A copy of `model` rewritten for TensorRT's parser (module doc), and counts of what changed.
+    `experts_on_codes=False` leaves moe::MoE on dequantized stacks (the graph ONNX Runtime can
+    still run, for tests of the other rewrites)."""
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
     graph = lowered.graph
@@ -34,7 +50,17 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    counts = {"int4_stacks_as_rows": 0, "int8_blocks_as_channels": 0}
+    counts = {"moe_nodes_on_codes": 0, "int4_stacks_as_rows": 0, "int8_blocks_as_channels": 0}
+    if experts_on_codes:
+        producers = {out: node for node in graph.node for out in node.output}
+        unread: list[str] = []  # the float stacks moe::MoENBits nodes no longer read
+        for node in graph.node:
+            replaced = _experts_on_codes(node, producers, initializers, infos, readers)
+            if replaced:
+                unread += replaced
+                counts["moe_nodes_on_codes"] += 1
+        _drop_dead(graph, unread, producers)
+        infos = {v.name: v for v in graph.value_info}  # _drop_dead rebuilt the list
     nodes = list(graph.node)
     del graph.node[:]
     for node in nodes:
@@ -45,6 +71,150 @@ def lower_for_tensorrt(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
             graph.node.append(reshape)
             counts[kind] += 1
     return lowered, counts
+
+
+def _experts_on_codes(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
+                      initializers: dict[str, onnx.TensorProto], infos: dict[str, onnx.ValueInfoProto],
+                      readers: dict[str, int]) -> list[str]:
+    """Turn a moe::MoE over blocked DequantizeLinear stacks into moe::MoENBits in place (module
+    doc); returns the float stacks it read (then unread), or nothing when the node is not one.
+    The gate and up stacks are either two DequantizeLinear outputs or the strided Slices of one
+    interleaved (E, 2I, H) stack (`_interleaved`). Every DequantizeLinear must be read by this
+    node alone (through those Slices), as its codes are re-typed in place."""
+    if (node.domain, node.op_type) != (moe.DOMAIN, moe.OP_TYPE):
+        return []
+    floats = list(node.input[2:5])
+    fused = _interleaved(floats[0], floats[1], producers, initializers)
+    sources = [fused, fused, floats[2]] if fused is not None else floats
+    for name in set(floats):  # the stacks as this node reads them: by this node alone
+        if readers.get(name) != list(node.input).count(name):
+            return []
+    if fused is not None and readers.get(fused) != 2:  # the two Slices alone
+        return []
+    stacks = [_blocked_stack(producers.get(name), initializers, readers) for name in sources]
+    if any(s is None for s in stacks) or len({s[3:] for s in stacks}) != 1:
+        return []
+    bits, block, signed = stacks[0][3:]
+    inputs = list(node.input[:2])
+    for codes, scale, zero_point, *_ in stacks:
+        if codes.data_type != TensorProto.INT8:  # (a stack named twice is re-typed once)
+            e, n, k = codes.dims
+            _retype_bytes(codes, [e, n, k * bits // 8], infos.get(codes.name))
+        if zero_point is not None and zero_point.data_type != TensorProto.INT8:
+            count = int(np.prod(zero_point.dims))
+            _retype_bytes(zero_point, [(count * bits + 7) // 8], infos.get(zero_point.name))
+        inputs += [codes.name, scale.name, (codes if zero_point is None else zero_point).name]
+    inputs += list(node.input[5:])
+    del node.input[:]
+    node.input.extend(inputs)
+    node.op_type = moe_nbits.OP_TYPE
+    node.attribute.extend([helper.make_attribute("bits", bits), helper.make_attribute("block_size", block),
+                           helper.make_attribute("symmetric", int(signed)),
+                           helper.make_attribute("interleaved", int(fused is not None))])
+    return floats
+
+
+def _interleaved(gate: str, up: str, producers: dict[str, onnx.NodeProto],
+                 initializers: dict[str, onnx.TensorProto]) -> str | None:
+    """The (E, 2I, H) value whose even rows `gate` and odd rows `up` are, when both are
+    `Slice(fused, start 0 | 1, end >= 2I, axis 1, step 2)` (what a streamed export writes)."""
+    sources = []
+    for name, start in ((gate, 0), (up, 1)):
+        node = producers.get(name)
+        if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.input) != 5:
+            return None
+        consts = [_constant(v, producers, initializers) for v in node.input[1:]]
+        if any(c is None for c in consts):
+            return None
+        starts, ends, axes, steps = (c.tolist() for c in consts)
+        if (starts, axes, steps) != ([start], [1], [2]):
+            return None
+        codes = _dequantized_codes(producers.get(node.input[0]), initializers)
+        if codes is None or len(codes.dims) != 3 or codes.dims[1] % 2 or ends[0] < codes.dims[1]:
+            return None
+        sources.append(node.input[0])
+    return sources[0] if sources[0] == sources[1] else None
+
+
+def _constant(name: str, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]):
+    """The value of an initializer or a Constant node's `value` (int lists only here), or None."""
+    if name in initializers:
+        return numpy_helper.to_array(initializers[name])
+    node = producers.get(name)
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        return None if value is None else numpy_helper.to_array(value)
+    return None
+
+
+def _dequantized_codes(dq: onnx.NodeProto | None, initializers: dict[str, onnx.TensorProto]) -> onnx.TensorProto | None:
+    """The codes initializer a DequantizeLinear reads, if `dq` is one over an initializer."""
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx"):
+        return None
+    return initializers.get(dq.input[0])
+
+
+def _drop_dead(graph: onnx.GraphProto, values: list[str], producers: dict[str, onnx.NodeProto]) -> None:
+    """Remove the nodes (and their value_info) that computed `values`, now read by no node, and
+    so on up their inputs: the DequantizeLinear nodes, Slices and Constants moe::MoENBits
+    replaced. Nodes whose output is a graph output, or still read, stay."""
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    kept = {o.name for o in graph.output}
+    dead: set[str] = set()  # the first output of each removed node
+    pending = list(values)
+    while pending:
+        node = producers.get(pending.pop())
+        if node is None or node.output[0] in dead or any(readers.get(o) or o in kept for o in node.output):
+            continue
+        dead.add(node.output[0])
+        for name in node.input:
+            readers[name] -= 1
+            pending.append(name)
+    outputs = {o for node in graph.node if node.output[0] in dead for o in node.output}
+    nodes = [node for node in graph.node if node.output[0] not in dead]
+    infos = [info for info in graph.value_info if info.name not in outputs]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+
+
+def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.TensorProto], readers: dict[str, int]):
+    """(codes, scale, zero_point or None, bits, block_size, signed) of an (E, N, K) stack given as
+    a DequantizeLinear blocked along K over initializers it alone reads, whose bytes are stored
+    raw (so re-typing them keeps the bytes); None otherwise."""
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx") or len(dq.input) not in (2, 3):
+        return None
+    parts = [initializers.get(name) if name else None for name in dq.input]
+    codes, scale, zero_point = (*parts, None)[:3]
+    if codes is None or scale is None or (len(dq.input) == 3 and zero_point is None):
+        return None
+    if any(readers.get(p.name) != 1 for p in (codes, scale, zero_point) if p is not None):
+        return None
+    if codes.data_type not in CODE_TYPES or len(codes.dims) != 3:
+        return None
+    bits, signed = CODE_TYPES[codes.data_type]
+    if signed != (zero_point is None) or (zero_point is not None and zero_point.data_type != codes.data_type):
+        return None
+    if any(t.data_location != TensorProto.EXTERNAL and not t.HasField("raw_data") for t in (codes, zero_point) if t is not None):
+        return None
+    attrs = {a.name: a.i for a in dq.attribute}
+    e, n, k = codes.dims
+    block = attrs.get("block_size", 0)
+    if attrs.get("axis", 1) not in (2, -1) or not block or k % block or list(scale.dims) != [e, n, k // block]:
+        return None
+    return codes, scale, zero_point, bits, block, signed
+
+
+def _retype_bytes(tensor: onnx.TensorProto, dims: list[int], info: onnx.ValueInfoProto | None) -> None:
+    """The same stored bytes read as INT8 of `dims` (the initializer and its value_info)."""
+    tensor.data_type = TensorProto.INT8
+    _set_dims(tensor, dims, info)
+    if info is not None:
+        info.type.tensor_type.elem_type = TensorProto.INT8
 
 
 def _rewrite(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], infos: dict[str, onnx.ValueInfoProto],
