@@ -35,6 +35,16 @@ for target in rmsnorm moe decoder_layer decoder; do
     done
 done
 
+echo "== 2b. quantized decoders: the experts on their codes (moe::MoENBits), the other weights on Q/DQ"
+for quantize in int8 int4; do
+    art="$out/decoder_${quantize}"
+    moedeploy export decoder --quantize "$quantize" --out "$art"
+    moedeploy check "$art" --target trt
+    moedeploy build "$art" --aot --timing-cache "$out/timing.cache"
+    moedeploy compare "$art" --backend trt --iterations 4
+    moedeploy build "$art" --jit --timing-cache "$out/timing.cache"
+done
+
 echo "== 3. benchmarks"
 python benchmarks/moe_op.py --json "$out/moe_op.json"
 echo "gpu_check: all steps passed; results under $out"
