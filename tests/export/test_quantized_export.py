@@ -356,8 +356,8 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
     """Each moe::MoE over dequantized stacks becomes moe::MoENBits over the artifact's own codes
     and scales (re-typed as INT8 bytes: the same external data, nothing copied), its
     DequantizeLinear and Slice nodes gone. Its inputs, read from the lowered graph and run the
-    way the TensorRT plugin's JIT path runs them (moe_nbits.run: the Triton kernels, here under
-    the interpreter), give the output ONNX Runtime computes for the artifact's moe::MoE node on
+    way the TensorRT plugin runs them (moe_nbits.run: the JIT path's grouped Triton kernels and
+    the AOT path's fused one, here under the interpreter), give the output ONNX Runtime computes for the artifact's moe::MoE node on
     the same activations (its DequantizeLinear, Slice and function body)."""
     from onnx import external_data_helper, helper, numpy_helper
 
@@ -410,8 +410,9 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
     biases = [torch.zeros(e, i), torch.zeros(e, i), torch.zeros(e, h), torch.zeros(e)]
     inputs = [torch.from_numpy(x), torch.from_numpy(logits), *(value(n) for n in node.input[2:11]), *biases]
     routing, activation = Routing.from_attributes(attrs), ExpertActivation.from_attributes(attrs)
-    actual = moe_nbits.run(inputs, routing, activation, scheme, interleaved=bool(attrs["interleaved"]))
-    torch.testing.assert_close(actual, torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
+    for fused in (False, True):  # the JIT plugin's grouped kernels, the AOT plugin's one kernel
+        actual = moe_nbits.run(inputs, routing, activation, scheme, interleaved=bool(attrs["interleaved"]), fused=fused)
+        torch.testing.assert_close(actual, torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
 
 
 def test_moe_nbits_plugin_signature_matches_the_lowered_node(artifacts) -> None:

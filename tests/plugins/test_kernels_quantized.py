@@ -90,14 +90,15 @@ def test_quantized_experts_with_biases_routing_and_activations(run: str, activat
 
 
 @pytest.mark.parametrize("run", list(RUNS))
-@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 16, True), QuantScheme(8, 16, False)], ids=["float", "int4", "uint8"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 16, True), QuantScheme(8, 16, False), QuantScheme(4, 16, False)],
+                         ids=["float", "int4", "uint8", "uint4"])
 def test_interleaved_gate_up_stack_reads_gate_from_even_rows_and_up_from_odd(run: str, scheme: QuantScheme | None) -> None:
     """A streamed export stores gate and up as one (E, 2I, H) stack, rows alternating gate, up
     (moe::MoENBits takes it as it is): `interleaved=True` gives the experts of the separate
     stacks, with biases and gpt-oss's clamped SwiGLU. Zero points of the fused stack are
-    indexed by its own rows (an odd count of 4-bit values per row would share bytes)."""
-    x, logits, (w_gate, w_up, w_down), biases = _case(3, 32, 48, 4, seed=11, bias=True)
-    fused = torch.stack([w_gate, w_up], dim=2).reshape(4, 96, 32)  # (E, I, 2, H): row 2r gate, 2r + 1 up
+    indexed by its own rows: H = 48 is 3 blocks a row, so 4-bit zero points share bytes across rows."""
+    x, logits, (w_gate, w_up, w_down), biases = _case(3, 48, 32, 4, seed=11, bias=True)
+    fused = torch.stack([w_gate, w_up], dim=2).reshape(4, 64, 48)  # (E, I, 2, H): row 2r gate, 2r + 1 up
     act = ExpertActivation("swiglu", 1.702, 1.0, 7.0)
     if scheme is None:
         weights, reference = [fused, w_down], [w_gate, w_up, w_down]

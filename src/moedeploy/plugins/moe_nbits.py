@@ -57,12 +57,13 @@ def packed_stack(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.T
 
 def run(
     inputs: list[torch.Tensor], routing: Routing, activation: ExpertActivation, scheme: QuantScheme,
-    interleaved: bool = False, out: torch.Tensor | None = None,
+    interleaved: bool = False, out: torch.Tensor | None = None, fused: bool = False,
 ) -> torch.Tensor:
     """The node on its 15 inputs (module doc) through the grouped Triton kernels: what the
     plugin's JIT implementation runs on TensorRT's tensors, and what tests run on CPU tensors
-    under Triton's interpreter."""
+    under Triton's interpreter. `fused`: through the one-kernel MoE the AOT plugin launches."""
     from moedeploy.plugins.kernels import moe
+    from moedeploy.plugins.kernels.moe_fused import moe_fused
 
     if len(inputs) != len(INPUTS):
         raise ValueError(f"moe::MoENBits takes {len(INPUTS)} inputs ({', '.join(INPUTS)}); got {len(inputs)}")
@@ -70,6 +71,8 @@ def run(
     gate, up, down = (packed_stack(*inputs[2 + 3 * i: 5 + 3 * i], scheme) for i in range(3))
     b_gate, b_up, b_down, score_bias = inputs[11:]
     gated = activation.activation == "swiglu" and not interleaved  # interleaved: up holds both
-    return moe(x, logits, gate if gated else None, up, down, routing, activation=activation,
-               b_gate=b_gate if activation.activation == "swiglu" else None, b_up=b_up, b_down=b_down,
-               score_bias=score_bias, out=out, interleaved=interleaved)
+    return (moe_fused if fused else moe)(
+        x, logits, gate if gated else None, up, down, routing, activation=activation,
+        b_gate=b_gate if activation.activation == "swiglu" else None, b_up=b_up, b_down=b_down,
+        score_bias=score_bias, out=out, interleaved=interleaved,
+    )

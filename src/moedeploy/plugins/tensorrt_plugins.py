@@ -321,7 +321,7 @@ def _fused_launch(kernel, X, inter: int, n_experts: int):
     params.block_x = kernel.num_warps * 32
     params.shared_mem = kernel.shared
     extra = trtp.SymIntExprs.from_tuple(
-        [trtp.SymInt32(hidden), trtp.SymInt32(trtp.ShapeExpr(inter)), trtp.SymInt32(trtp.ShapeExpr(n_experts))]
+        [trtp.SymInt32(hidden), trtp.SymInt32(inter), trtp.SymInt32(n_experts)]
     )
     return kernel.name.encode(), kernel.ptx.encode(), params, extra
 

@@ -29,12 +29,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from moedeploy.models.blockquant import QuantScheme
 from moedeploy.plugins import moe, moe_nbits
 
 TensorProto = onnx.TensorProto
 #: the artifact's code types: (bits, signed)
 CODE_TYPES = {TensorProto.INT8: (8, True), TensorProto.UINT8: (8, False),
               TensorProto.INT4: (4, True), TensorProto.UINT4: (4, False)}
+#: the scale types moe::MoENBits takes (X's type)
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def lower_for_tensorrt(model: onnx.ModelProto, experts_on_codes: bool = True) -> tuple[onnx.ModelProto, dict[str, int]]:
@@ -46,10 +49,7 @@ def lower_for_tensorrt(model: onnx.ModelProto, experts_on_codes: bool = True) ->
     graph = lowered.graph
     initializers = {i.name: i for i in graph.initializer}
     infos = {v.name: v for v in graph.value_info}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = _readers(graph)
     counts = {"moe_nodes_on_codes": 0, "int4_stacks_as_rows": 0, "int8_blocks_as_channels": 0}
     if experts_on_codes:
         producers = {out: node for node in graph.node for out in node.output}
@@ -73,6 +73,30 @@ def lower_for_tensorrt(model: onnx.ModelProto, experts_on_codes: bool = True) ->
     return lowered, counts
 
 
+def _readers(graph: onnx.GraphProto) -> dict[str, int]:
+    """How many places read each value: node inputs, in subgraphs too (an If branch may read an
+    outer value), graph outputs, and graph inputs (an initializer that is also an input, whose
+    declared type and shape a rewrite must not change). A rewrite only touches values read
+    exactly where it expects."""
+    readers: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        readers[name] = readers.get(name, 0) + 1
+
+    def walk(g: onnx.GraphProto) -> None:
+        for node in g.node:
+            for name in node.input:
+                count(name)
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                    walk(sub)
+
+    walk(graph)
+    for value in [*graph.output, *graph.input]:
+        count(value.name)
+    return readers
+
+
 def _experts_on_codes(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
                       initializers: dict[str, onnx.TensorProto], infos: dict[str, onnx.ValueInfoProto],
                       readers: dict[str, int]) -> list[str]:
@@ -81,7 +105,7 @@ def _experts_on_codes(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]
     The gate and up stacks are either two DequantizeLinear outputs or the strided Slices of one
     interleaved (E, 2I, H) stack (`_interleaved`). Every DequantizeLinear must be read by this
     node alone (through those Slices), as its codes are re-typed in place."""
-    if (node.domain, node.op_type) != (moe.DOMAIN, moe.OP_TYPE):
+    if (node.domain, node.op_type) != (moe.DOMAIN, moe.OP_TYPE) or len(node.input) != 9 or not all(node.input):
         return []
     floats = list(node.input[2:5])
     fused = _interleaved(floats[0], floats[1], producers, initializers)
@@ -158,16 +182,12 @@ def _drop_dead(graph: onnx.GraphProto, values: list[str], producers: dict[str, o
     """Remove the nodes (and their value_info) that computed `values`, now read by no node, and
     so on up their inputs: the DequantizeLinear nodes, Slices and Constants moe::MoENBits
     replaced. Nodes whose output is a graph output, or still read, stay."""
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    kept = {o.name for o in graph.output}
+    readers = _readers(graph)
     dead: set[str] = set()  # the first output of each removed node
     pending = list(values)
     while pending:
         node = producers.get(pending.pop())
-        if node is None or node.output[0] in dead or any(readers.get(o) or o in kept for o in node.output):
+        if node is None or node.output[0] in dead or any(readers.get(o) for o in node.output):
             continue
         dead.add(node.output[0])
         for name in node.input:
@@ -202,9 +222,15 @@ def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.Tenso
     if any(t.data_location != TensorProto.EXTERNAL and not t.HasField("raw_data") for t in (codes, zero_point) if t is not None):
         return None
     attrs = {a.name: a.i for a in dq.attribute}
+    if set(attrs) - {"axis", "block_size"} or scale.data_type not in FLOAT_TYPES:
+        return None  # output_dtype, say: the plugin computes in the scales' (= X's) type
     e, n, k = codes.dims
     block = attrs.get("block_size", 0)
     if attrs.get("axis", 1) not in (2, -1) or not block or k % block or list(scale.dims) != [e, n, k // block]:
+        return None
+    try:
+        QuantScheme(bits, block, signed)  # the blocks the kernels take (power of two, >= 16)
+    except ValueError:
         return None
     return codes, scale, zero_point, bits, block, signed
 
