@@ -409,10 +409,12 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
     assert fills and all(n.op_type == "ConstantOfShape" and not n.attribute for n in fills)
     biases = [torch.zeros(e, i), torch.zeros(e, i), torch.zeros(e, h), torch.zeros(e)]
     inputs = [torch.from_numpy(x), torch.from_numpy(logits), *(value(n) for n in node.input[2:11]), *biases]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted here
+    inputs = [t.to(device) for t in inputs]
     routing, activation = Routing.from_attributes(attrs), ExpertActivation.from_attributes(attrs)
     for fused in (False, True):  # the JIT plugin's grouped kernels, the AOT plugin's one kernel
         actual = moe_nbits.run(inputs, routing, activation, scheme, interleaved=bool(attrs["interleaved"]), fused=fused)
-        torch.testing.assert_close(actual, torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(actual.cpu(), torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
 
 
 def test_moe_nbits_plugin_signature_matches_the_lowered_node(artifacts) -> None:
