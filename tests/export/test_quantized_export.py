@@ -23,6 +23,7 @@ from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.ort import create_session
 
 from ..models.helpers import tiny_mixtral
+from .moe_nbits_check import assert_plugin_matches_artifact
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -254,8 +255,11 @@ def test_an_unknown_accuracy_level_is_refused(artifacts) -> None:
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_exactly(family, tmp_path) -> None:
     """A shared expert's projections reach the graph as transB Gemms, not MatMuls: quantized and
-    lowered too (DeepSeek: latent attention's projections, a dense first layer, a shared expert)."""
+    lowered too (DeepSeek: latent attention's projections, a dense first layer, a shared expert).
+    For TensorRT every MoE layer's experts go on their codes, and compute what the artifact does
+    (DeepSeek-V3: sigmoid scores, groups, a selection bias, scaling)."""
     from moedeploy.compare.api import compare
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
     from ..families.cases import _family_config, make_model, save_checkpoint
 
@@ -276,6 +280,43 @@ def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_e
     assert create_session(artifact).lowering["matmul_nbits"] == linears
     report = compare(artifact, ["ort"])
     assert report["passed"], report["comparisons"][0]["outputs"]["logits"]
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    lowered, counts = lower_for_tensorrt(model)
+    assert counts["moe_nodes_on_codes"] == sum(n.op_type == "MoE" for n in model.graph.node) > 0
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    attrs = assert_plugin_matches_artifact(artifact, lowered, family_prefill_feed(artifact, ids))
+    assert attrs["scoring"] == (b"sigmoid" if family == "deepseek_v3" else b"softmax")
+
+
+def test_gpt_oss_experts_on_their_codes_keep_biases_and_the_clamped_swiglu(tmp_path) -> None:
+    """gpt-oss's experts carry biases and a clamped SwiGLU (alpha 1.702, beta 1, limit 7): on their
+    codes for TensorRT they compute what the artifact's moe::MoE node does, biases included."""
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    from ..families.cases import _family_config, make_model, save_checkpoint
+
+    config = _family_config("gpt_oss", 2, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=32,
+                            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0)
+    checkpoint = save_checkpoint(make_model(config), tmp_path / "ckpt")
+    artifact = export("decoder", tmp_path / "q4", checkpoint=checkpoint, quantization=QuantScheme(4, 16))
+    lowered, counts = lower_for_tensorrt(onnx.load(str(artifact.model_path), load_external_data=False))
+    assert counts["moe_nodes_on_codes"] == 2
+    node = next(n for n in lowered.graph.node if n.op_type == "MoENBits")
+    biases = {i.name: i for i in lowered.graph.initializer if i.name in node.input[11:14]}
+    assert len(biases) == 3  # the checkpoint's expert biases, as initializers
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    attrs = assert_plugin_matches_artifact(artifact, lowered, family_prefill_feed(artifact, ids))
+    assert (attrs["activation_alpha"], attrs["activation_beta"], attrs["swiglu_limit"]) == pytest.approx((1.702, 1.0, 7.0))
+
+
+def family_prefill_feed(artifact: Artifact, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """The artifact graph's inputs for a prefill of `ids` with an empty cache, read off the graph."""
+    session_inputs = onnx.load(str(artifact.model_path), load_external_data=False).graph.input
+    feed = {"input_ids": ids.numpy()}
+    for value in session_inputs[1:]:  # (batch, heads, 0, features)
+        dims = value.type.tensor_type.shape.dim
+        feed[value.name] = np.zeros((ids.shape[0], dims[1].dim_value, 0, dims[3].dim_value), np.float32)
+    return feed
 
 
 def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_layer(artifacts, checkpoint,
@@ -355,14 +396,11 @@ def test_tensorrt_lowering_views_the_same_bytes_and_computes_the_same(name, expe
 def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> None:
     """Each moe::MoE over dequantized stacks becomes moe::MoENBits over the artifact's own codes
     and scales (re-typed as INT8 bytes: the same external data, nothing copied), its
-    DequantizeLinear and Slice nodes gone. Its inputs, read from the lowered graph and run the
-    way the TensorRT plugin runs them (moe_nbits.run: the JIT path's grouped Triton kernels and
-    the AOT path's fused one, here under the interpreter), give the output ONNX Runtime computes for the artifact's moe::MoE node on
-    the same activations (its DequantizeLinear, Slice and function body)."""
-    from onnx import external_data_helper, helper, numpy_helper
+    DequantizeLinear and Slice nodes gone. Run the way the TensorRT plugin runs it, it gives
+    ONNX Runtime's output for the artifact's moe::MoE node (`assert_plugin_matches_artifact`)."""
+    from onnx import helper
 
     from moedeploy.plugins import moe_nbits
-    from moedeploy.plugins.moe import ExpertActivation, Routing
     from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 
     artifact = artifacts[name]
@@ -377,7 +415,7 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
     plugin_nodes = [n for n in lowered.graph.node if n.op_type == moe_nbits.OP_TYPE]
     moe_nodes = [n for n in model.graph.node if n.op_type == "MoE"]
     assert [n.name for n in plugin_nodes] == [n.name for n in moe_nodes]
-    node, source = plugin_nodes[0], moe_nodes[0]
+    node = plugin_nodes[0]
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert (attrs["bits"], attrs["block_size"], attrs["symmetric"], attrs["interleaved"]) == \
         (scheme.bits, scheme.block_size, int(scheme.symmetric), 1)  # the streamed export interleaves gate/up
@@ -388,33 +426,7 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
         assert codes.external_data == original[codes.name].external_data  # the same bytes on disk
         assert (node.input[stack + 2] == node.input[stack]) == scheme.symmetric  # signed: no zero point
     assert node.input[2:5] == node.input[5:8]  # the gate and up inputs name one interleaved stack
-
-    # the artifact's moe::MoE on ONNX Runtime, its activations and output captured
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.extend(helper.make_empty_tensor_value_info(v) for v in [*source.input[:2], source.output[0]])
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.path))
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    x, logits, expected = session.run([*source.input[:2], source.output[0]], prefill_feed(artifact, prompt()))
-
-    def value(name: str) -> torch.Tensor:
-        tensor = onnx.TensorProto()
-        tensor.CopyFrom(inits[name])
-        external_data_helper.load_external_data_for_tensor(tensor, str(artifact.path))
-        return torch.from_numpy(numpy_helper.to_array(tensor).copy())
-
-    assert node.input[11:] == source.input[5:]  # biases and score bias as they were: zeros, made in the graph
-    fills = [n for n in lowered.graph.node if n.output[0] in node.input[11:]]
-    assert fills and all(n.op_type == "ConstantOfShape" and not n.attribute for n in fills)
-    biases = [torch.zeros(e, i), torch.zeros(e, i), torch.zeros(e, h), torch.zeros(e)]
-    inputs = [torch.from_numpy(x), torch.from_numpy(logits), *(value(n) for n in node.input[2:11]), *biases]
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted here
-    inputs = [t.to(device) for t in inputs]
-    routing, activation = Routing.from_attributes(attrs), ExpertActivation.from_attributes(attrs)
-    for fused in (False, True):  # the JIT plugin's grouped kernels, the AOT plugin's one kernel
-        actual = moe_nbits.run(inputs, routing, activation, scheme, interleaved=bool(attrs["interleaved"]), fused=fused)
-        torch.testing.assert_close(actual.cpu(), torch.from_numpy(expected), atol=2e-5, rtol=2e-5)
+    assert_plugin_matches_artifact(artifact, lowered, prefill_feed(artifact, prompt()))
 
 
 def test_moe_nbits_plugin_signature_matches_the_lowered_node(artifacts) -> None:
