@@ -502,9 +502,12 @@ def build_cmd(
 ) -> None:
     """Build a TensorRT engine (needs TensorRT and a GPU).
 
-    The moe::RMSNorm / moe::MoE nodes run as moedeploy's plugins. One optimisation profile
-    from the manifest's min/opt/max dynamic ranges; a strongly typed network, so the precision
-    is the graph's (export with --dtype fp16/bf16 for half precision). Writes
+    The moe::RMSNorm / moe::MoE nodes run as moedeploy's plugins. A quantized artifact's
+    experts reach their plugin as the int8/int4 codes (moe::MoENBits, dequantized in the
+    kernel), its other weights as Q/DQ (`moedeploy check` prints what the graph becomes). One
+    optimisation profile from the manifest's min/opt/max dynamic ranges; a strongly typed
+    network, so the precision is the graph's (export with --dtype fp16/bf16 for half precision).
+    Writes
     <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
     from moedeploy.export import Artifact
@@ -528,9 +531,10 @@ def check_cmd(
 ) -> None:
     """Will TensorRT's ONNX parser take this graph? No GPU needed.
 
-    Lists every node the parser will not take (from its published operator support matrix,
-    kept as data in moedeploy) and, for each custom node, the plugin that implements it.
-    Exit code 1 when something cannot build.
+    Checks the graph `moedeploy build` hands the parser, after moedeploy's TensorRT lowering
+    (say, a quantized artifact's experts on their codes). Lists every node the parser will not
+    take (from its published operator support matrix, kept as data in moedeploy) and, for each
+    custom node, the plugin that implements it. Exit code 1 when something cannot build.
     """
     from moedeploy.export.preflight import check_tensorrt
 
