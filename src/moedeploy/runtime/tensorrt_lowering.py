@@ -1,9 +1,10 @@
 """The portable artifact's graph as TensorRT's ONNX parser takes it: exact rewrites where
 NVIDIA documents a narrower form than ONNX allows.
 
-Expert stacks: each moe::MoE whose three stacks are blocked DequantizeLinear nodes read by it
-alone becomes a moe::MoENBits node over the codes and scales those nodes read (plugins/
-moe_nbits.py), and the DequantizeLinear nodes go: the plugin's kernels dequantize in registers,
+Expert stacks: each moe::MoE whose stacks are blocked DequantizeLinear nodes read by it alone
+(the gate and up as the two strided Slices of one interleaved stack, as the streamed export
+writes them) becomes a moe::MoENBits node over the codes and scales those nodes read (plugins/
+moe_nbits.py), and the DequantizeLinear and Slice nodes go: the plugin's kernels dequantize in registers,
 so the engine keeps the experts at 8 or 4 bits instead of in the float type. The codes (and
 zero points) are re-typed as INT8 bytes, the only 8-bit type a TensorRT plugin takes: the same
 bytes, so only their data_type and dims change.
@@ -11,7 +12,8 @@ bytes, so only their data_type and dims change.
 TensorRT's Dequantize layer takes a scale that is a scalar, per channel (1-D, along one axis),
 or blocked (INT4 only, rank 2). The artifact's other DequantizeLinear nodes are blocked along
 the last axis, and two of their forms fall outside that:
-- INT4 over a rank-3 expert stack (E, N, K) -> the same codes and scales read as (E * N, K)
+- INT4 over a rank-3 expert stack (E, N, K) the rewrite above did not take (or with
+  `experts_on_codes=False`) -> the same codes and scales read as (E * N, K)
   rows, blocked as before, then a Reshape back to (E, N, K);
 - INT8 in blocks of B (any rank) -> the codes read as (numel / B, B), one block a row, and the
   scales as (numel / B,), one per row: per channel along axis 0, then a Reshape back.
