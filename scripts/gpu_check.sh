@@ -22,6 +22,8 @@ PY
 
 echo "== 1. kernels on CUDA (no interpreter)"
 TRITON_INTERPRET=0 python -m pytest -q tests/plugins
+# moe::MoENBits on real quantized exports' codes, against ONNX Runtime on the artifact
+TRITON_INTERPRET=0 python -m pytest -q tests/export/test_quantized_export.py -k "on_their_codes or shared_experts"
 
 echo "== 2. export, check, build, compare"
 for target in rmsnorm moe decoder_layer decoder; do

@@ -16,15 +16,23 @@ from moedeploy.plugins.moe import ExpertActivation, Routing
 
 
 def assert_plugin_matches_artifact(artifact: Artifact, lowered: onnx.ModelProto, feed: dict[str, np.ndarray],
-                                   node_index: int = 0, atol: float = 2e-5) -> dict:
-    """The `node_index`-th moe::MoENBits node of `lowered` (the artifact's TensorRT lowering): its
-    inputs, the codes and scales read back from the re-typed initializers and the activations,
-    biases and selection bias ONNX Runtime computes for the artifact's moe::MoE node of the same
-    name on `feed` (its DequantizeLinear, Slice and function body), run through `moe_nbits.run`:
-    the JIT plugin's grouped kernels and the AOT plugin's fused one (compiled on a GPU, under
-    Triton's interpreter elsewhere), equal that node's output. Returns the node's attributes."""
+                                   atol: float = 2e-5) -> dict:
+    """Every moe::MoENBits node of `lowered` (the artifact's TensorRT lowering): its inputs, the
+    codes and scales read back from the re-typed initializers and the activations, biases and
+    selection bias ONNX Runtime computes for the artifact's moe::MoE node of the same name on
+    `feed` (its DequantizeLinear, Slice and function body), run through `moe_nbits.run`: the JIT
+    plugin's grouped kernels and the fused kernel the AOT plugin compiles (compiled on a GPU,
+    under Triton's interpreter elsewhere), equal that node's output. Returns the first node's
+    attributes."""
     model = onnx.load(str(artifact.model_path), load_external_data=False)
-    node = [n for n in lowered.graph.node if n.op_type == moe_nbits.OP_TYPE][node_index]
+    nodes = [n for n in lowered.graph.node if n.op_type == moe_nbits.OP_TYPE]
+    assert nodes
+    checked = [_assert_node_matches(artifact, model, lowered, node, feed, atol) for node in nodes]
+    return checked[0]
+
+
+def _assert_node_matches(artifact: Artifact, model: onnx.ModelProto, lowered: onnx.ModelProto, node: onnx.NodeProto,
+                         feed: dict[str, np.ndarray], atol: float) -> dict:
     source = next(n for n in model.graph.node if n.op_type == "MoE" and n.name == node.name)
     initializers = {i.name: i for i in lowered.graph.initializer}
     computed = [name for name in [*source.input, source.output[0]] if name and name not in initializers]

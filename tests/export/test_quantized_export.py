@@ -71,12 +71,14 @@ def prompt(n: int = 9) -> torch.Tensor:
 
 
 def prefill_feed(artifact: Artifact, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """The artifact graph's inputs for a prefill of `ids`: the ids and an empty past per layer."""
-    from moedeploy.export.decoder import past_names, past_shapes
-
-    shapes = past_shapes(artifact_config(artifact), ids.shape[0], 0)
-    return {"input_ids": ids.numpy()} | {n: np.zeros(s, np.float32)
-                                         for n, s in zip(past_names(SHAPE["num_hidden_layers"]), shapes * 2, strict=True)}
+    """The artifact graph's inputs for a prefill of `ids`: the ids and an empty past per layer,
+    (batch, heads, 0, features) as the graph declares them (any family's cache layout)."""
+    graph_inputs = onnx.load(str(artifact.model_path), load_external_data=False).graph.input
+    feed = {"input_ids": ids.numpy()}
+    for value in graph_inputs[1:]:
+        dims = value.type.tensor_type.shape.dim
+        feed[value.name] = np.zeros((ids.shape[0], dims[1].dim_value, 0, dims[3].dim_value), np.float32)
+    return feed
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -92,12 +94,6 @@ def test_portable_artifact_on_plain_onnxruntime_equals_transformers_dequantized(
     with torch.no_grad():
         expected = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)(ids).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
-
-
-def artifact_config(artifact: Artifact):
-    from moedeploy.models.config import DecoderConfig
-
-    return DecoderConfig.from_manifest(artifact.manifest["config"])
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -284,8 +280,47 @@ def test_shared_experts_dense_layers_and_latent_attention_quantize_and_compare_e
     lowered, counts = lower_for_tensorrt(model)
     assert counts["moe_nodes_on_codes"] == sum(n.op_type == "MoE" for n in model.graph.node) > 0
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
-    attrs = assert_plugin_matches_artifact(artifact, lowered, family_prefill_feed(artifact, ids))
+    attrs = assert_plugin_matches_artifact(artifact, lowered, prefill_feed(artifact, ids))
     assert attrs["scoring"] == (b"sigmoid" if family == "deepseek_v3" else b"softmax")
+
+
+#: the families' own expert shapes at sizes that quantize in blocks of 16
+FAMILY_SHAPES = {
+    "qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=4),
+    "olmoe": dict(intermediate_size=32, num_experts=4),
+    "granitemoe": dict(intermediate_size=32, num_local_experts=4),
+    "phimoe": dict(intermediate_size=32, num_local_experts=4),
+    "glm4_moe": dict(head_dim=16, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=4, topk_group=2),
+    "minimax_m2": dict(head_dim=16, intermediate_size=32, num_local_experts=4),
+    "deepseek_v2": dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                        moe_intermediate_size=32, intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SHAPES))
+def test_every_familys_quantized_experts_go_on_their_codes_for_tensorrt(family, tmp_path) -> None:
+    """Every MoE layer of each family's int4 export goes on its codes for TensorRT, computes what
+    the artifact's moe::MoE node does (PhiMoE: sparsemixer; GLM-4-MoE and MiniMax-M2: sigmoid,
+    GLM-4-MoE with groups and a shared expert; DeepSeek-V2: max group scoring), and the graph
+    passes TensorRT's pre-flight check. (Mixtral, Qwen2-MoE, DeepSeek-V3, gpt-oss: above.)"""
+    from moedeploy.export.preflight import check_tensorrt
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    from ..families.cases import _family_config, make_model, save_checkpoint
+
+    config = _family_config(family, 2, hidden_size=64, num_attention_heads=4, num_experts_per_tok=2,
+                            **FAMILY_SHAPES[family])
+    checkpoint = save_checkpoint(make_model(config), tmp_path / "ckpt")
+    artifact = export("decoder", tmp_path / "q4", checkpoint=checkpoint, quantization=QuantScheme(4, 16))
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    lowered, counts = lower_for_tensorrt(model)
+    assert counts["moe_nodes_on_codes"] == sum(n.op_type == "MoE" for n in model.graph.node) > 0
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
+    assert_plugin_matches_artifact(artifact, lowered, prefill_feed(artifact, ids))
+    report = check_tensorrt(artifact)
+    assert report.ok and report.lowering["moe_nodes_on_codes"] == counts["moe_nodes_on_codes"]
 
 
 def test_gpt_oss_experts_on_their_codes_keep_biases_and_the_clamped_swiglu(tmp_path) -> None:
@@ -305,18 +340,8 @@ def test_gpt_oss_experts_on_their_codes_keep_biases_and_the_clamped_swiglu(tmp_p
     biases = {i.name: i for i in lowered.graph.initializer if i.name in node.input[11:14]}
     assert len(biases) == 3  # the checkpoint's expert biases, as initializers
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
-    attrs = assert_plugin_matches_artifact(artifact, lowered, family_prefill_feed(artifact, ids))
+    attrs = assert_plugin_matches_artifact(artifact, lowered, prefill_feed(artifact, ids))
     assert (attrs["activation_alpha"], attrs["activation_beta"], attrs["swiglu_limit"]) == pytest.approx((1.702, 1.0, 7.0))
-
-
-def family_prefill_feed(artifact: Artifact, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """The artifact graph's inputs for a prefill of `ids` with an empty cache, read off the graph."""
-    session_inputs = onnx.load(str(artifact.model_path), load_external_data=False).graph.input
-    feed = {"input_ids": ids.numpy()}
-    for value in session_inputs[1:]:  # (batch, heads, 0, features)
-        dims = value.type.tensor_type.shape.dim
-        feed[value.name] = np.zeros((ids.shape[0], dims[1].dim_value, 0, dims[3].dim_value), np.float32)
-    return feed
 
 
 def test_tensorrt_preflight_checks_each_dequantize_against_tensorrts_dequantize_layer(artifacts, checkpoint,

@@ -27,6 +27,7 @@ def _int4(name: str, dims: list[int]) -> onnx.TensorProto:
 
 
 def _graph(block: int = BLOCK, steps: tuple[int, int] = (2, 2), starts: tuple[int, int] = (0, 1),
+           end: int = 2 * INTER, axis: int = 1, activation: str = "swiglu",
            dq_attributes: dict | None = None) -> onnx.ModelProto:
     """x -> moe::MoE over an int4 interleaved gate/up stack (two strided Slices of one
     DequantizeLinear) and an int4 down stack, as a quantized decoder export writes them."""
@@ -46,14 +47,14 @@ def _graph(block: int = BLOCK, steps: tuple[int, int] = (2, 2), starts: tuple[in
         helper.make_node("MatMul", ["x", "router"], ["logits"]),
     ]
     for name, start, step in (("gate", starts[0], steps[0]), ("up", starts[1], steps[1])):
-        consts = {"starts": start, "ends": 2 * INTER, "axes": 1, "steps": step}
+        consts = {"starts": start, "ends": end, "axes": axis, "steps": step}
         for key, value in consts.items():
             nodes.append(helper.make_node("Constant", [], [f"{name}.{key}"],
                                           value=numpy_helper.from_array(np.array([value], np.int64))))
         nodes.append(helper.make_node("Slice", ["gu", *(f"{name}.{k}" for k in consts)], [name]))
     nodes.append(helper.make_node("MoE", ["x", "logits", "gate", "up", "down", "b_i", "b_i", "b_h", "score_bias"],
                                   ["y"], domain=DOMAIN, name="ffn", **Routing().attributes(),
-                                  activation="swiglu", plugin_namespace=DOMAIN))
+                                  activation=activation, plugin_namespace=DOMAIN))
     graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", H])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", H])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 3)])
@@ -103,6 +104,9 @@ REFUSED: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[[onnx.ModelProt
     "codes read by another node": (_graph, _read_by_another_node),
     "gate/up Slice with step 3": (lambda: _graph(steps=(3, 2)), None),
     "gate/up Slices swapped": (lambda: _graph(starts=(1, 0)), None),
+    "gate/up Slices stopping halfway": (lambda: _graph(end=INTER), None),
+    "gate/up Slices along another axis": (lambda: _graph(axis=2), None),
+    "relu experts (no gate to interleave)": (lambda: _graph(activation="relu"), None),
     "blocks of 8 (the kernels take 16 or more)": (lambda: _graph(block=8), None),
     "DequantizeLinear with output_dtype": (lambda: _graph(dq_attributes={"output_dtype": TensorProto.FLOAT}), None),
 }

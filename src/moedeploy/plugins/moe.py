@@ -742,16 +742,22 @@ def interleaved_source(w_gate: ir.Value, w_up: ir.Value) -> ir.Value | None:
         consts = [ir.convenience.get_const_tensor(v) for v in node.inputs[1:]]
         if any(c is None for c in consts):
             return None
-        starts, ends, axes, steps = (c.numpy().tolist() for c in consts)
         fused = node.inputs[0]
         shape = fused.shape if fused is not None else None
         if shape is None or len(shape) != 3 or not all(isinstance(d, int) for d in shape):
             return None  # only a weight of known static shape can be proven whole
         half = w_up.shape[1] if w_up.shape is not None and len(w_up.shape) == 3 else None
-        if (starts, axes, steps) != ([start], [1], [2]) or ends[0] < shape[1] or shape[1] != 2 * (half or -1):
+        if not takes_strided_half(*(c.numpy().tolist() for c in consts), start, shape[1]) or shape[1] != 2 * (half or -1):
             return None
         sources.append(fused)
     return sources[0] if sources[0] is sources[1] else None
+
+
+def takes_strided_half(starts: list[int], ends: list[int], axes: list[int], steps: list[int], start: int,
+                       rows: int) -> bool:
+    """Whether a Slice's (starts, ends, axes, steps) take every other row of axis 1, from
+    `start` (0: the gate's even rows, 1: the up's odd ones), to the end of its `rows` rows."""
+    return (starts, axes, steps) == ([start], [1], [2]) and ends[0] >= rows
 
 
 def nan_where_not_finite(add: Callable[..., ir.Value], y: ir.Value, x: ir.Value, logits: ir.Value) -> ir.Value:

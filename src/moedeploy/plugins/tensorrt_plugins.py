@@ -19,7 +19,10 @@ This module deliberately has no `from __future__ import annotations`: tensorrt.p
 validates the real annotation objects of every decorated function.
 """
 
-from typing import List, Tuple, Union
+from typing import TYPE_CHECKING, List, Tuple, Union
+
+if TYPE_CHECKING:
+    from moedeploy.models.blockquant import QuantScheme
 
 _REGISTERED = False
 _DTYPES = None  # trt.DataType -> kernel dtype name, filled on registration
@@ -57,7 +60,7 @@ def _attr_str(value) -> str:
 
 def _static(expr, name: str) -> int:
     if expr.is_fake or not expr.is_constant:
-        raise ValueError(f"moe::MoE needs a build-time constant {name} (the expert weights' shape)")
+        raise ValueError(f"moe::MoE and moe::MoENBits need a build-time constant {name} (the expert weights' shape)")
     return int(expr.constant_value())
 
 
@@ -142,7 +145,8 @@ def _moe_nbits_io_types() -> str:
     return ", ".join([same] * 2 + stack * 3 + [same] * 3 + [_fixed("FP32"), same])  # 15 inputs + 1 output
 
 
-def _scheme(bits, block_size, symmetric):
+def _scheme(bits, block_size, symmetric) -> "QuantScheme":
+    """The node's bits, block_size and symmetric attributes as a QuantScheme (checked there)."""
     from moedeploy.models.blockquant import QuantScheme
 
     return QuantScheme(int(bits), int(block_size), bool(symmetric))
@@ -223,7 +227,7 @@ def _register_moe(trt, trtp) -> None:
 
 def _register_moe_nbits(trt, trtp) -> None:
     # Inputs and attributes in the node's order (plugins/moe_nbits.py): moe::MoE's attributes,
-    # then bits, block_size, symmetric.
+    # then bits, block_size, symmetric, interleaved.
     @trtp.register("moe::MoENBits")
     def moe_nbits_desc(
         X: trtp.TensorDesc, router_logits: trtp.TensorDesc,
@@ -306,7 +310,7 @@ def _register_moe_nbits(trt, trtp) -> None:
         return _fused_launch(kernel, X, inter, n_experts)
 
 
-def _fused_launch(kernel, X, inter: int, n_experts: int):
+def _fused_launch(kernel, X, inter: int, n_experts: int) -> tuple:
     """Launch parameters of moe_fused_kernel / moe_fused_nbits_kernel: one program per token and
     output tile; after the input pointers the int32 scalars H, I, E (I and E static: the
     expert weights are the graph's constants)."""

@@ -33,11 +33,11 @@ from onnx import helper, numpy_helper
 
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.plugins import moe, moe_nbits
+from moedeploy.runtime import quantized
 
 TensorProto = onnx.TensorProto
-#: the artifact's code types: (bits, signed)
-CODE_TYPES = {TensorProto.INT8: (8, True), TensorProto.UINT8: (8, False),
-              TensorProto.INT4: (4, True), TensorProto.UINT4: (4, False)}
+#: the artifact's code types (TensorProto data types): (bits, signed)
+CODE_TYPES = {int(dtype): kind for dtype, kind in quantized.CODE_TYPES.items()}
 #: the scale types moe::MoENBits takes (X's type)
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -110,7 +110,8 @@ def _experts_on_codes(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]
     if (node.domain, node.op_type) != (moe.DOMAIN, moe.OP_TYPE) or len(node.input) != 9 or not all(node.input):
         return []
     floats = list(node.input[2:5])
-    fused = _interleaved(floats[0], floats[1], producers, initializers)
+    swiglu = next((a.s for a in node.attribute if a.name == "activation"), b"swiglu") == b"swiglu"
+    fused = _interleaved(floats[0], floats[1], producers, initializers) if swiglu else None  # relu/gelu: no gate
     sources = [fused, fused, floats[2]] if fused is not None else floats
     for name in set(floats):  # the stacks as this node reads them: by this node alone
         if readers.get(name) != list(node.input).count(name):
@@ -134,9 +135,8 @@ def _experts_on_codes(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]
     del node.input[:]
     node.input.extend(inputs)
     node.op_type = moe_nbits.OP_TYPE
-    node.attribute.extend([helper.make_attribute("bits", bits), helper.make_attribute("block_size", block),
-                           helper.make_attribute("symmetric", int(signed)),
-                           helper.make_attribute("interleaved", int(fused is not None))])
+    values = (bits, block, int(signed), int(fused is not None))
+    node.attribute.extend(helper.make_attribute(name, v) for name, v in zip(moe_nbits.ATTRIBUTES, values, strict=True))
     return floats
 
 
@@ -152,17 +152,16 @@ def _interleaved(gate: str, up: str, producers: dict[str, onnx.NodeProto],
         consts = [_constant(v, producers, initializers) for v in node.input[1:]]
         if any(c is None for c in consts):
             return None
-        starts, ends, axes, steps = (c.tolist() for c in consts)
-        if (starts, axes, steps) != ([start], [1], [2]):
-            return None
         codes = _dequantized_codes(producers.get(node.input[0]), initializers)
-        if codes is None or len(codes.dims) != 3 or codes.dims[1] % 2 or ends[0] < codes.dims[1]:
+        if codes is None or len(codes.dims) != 3 or codes.dims[1] % 2 \
+                or not moe.takes_strided_half(*(c.tolist() for c in consts), start, codes.dims[1]):
             return None
         sources.append(node.input[0])
     return sources[0] if sources[0] == sources[1] else None
 
 
-def _constant(name: str, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]):
+def _constant(name: str, producers: dict[str, onnx.NodeProto],
+              initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
     """The value of an initializer or a Constant node's `value` (int lists only here), or None."""
     if name in initializers:
         return numpy_helper.to_array(initializers[name])
@@ -204,7 +203,8 @@ def _drop_dead(graph: onnx.GraphProto, values: list[str], producers: dict[str, o
     graph.value_info.extend(infos)
 
 
-def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.TensorProto], readers: dict[str, int]):
+def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.TensorProto], readers: dict[str, int],
+                   ) -> tuple[onnx.TensorProto, onnx.TensorProto, onnx.TensorProto | None, int, int, bool] | None:
     """(codes, scale, zero_point or None, bits, block_size, signed) of an (E, N, K) stack given as
     a DequantizeLinear blocked along K over initializers it alone reads, whose bytes are stored
     raw (so re-typing them keeps the bytes); None otherwise."""
