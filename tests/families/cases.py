@@ -30,8 +30,9 @@ def _family_config(name: str, n_layers: int, **kw):
     }[name]
     args = {**BASE, "num_hidden_layers": n_layers, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             **kw}
-    if "rope_parameters" in kw:
-        args["rope_parameters"] = {**BASE["rope_parameters"], **kw["rope_parameters"]}
+    # always a fresh dict: some config classes write into it (GLM-4-MoE its default
+    # partial_rotary_factor), which would otherwise change BASE for every later config
+    args["rope_parameters"] = {**BASE["rope_parameters"], **kw.get("rope_parameters", {})}
     if "layer_types" in kw:
         args["layer_types"] = kw["layer_types"][:n_layers]
     if name.startswith("deepseek"):  # latent attention expands to every head: no KV-head groups
