@@ -499,6 +499,12 @@ def build_cmd(
     aot: bool = typer.Option(True, "--aot/--jit", help="AOT plugins (engine runs without Python) or JIT plugins (Python at run time)."),
     workspace: int = typer.Option(None, "--workspace", help="Builder workspace limit in MB (default: TensorRT's)."),
     timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to read and update (speeds up rebuilds)."),
+    experts_on_codes: bool = typer.Option(
+        True, "--experts-on-codes/--experts-dequantized",
+        help="A quantized artifact's experts: on their int8/int4 codes through moe::MoENBits (the default), or "
+             "dequantized by TensorRT into the moe::MoE plugin (engine holds float experts; a fallback should "
+             "a TensorRT version refuse INT8 plugin inputs).",
+    ),
 ) -> None:
     """Build a TensorRT engine (needs TensorRT and a GPU).
 
@@ -519,7 +525,8 @@ def build_cmd(
     if workspace is not None and workspace <= 0:
         raise UserError("--workspace must be a positive number of MB")
     with progress_steps(f"building a TensorRT engine for {loaded.name}"):
-        result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache)
+        result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache,
+                              experts_on_codes=experts_on_codes)
     out.print(f"[green]built[/green] {result.plan} (log: {result.log.name})", highlight=False)
 
 
@@ -528,6 +535,10 @@ def build_cmd(
 def check_cmd(
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     target: str = typer.Option("trt", "--target", help="Deployment target to check against (trt)."),
+    experts_on_codes: bool = typer.Option(
+        True, "--experts-on-codes/--experts-dequantized",
+        help="Check the graph `build` makes with the same option.",
+    ),
 ) -> None:
     """Will TensorRT's ONNX parser take this graph? No GPU needed.
 
@@ -540,7 +551,7 @@ def check_cmd(
 
     if target != "trt":
         raise UserError(f"unknown --target {target!r}; the pre-flight check knows: trt")
-    report = check_tensorrt(artifact)
+    report = check_tensorrt(artifact, experts_on_codes=experts_on_codes)
     out.print(f"TensorRT {report.tensorrt_version} ONNX parser ({report.source})", highlight=False)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
     out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)

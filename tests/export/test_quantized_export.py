@@ -454,6 +454,23 @@ def test_tensorrt_lowering_runs_the_experts_on_their_codes(name, artifacts) -> N
     assert_plugin_matches_artifact(artifact, lowered, prefill_feed(artifact, prompt()))
 
 
+def test_check_and_build_take_the_experts_dequantized_as_a_fallback(artifacts) -> None:
+    """`--experts-dequantized` (for a TensorRT that refuses INT8 plugin inputs) checks and builds
+    the graph with the experts left on moe::MoE behind DequantizeLinear (as rank-2 rows); the
+    default puts them on their codes. Both pass the pre-flight check."""
+    from moedeploy.cli import app
+
+    runner = CliRunner()
+    path = str(artifacts["int4"].path)
+    on_codes = runner.invoke(app, ["check", path, "--target", "trt"])
+    dequantized = runner.invoke(app, ["check", path, "--target", "trt", "--experts-dequantized"])
+    assert on_codes.exit_code == dequantized.exit_code == 0, (on_codes.output, dequantized.output)
+    said, said_dequantized = (" ".join(r.output.split()) for r in (on_codes, dequantized))  # unwrapped
+    assert "2 moe nodes on codes" in said and "moe::MoENBits" in said
+    assert "4 int4 stacks as rows" in said_dequantized and "moe::MoENBits" not in said_dequantized
+    assert "--experts-dequantized" in runner.invoke(app, ["build", "--help"]).output
+
+
 def test_moe_nbits_plugin_signature_matches_the_lowered_node(artifacts) -> None:
     """moe::MoENBits' tensorrt.plugin functions take the lowered node's 15 inputs, then its
     attributes in node order (plugin_namespace is the parser's), as the other plugins do; its

@@ -129,12 +129,13 @@ def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: di
     return None
 
 
-def check_tensorrt(artifact: Artifact | str) -> PreflightReport:
-    """Every node of the artifact's graph against TensorRT's ONNX parser support matrix."""
+def check_tensorrt(artifact: Artifact | str, experts_on_codes: bool = True) -> PreflightReport:
+    """Every node of the artifact's graph, as `build_engine` with the same `experts_on_codes`
+    hands it to the parser, against TensorRT's ONNX parser support matrix."""
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     onnx.checker.check_model(str(artifact.model_path), full_check=True)  # by path: any size
     model = onnx.load(str(artifact.model_path), load_external_data=False)  # the graph, not the weights
-    model, lowering = lower_for_tensorrt(model)  # what build_engine hands the parser
+    model, lowering = lower_for_tensorrt(model, experts_on_codes)  # what build_engine hands the parser
     matrix = support_matrix()
     ops = matrix["operators"]
     report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"], lowering=lowering)

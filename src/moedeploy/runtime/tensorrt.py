@@ -86,8 +86,12 @@ def build_engine(
     aot: bool = True,
     workspace_mb: int | None = None,
     timing_cache: str | Path | None = None,
+    experts_on_codes: bool = True,
 ) -> BuildResult:
-    """Parse the artifact with our plugins registered and build a plan under <artifact>/engines/."""
+    """Parse the artifact with our plugins registered and build a plan under <artifact>/engines/.
+    `experts_on_codes=False`: a quantized artifact's experts reach the moe::MoE plugin
+    dequantized by TensorRT instead of on their codes through moe::MoENBits (the lowering's
+    fallback; the engine then holds float expert weights)."""
     artifact = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact)
     trt = require_tensorrt()
     gpu = require_gpu()
@@ -113,11 +117,14 @@ def build_engine(
     parser = trt.OnnxParser(network, logger)
     # the artifact's graph through the TensorRT lowering, parsed from memory; the path resolves
     # its external data (the weights, unchanged) against the artifact's folder
-    lowered, _ = lower_for_tensorrt(onnx.load(str(artifact.model_path), load_external_data=False))
+    lowered, counts = lower_for_tensorrt(onnx.load(str(artifact.model_path), load_external_data=False),
+                                         experts_on_codes)
     if not parser.parse(lowered.SerializeToString(), str(artifact.model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        fallback = (" (its experts went on their codes: `moedeploy build --experts-dequantized` hands TensorRT "
+                    "dequantized experts instead)") if counts["moe_nodes_on_codes"] else ""
         raise RuntimeError(f"TensorRT's ONNX parser rejected {artifact.model_path} as moedeploy's TensorRT lowering "
-                           f"rewrote it (runtime/tensorrt_lowering.py): {errors}")
+                           f"rewrote it (runtime/tensorrt_lowering.py){fallback}: {errors}")
 
     config = builder.create_builder_config()
     if workspace_mb:
