@@ -90,6 +90,21 @@ class NBitsWeight:
                    bits=self.bits, block_size=self.block_size, accuracy_level=accuracy_level)
 
 
+def blocked_format(codes_type: int, zero_point_type: int | None, shape: tuple[int, ...], axis: int,
+                   block: int) -> tuple[int, bool] | None:
+    """(bits, signed) of DequantizeLinear codes of this ONNX type and shape as the export writes
+    them: signed codes without a zero point or unsigned ones with a zero point of their type,
+    blocked (16 or more) along the last axis; None for anything else. One rule for every
+    lowering of the artifact's quantized weights (ONNX Runtime's here, TensorRT's in
+    runtime/tensorrt_lowering.py)."""
+    kind = CODE_TYPES.get(codes_type)  # ir.DataType is an IntEnum: TensorProto ints look up too
+    if kind is None or kind[1] != (zero_point_type is None) or zero_point_type not in (None, codes_type):
+        return None
+    if axis not in (len(shape) - 1, -1) or block < 16 or shape[-1] % block:
+        return None
+    return kind
+
+
 def blocked_source(value: ir.Value | None) -> BlockedWeight | None:
     """The blocked DequantizeLinear over constant initializers that `value` is, if it is one."""
     node = value.producer() if value is not None else None
@@ -98,16 +113,13 @@ def blocked_source(value: ir.Value | None) -> BlockedWeight | None:
     codes, scale, zero_point = (*node.inputs, None)[:3]
     if any(v is None or v.const_value is None or v.shape is None for v in (codes, scale)):
         return None
-    if codes.dtype not in CODE_TYPES or CODE_TYPES[codes.dtype][1] != (zero_point is None):
-        return None  # signed codes without a zero point, unsigned with one: what the export writes
-    if zero_point is not None and (zero_point.const_value is None or zero_point.dtype != codes.dtype):
+    if zero_point is not None and zero_point.const_value is None:
         return None
     shape = tuple(int(d) for d in codes.shape)
     axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 1
     block = node.attributes["block_size"].as_int() if "block_size" in node.attributes else 0
-    if axis not in (len(shape) - 1, -1) or block < 16 or shape[-1] % block:
-        return None
-    return BlockedWeight(codes, scale, zero_point, CODE_TYPES[codes.dtype][0], block, shape)
+    kind = blocked_format(codes.dtype, None if zero_point is None else zero_point.dtype, shape, axis, block)
+    return None if kind is None else BlockedWeight(codes, scale, zero_point, kind[0], block, shape)
 
 
 def transposed_blocked_source(value: ir.Value | None) -> BlockedWeight | None:

@@ -36,8 +36,6 @@ from moedeploy.plugins import moe, moe_nbits
 from moedeploy.runtime import quantized
 
 TensorProto = onnx.TensorProto
-#: the artifact's code types (TensorProto data types): (bits, signed)
-CODE_TYPES = {int(dtype): kind for dtype, kind in quantized.CODE_TYPES.items()}
 #: the scale types moe::MoENBits takes (X's type)
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -214,12 +212,7 @@ def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.Tenso
     codes, scale, zero_point = (*parts, None)[:3]
     if codes is None or scale is None or (len(dq.input) == 3 and zero_point is None):
         return None
-    if any(readers.get(p.name) != 1 for p in (codes, scale, zero_point) if p is not None):
-        return None
-    if codes.data_type not in CODE_TYPES or len(codes.dims) != 3:
-        return None
-    bits, signed = CODE_TYPES[codes.data_type]
-    if signed != (zero_point is None) or (zero_point is not None and zero_point.data_type != codes.data_type):
+    if any(readers.get(p.name) != 1 for p in (codes, scale, zero_point) if p is not None) or len(codes.dims) != 3:
         return None
     if any(t.data_location != TensorProto.EXTERNAL and not t.HasField("raw_data") for t in (codes, zero_point) if t is not None):
         return None
@@ -228,10 +221,13 @@ def _blocked_stack(dq: onnx.NodeProto | None, initializers: dict[str, onnx.Tenso
         return None  # output_dtype, say: the plugin computes in the scales' (= X's) type
     e, n, k = codes.dims
     block = attrs.get("block_size", 0)
-    if attrs.get("axis", 1) not in (2, -1) or not block or k % block or list(scale.dims) != [e, n, k // block]:
+    kind = quantized.blocked_format(codes.data_type, None if zero_point is None else zero_point.data_type,
+                                    (e, n, k), attrs.get("axis", 1), block)
+    if kind is None or list(scale.dims) != [e, n, k // block]:
         return None
+    bits, signed = kind
     try:
-        QuantScheme(bits, block, signed)  # the blocks the kernels take (power of two, >= 16)
+        QuantScheme(bits, block, signed)  # the blocks the kernels take: a power of two too
     except ValueError:
         return None
     return codes, scale, zero_point, bits, block, signed
