@@ -508,6 +508,10 @@ def test_quantized_decode_step_bytes_of_the_tiny_preset_by_hand() -> None:
     signed = mixed4 | {"format": 2, "symmetric": True}
     assert decode_step_bytes(c, quantization=signed) == round(fp32 - at8 * (4 - signed8) - at4 * (4 - signed4))
     assert decode_step_bytes(c, quantization=signed | {"symmetric": False}) == decode_step_bytes(c, quantization=mixed4)
+    # an LM head in blocks of its own (manifest "block_sizes"): 1 + 4/64 bytes a weight in blocks of 64
+    head64 = signed | {"block_sizes": {"lm_head.weight": 64}}
+    assert decode_step_bytes(c, quantization=head64) == round(
+        fp32 - 2 * k_v * (4 - signed8) - head * (4 - (1 + 4 / 64)) - at4 * (4 - signed4))
 
 
 def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -542,6 +546,16 @@ def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path
     said: list[str] = []
     again = quantized_variant(fp32, QuantScheme(8), "tiny", said.append)
     assert str(again.path) == variants["int8"]["artifact"] and said[0].startswith("reading the cached int8 export")
+    # an export whose LM head has other blocks than this moedeploy writes (one from before
+    # --head-block-size: blocks of 32) is not reused
+    manifest_path = again.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["quantization"]["block_sizes"] == {"lm_head.weight": 64}  # tiny's hidden 64: whole rows
+    del manifest["quantization"]["block_sizes"]
+    manifest_path.write_text(json.dumps(manifest))
+    said.clear()
+    quantized_variant(fp32, QuantScheme(8), "tiny", said.append)
+    assert said[0].startswith("exporting tiny as int8"), said
 
 
 def test_bench_quantize_refusals_are_one_line_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -250,6 +250,7 @@ def export_cmd(
     block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it)."),
     symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: signed codes and no zero point (int8 is llama.cpp's q8_0; what TensorRT reads), or unsigned codes and a zero point per block (ONNX Runtime only)."),
     mixed: bool = typer.Option(True, "--mixed/--uniform", help="With --quantize int4: keep the LM head and attention K/V at int8, as llama.cpp's q4_0 does (--uniform: all int4)."),
+    head_block_size: int = typer.Option(None, "--head-block-size", help="With --quantize: the LM head's block size. Default: an int8 head (int8, mixed int4) in blocks of up to 256 dividing the hidden size, which decode 10-20% faster on ONNX Runtime than blocks of 32 at the same KL; an int4 head in --block-size.", show_default=False),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
@@ -273,7 +274,7 @@ def export_cmd(
       moedeploy export decoder --preset small --quantize int4 --out artifacts/q4
     """
     from moedeploy.export import BLOCKS, DECODER, export, parse_dtype
-    from moedeploy.export.quantize import parse_scheme
+    from moedeploy.export.quantize import LM_HEAD, parse_scheme
     from moedeploy.models import PRESETS
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
@@ -298,7 +299,7 @@ def export_cmd(
             flag = "--calibration-batches" if option == "calibration_batches" else "--fold-bn/--no-fold-bn"
             raise UserError(f"{flag} applies to blocks with BatchNorm only; {target!r} has none, so drop it")
     for option, flag in (("block_size", "--block-size"), ("symmetric", "--symmetric/--asymmetric"),
-                         ("mixed", "--mixed/--uniform")):
+                         ("mixed", "--mixed/--uniform"), ("head_block_size", "--head-block-size")):
         if quantize_as is None and given(ctx, option):
             raise UserError(f"{flag} applies with --quantize int8|int4 only")
     if quantize_as == "int8" and given(ctx, "mixed"):
@@ -306,6 +307,8 @@ def export_cmd(
     if quantize_as is not None and target != DECODER:
         raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
+    if head_block_size is not None:
+        parse_scheme(quantize_as, head_block_size, symmetric, flag="--head-block-size")
     check_writable(out_dir)
 
     with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:
@@ -313,11 +316,14 @@ def export_cmd(
             target, out_dir, preset_name=preset_name, checkpoint=checkpoint, dtype=dtype,
             fold_bn=fold_bn, calibration_batches=calibration_batches, seed=seed, force=force, progress=progress,
             max_seq_len=max_seq_len, golden=golden, quantization=quantization, mixed=mixed,
+            head_block_size=head_block_size,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
-    precision = dtype if quantize_as is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}" + (
-        " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "")
+    q = artifact.manifest.get("quantization")
+    precision = dtype if q is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}" + (
+        " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "") + "".join(
+        f", LM head in blocks of {block}" for name, block in q["block_sizes"].items() if name == LM_HEAD)
     out.print(f"[green]exported[/green] {target} ({precision}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]",
               highlight=False)
 

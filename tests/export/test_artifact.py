@@ -132,7 +132,10 @@ def test_manifest(store, key) -> None:
         assert m["dynamic_ranges"]["seq"]["max"] <= m["config"]["max_positions"]
 
     # files: every file in the folder, relative paths, sha256 recomputed here
-    on_disk = {p.relative_to(artifact.path).as_posix() for p in artifact.path.rglob("*") if p.is_file()}
+    # (cache/ holds lowered sessions that runtime tests sharing this session's store may have made:
+    # derived files the manifest does not list, by design)
+    on_disk = {p.relative_to(artifact.path).as_posix() for p in artifact.path.rglob("*") if p.is_file()
+               and not p.relative_to(artifact.path).as_posix().startswith("cache/")}
     assert set(m["files"]) | {"manifest.json"} == on_disk
     for rel, digest in m["files"].items():
         assert not Path(rel).is_absolute()

@@ -32,6 +32,9 @@ SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_lay
              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 SCHEMES = {"int8": QuantScheme(8, 32), "int4": QuantScheme(4, 32), "int4-asym-16": QuantScheme(4, 16, False)}
 MIXED = {"int4"}  # exported mixed (the default): the LM head and K/V at int8; the others uniform
+# the LM head's blocks by default: an int8 head (int8, mixed int4) in the largest power of two up to
+# 256 that divides hidden 64, i.e. whole rows; an int4 head in the scheme's
+HEAD_BLOCKS = {"int8": 64, "int4": 64, "int4-asym-16": 16}
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lm_head.weight",
              "experts.gate_up_proj", "experts.down_proj")
 
@@ -50,10 +53,10 @@ def artifacts(checkpoint, tmp_path_factory) -> dict[str, Artifact]:
             for name, scheme in SCHEMES.items()}
 
 
-def hf_dequantized(checkpoint: Path, scheme: QuantScheme, mixed: bool = False):
+def hf_dequantized(checkpoint: Path, scheme: QuantScheme, mixed: bool = False, head_block: int | None = None):
     """transformers' Mixtral from the checkpoint, its Linear and expert weights replaced by their
     dequantized values (router, norms and embeddings as they are); mixed int4: the LM head and
-    K/V projections at int8."""
+    K/V projections at int8; the LM head in blocks of `head_block` (default the scheme's)."""
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
@@ -62,8 +65,14 @@ def hf_dequantized(checkpoint: Path, scheme: QuantScheme, mixed: bool = False):
         for name, p in model.named_parameters():
             if name.endswith(QUANTIZED):  # (out, in) weights, blocks along in: gate_up's row order is irrelevant
                 eight = mixed and name.endswith(("lm_head.weight", "k_proj.weight", "v_proj.weight"))
-                p.copy_(quantize(p, QuantScheme(8, scheme.block_size, scheme.symmetric) if eight else scheme).dequantize())
+                block = (head_block or scheme.block_size) if name == "lm_head.weight" else scheme.block_size
+                p.copy_(quantize(p, QuantScheme(8 if eight else scheme.bits, block, scheme.symmetric)).dequantize())
     return model
+
+
+def hf_for(checkpoint: Path, name: str):
+    """hf_dequantized for the artifact `name` of the `artifacts` fixture, as it was exported."""
+    return hf_dequantized(checkpoint, SCHEMES[name], name in MIXED, HEAD_BLOCKS[name])
 
 
 def prompt(n: int = 9) -> torch.Tensor:
@@ -92,7 +101,7 @@ def test_portable_artifact_on_plain_onnxruntime_equals_transformers_dequantized(
     ids = prompt()
     logits = session.run(["logits"], prefill_feed(artifact, ids))[0]
     with torch.no_grad():
-        expected = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)(ids).logits.numpy()
+        expected = hf_for(checkpoint, name)(ids).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -112,7 +121,7 @@ def test_matmul_nbits_lowering_generates_transformers_tokens(name, attention, ar
     assert decoder.lowering["packed_qkv"] == (2 if attention == "gqa" and name not in MIXED else 0)
     int4 = SCHEMES[name].bits == 4
     assert (decoder.lowering["moe_qmoe"], decoder.lowering["moe_experts"]) == ((2, 0) if int4 else (0, 2))
-    hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
+    hf = hf_for(checkpoint, name)
     ids = prompt()
     with torch.no_grad():
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
@@ -140,8 +149,9 @@ def test_quantized_bytes_are_the_formats_arithmetic(artifacts) -> None:
     quantized = linear + experts
     kept = v * h + layers * (e * h + 2 * h) + h  # embedding, router, two norms per layer, final norm
     eight_in_mixed = v * h + layers * 2 * (h // 2) * h  # the LM head and K/V
+    head = v * h
     for name, scheme in SCHEMES.items():
-        blocks = quantized // scheme.block_size
+        blocks = (quantized - head) // scheme.block_size + head // HEAD_BLOCKS[name]
         zero_point_bits = 0 if scheme.symmetric else scheme.bits  # signed codes have none
         ideal = quantized * scheme.bits / 8 + blocks * 4 + blocks * zero_point_bits / 8 + kept * 4
         if name in MIXED:  # those at 8 bits: 4 more bits per weight (symmetric: no zero points)
@@ -164,6 +174,9 @@ def test_the_manifest_records_the_scheme_and_each_tensors_bits(artifacts) -> Non
     mixed = artifacts["int4"].manifest["quantization"]
     assert mixed["mixed"] and mixed["tensors"]["lm_head.weight"] == 8 and mixed["tensors"]["layers.1.attn.wv.weight"] == 8
     assert mixed["tensors"]["layers.1.attn.wq.weight"] == 4 and mixed["tensors"]["layers.1.ffn.w_up"] == 4
+    # the blocks that differ from the scheme's: the int8 LM head's (whole rows of 64), none for an int4 head
+    assert mixed["block_sizes"] == {"lm_head.weight": 64} and q["block_sizes"] == {}
+    assert artifacts["int8"].manifest["quantization"]["block_sizes"] == {"lm_head.weight": 64}
 
 
 def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None:
@@ -178,6 +191,11 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         (["export", "rmsnorm", "--quantize", "int8"], "--quantize applies to the decoder only"),
         (["export", "decoder", "--quantize", "int4", "--block-size", "128"],
          "weight layers.0.attn.wq.weight: its input dimension 64 is not a multiple of --block-size 128"),
+        (["export", "decoder", "--head-block-size", "64"], "--head-block-size applies with --quantize int8|int4 only"),
+        (["export", "decoder", "--quantize", "int8", "--head-block-size", "48"],
+         "--head-block-size: block size 48 must be a power of two"),
+        (["export", "decoder", "--quantize", "int8", "--head-block-size", "128"],
+         "weight lm_head.weight: its input dimension 64 is not a multiple of --head-block-size 128"),
     ]
     for args, message in cases:
         out = tmp_path / "out"
@@ -185,6 +203,37 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         assert result.exit_code == 1, result.output
         assert message in result.output and "Traceback" not in result.output
         assert not out.exists()  # nothing half-written
+
+
+def test_head_block_default_is_the_largest_power_of_two_up_to_256_dividing_an_int8_heads_rows() -> None:
+    from moedeploy.export.quantize import head_block
+
+    assert head_block(32, 8, 4096) == 256  # Mixtral, Qwen3-MoE: 4096 = 16 x 256
+    assert head_block(32, 8, 2880) == 64  # gpt-oss: 2880 = 64 x 45
+    assert head_block(32, 8, 64) == 64 and head_block(16, 8, 48) == 16  # 48 = 16 x 3
+    assert head_block(512, 8, 4096) == 512  # never below --block-size
+    assert head_block(32, 4, 4096) == 32  # an int4 head keeps --block-size
+    assert head_block(32, 8, 4096, head_block_size=16) == 16  # asked for: as asked
+
+
+def test_an_asked_head_block_size_is_what_the_artifact_computes(checkpoint, tmp_path) -> None:
+    """--head-block-size 16 on int8: the LM head in blocks of 16, the rest in 32, recorded in the
+    manifest, and the artifact equals transformers with exactly those blocks dequantized."""
+    artifact = export("decoder", tmp_path / "int8-h16", checkpoint=checkpoint, quantization=SCHEMES["int8"],
+                      head_block_size=16, golden=False)
+    q = artifact.manifest["quantization"]
+    assert q["block_size"] == 32 and q["block_sizes"] == {"lm_head.weight": 16}
+    model = onnx.load(str(artifact.model_path), load_external_data=False)
+    head_dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and "lm_head" in n.input[0])
+    assert next(a.i for a in head_dq.attribute if a.name == "block_size") == 16
+    session = ort.InferenceSession(str(artifact.model_path), providers=["CPUExecutionProvider"])
+    ids = prompt()
+    logits = session.run(["logits"], prefill_feed(artifact, ids))[0]
+    with torch.no_grad():
+        expected = hf_dequantized(checkpoint, SCHEMES["int8"], head_block=16)(ids).logits.numpy()
+        other = hf_dequantized(checkpoint, SCHEMES["int8"], head_block=64)(ids).logits.numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(other - expected).max() > 1e-3  # the head's blocks are seen at this tolerance
 
 
 def test_a_checkpoint_with_a_nan_weight_is_refused_in_one_line_and_nothing_is_written(tmp_path) -> None:
@@ -225,7 +274,7 @@ def test_bench_times_a_quantized_artifact_beside_its_dequantized_eager_twin(arti
 def test_int8_activations_stay_close_to_the_float_computation(name, artifacts, checkpoint) -> None:
     """nbits_accuracy=4 (what bench times) quantizes the activations to int8 per block: not the
     dequantized graph to rounding, so it is held to distribution thresholds against transformers."""
-    hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
+    hf = hf_for(checkpoint, name)
     ids = prompt(24)
     with torch.no_grad():
         expected = hf(ids).logits.double()
@@ -511,7 +560,7 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
     stream = token_stream(SHAPE["vocab_size"], 64, seed=3)
     float_model = MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
                                                      experts_implementation="eager").eval()
-    quantized = hf_dequantized(checkpoint, SCHEMES["int4"], mixed=True)
+    quantized = hf_for(checkpoint, "int4")
     with torch.no_grad():
         p, q_log = float_model(stream).logits[0].log_softmax(-1), quantized(stream).logits[0].log_softmax(-1)
         kl = F.kl_div(q_log, p, log_target=True, reduction="none").sum(-1)
@@ -553,7 +602,7 @@ def test_contrib_lowering_runs_quantized_experts_on_qmoe(name, artifacts, checkp
     down stack's 3 blocks per row at block 32: 4-bit zero points repacked per row). int4 at
     level 0 computes the dequantized products; QMoE's int8 kernel has int8 activations only,
     so int8 takes QMoE at level 4 and stays on com.microsoft::MoE over the dequantized weights at 0."""
-    hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
+    hf = hf_for(checkpoint, name)
     ids = prompt()
     with torch.no_grad():
         expected = hf(ids).logits.double()
@@ -585,7 +634,7 @@ def test_the_in_flight_decoder_runs_a_quantized_artifact_at_the_served_level(nam
     from moedeploy.runtime.inflight import RowCacheDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
-    hf = hf_dequantized(checkpoint, SCHEMES[name], name in MIXED)
+    hf = hf_for(checkpoint, name)
     ids = prompt(24)
     with torch.no_grad():
         expected = hf(ids).logits[:, -1].double()

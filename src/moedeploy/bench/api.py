@@ -17,7 +17,14 @@ from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weigh
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
 from moedeploy.export.artifact import MODEL_DATA_FILE, parse_dtype
-from moedeploy.export.quantize import QUANT_FORMAT, QuantizeError, parse_scheme
+from moedeploy.export.quantize import (
+    LM_HEAD,
+    QUANT_FORMAT,
+    QuantizeError,
+    head_block,
+    manifest_formats,
+    parse_scheme,
+)
 from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
@@ -242,8 +249,11 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
         try:
             cached = Artifact.load(folder)  # every file against its recorded sha256
             q = cached.manifest.get("quantization") or {}
+            head = manifest_formats(q).get(LM_HEAD) if "tensors" in q else None  # (none when tied)
+            hidden = fp32.manifest["config"]["hidden_size"]
             if (q.get("format"), q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
                     QUANT_FORMAT, scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4) \
+                    and (head is None or head.block_size == head_block(scheme.block_size, head.bits, hidden)) \
                     and cached.manifest["config"]["source"].get("weights_sha256") == weights_sha256:
                 progress(f"reading the cached {scheme.name} export {folder}")
                 return cached

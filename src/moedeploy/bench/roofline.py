@@ -48,10 +48,11 @@ def quantized_bytes_per_param(bits: int, block_size: int, scale_bytes: int, zero
 
 def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_per_param: int) -> float:
     """Bytes a decode step does not read because the tensors a quantized artifact records
-    (manifest "quantization": each tensor's bits) are blocked int8/int4 instead of float: the
+    (manifest "quantization": each tensor's bits and blocks) are blocked int8/int4 instead of float: the
     expert stacks in the share of experts the step touches, the rest whole."""
     import torch
 
+    from moedeploy.export.quantize import manifest_formats
     from moedeploy.models.decoder import MoEDecoder
 
     with torch.device("meta"):
@@ -59,10 +60,9 @@ def quantization_saving(c: DecoderConfig, batch: int, quantization: dict, bytes_
     touched = min(c.n_experts, c.top_k * batch) / c.n_experts
     zero_point = not (quantization.get("format", 1) >= 2 and quantization.get("symmetric", True))
     saved = 0.0
-    for name, bits in quantization["tensors"].items():
+    for name, f in manifest_formats(quantization).items():
         numel = shapes[name].numel() * (touched if len(shapes[name]) == 3 else 1)
-        saved += numel * (bytes_per_param - quantized_bytes_per_param(bits, quantization["block_size"], bytes_per_param,
-                                                                      zero_point))
+        saved += numel * (bytes_per_param - quantized_bytes_per_param(f.bits, f.block_size, bytes_per_param, zero_point))
     return saved
 
 

@@ -54,7 +54,7 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.quantize import QUANT_FORMAT
+from moedeploy.export.quantize import manifest_section, parse_scheme
 from moedeploy.export.reference import build_decoder, eager_decoder, save_reference_weights
 from moedeploy.export.streaming import (
     DATA_ALIGNMENT,
@@ -116,6 +116,7 @@ def export(
     golden: bool = True,
     quantization: QuantScheme | None = None,
     mixed: bool = True,
+    head_block_size: int | None = None,
 ) -> Artifact:
     """Export `target` (a block name or "decoder") to the artifact folder `out`.
 
@@ -125,7 +126,8 @@ def export(
     max_seq_len (decoder only): positions, cache plus new tokens, that the TensorRT profile in
     the manifest covers; default min(max_positions, 4096). quantization (decoder only): its
     Linear and expert weights weight-only int8/int4 (export/quantize.py); `mixed` (int4): the LM
-    head and attention K/V at int8, as llama.cpp's q4_0.
+    head and attention K/V at int8, as llama.cpp's q4_0; `head_block_size`: the LM head's block
+    size (default: export/quantize.head_block).
     """
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
@@ -143,11 +145,16 @@ def export(
             raise ValueError("--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)")
         if quantization is not None:
             raise ValueError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
+    if head_block_size is not None:
+        if quantization is None:
+            raise ValueError("--head-block-size applies with --quantize int8|int4 only")
+        parse_scheme(quantization.name, head_block_size, quantization.symmetric, flag="--head-block-size")
     check_replaceable(out, is_artifact_folder, force)
     if target == DECODER:
         return export_decoder(
             out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
             progress=progress, max_seq_len=max_seq_len, golden=golden, quantization=quantization, mixed=mixed,
+            head_block_size=head_block_size,
         )
     if not golden:
         raise ValueError("--no-golden applies to the decoder only")
@@ -241,6 +248,7 @@ def export_decoder(
     golden: bool = True,
     quantization: QuantScheme | None = None,
     mixed: bool = True,
+    head_block_size: int | None = None,
 ) -> Artifact:
     """The decoder with its KV cache; its TensorRT profile spans max_seq_len positions (see
     `decoder_dynamic_ranges`), while the manifest's config keeps the model's max_positions.
@@ -275,10 +283,8 @@ def export_decoder(
     quantized: dict[str, Any] | None = None
     if quantization is not None:
         progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}")
-        counts = quantize_weights(traced, weights, quantization, mixed)
-        quantized = {"format": QUANT_FORMAT, "bits": quantization.bits, "block_size": quantization.block_size,
-                     "symmetric": quantization.symmetric, "mixed": mixed and quantization.bits == 4, "weights": counts,
-                     "tensors": {name: f.bits for name, f in sorted(traced.quantization.items())}}
+        counts = quantize_weights(traced, weights, quantization, mixed, head_block_size)
+        quantized = manifest_section(quantization, mixed, counts, traced.quantization)
 
     golden_out = None
     generator = torch.Generator().manual_seed(seed + 1)

@@ -279,11 +279,11 @@ def save_graph(traced: TracedDecoder, model_file: Path) -> onnx.ModelProto:
 
 
 def quantize_weights(traced: TracedDecoder, source: WeightSource, scheme: QuantScheme, mixed: bool = True,
-                     ) -> dict[str, int]:
+                     head_block_size: int | None = None) -> dict[str, int]:
     """Make the traced graph read its Linear and expert weights through DequantizeLinear, their
     parts streamed by recipes like every weight (export/quantize.py); returns counts."""
     counts, traced.quantization = quantize.rewrite_graph(traced.model.graph, traced.recipes, source, scheme,
-                                                         _register, mixed)
+                                                         _register, mixed, head_block_size)
     return counts
 
 
