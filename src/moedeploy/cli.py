@@ -247,10 +247,10 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
     golden: bool = typer.Option(True, "--golden/--no-golden", help="Decoder: run eager PyTorch on the golden inputs and store its outputs (--no-golden skips that pass over the weights; `compare` still runs eager)."),
     quantize_as: str = typer.Option(None, "--quantize", help="Decoder: int8 or int4 weight-only for the Linear and expert weights (router, norms, embeddings stay in --dtype), as ONNX DequantizeLinear.", show_default=False),
-    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it)."),
+    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it); the LM head's: --head-block-size."),
     symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: signed codes and no zero point (int8 is llama.cpp's q8_0; what TensorRT reads), or unsigned codes and a zero point per block (ONNX Runtime only)."),
     mixed: bool = typer.Option(True, "--mixed/--uniform", help="With --quantize int4: keep the LM head and attention K/V at int8, as llama.cpp's q4_0 does (--uniform: all int4)."),
-    head_block_size: int = typer.Option(None, "--head-block-size", help="With --quantize: the LM head's block size. Default: an int8 head (int8, mixed int4) in blocks of up to 256 dividing the hidden size, which decoded the small preset 6-21% faster on ONNX Runtime than blocks of 32 at level KL; an int4 head in --block-size.", show_default=False),
+    head_block_size: int = typer.Option(None, "--head-block-size", help="With --quantize: the LM head's block size. Default: an int8 head (int8, mixed int4) in blocks of the largest power of two up to 256 dividing the hidden size (never below --block-size), which decoded the small preset 6-21% faster on ONNX Runtime than blocks of 32 at level KL; an int4 head in --block-size.", show_default=False),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
@@ -260,7 +260,8 @@ def export_cmd(
     at a time: memory does not grow with the model, so any size exports (the disk must
     hold the weights in the chosen --dtype; that is checked before any work).
     --quantize int8|int4 stores the Linear and expert weights as blocked codes, one scale
-    per --block-size values (signed codes; --asymmetric: unsigned with a zero point), read
+    per --block-size values (an int8 LM head: up to 256, --head-block-size) (signed codes;
+    --asymmetric: unsigned with a zero point), read
     through ONNX DequantizeLinear (`moedeploy check --target trt` says what TensorRT takes); the golden
     outputs are then eager PyTorch's on the dequantized weights, what the artifact computes.
     An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
@@ -603,7 +604,7 @@ def bench_cmd(
                                  "checkpoint weight-only quantized (cached beside its fp32 export) and time the "
                                  "ONNX Runtime backends on each, as rows '<backend> int8', each with its bytes on "
                                  "disk, bytes read per decode step and bandwidth bound."),
-    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale (a power of two, at least 16)."),
+    block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale (a power of two, at least 16; an int8 LM head takes up to 256, as `export` does by default)."),
 ) -> None:
     """Benchmark prefill, decode and memory on each backend.
 

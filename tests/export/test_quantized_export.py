@@ -216,6 +216,18 @@ def test_head_block_default_is_the_largest_power_of_two_up_to_256_dividing_an_in
     assert head_block(32, 8, 4096, head_block_size=16) == 16  # asked for: as asked
 
 
+def test_a_malformed_quantization_section_is_refused_by_name() -> None:
+    from moedeploy.export.quantize import QuantizeError, manifest_formats
+
+    good = {"block_size": 32, "symmetric": True, "tensors": {"lm_head.weight": 8, "layers.0.ffn.w_up": 4}}
+    assert manifest_formats(good) == {"lm_head.weight": QuantScheme(8, 32), "layers.0.ffn.w_up": QuantScheme(4, 32)}
+    assert manifest_formats(good | {"block_sizes": {"lm_head.weight": 256}})["lm_head.weight"] == QuantScheme(8, 256)
+    for bad in ({"block_sizes": {"lm_head.weight": "256"}}, {"block_sizes": {"lm_head.weight": 24}},
+                {"block_sizes": [256]}, {"tensors": {"lm_head.weight": 3}}):
+        with pytest.raises(QuantizeError, match="malformed at 'lm_head.weight'"):
+            manifest_formats(good | bad)
+
+
 def test_an_asked_head_block_size_is_what_the_artifact_computes(checkpoint, tmp_path) -> None:
     """--head-block-size 16 on int8: the LM head in blocks of 16, the rest in 32, recorded in the
     manifest, and the artifact equals transformers with exactly those blocks dequantized."""
@@ -234,6 +246,21 @@ def test_an_asked_head_block_size_is_what_the_artifact_computes(checkpoint, tmp_
         other = hf_dequantized(checkpoint, SCHEMES["int8"], head_block=64)(ids).logits.numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
     assert np.abs(other - expected).max() > 1e-3  # the head's blocks are seen at this tolerance
+    # four blocks a row through both lowerings: MatMulNBits (float compute) ...
+    decoder = OrtDecoder(artifact)
+    decoder.reset(2, ids.shape[1])
+    np.testing.assert_allclose(decoder.step(ids, 0).numpy(), expected, rtol=1e-4, atol=1e-4)
+    # ... and TensorRT's per-channel view, (96 x 64 / 16, 16) rows, run by ONNX Runtime
+    from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
+
+    lowered, _ = lower_for_tensorrt(model, experts_on_codes=False)
+    head_view = next(n for n in lowered.graph.node if n.op_type == "DequantizeLinear" and "lm_head" in n.input[0])
+    assert list(next(i for i in lowered.graph.initializer if i.name == head_view.input[0]).dims) == [96 * 64 // 16, 16]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # (README: ORT's per-axis INT8)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.path))
+    session = ort.InferenceSession(lowered.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["logits"], prefill_feed(artifact, ids))[0], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_checkpoint_with_a_nan_weight_is_refused_in_one_line_and_nothing_is_written(tmp_path) -> None:

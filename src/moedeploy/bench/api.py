@@ -249,7 +249,7 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
         try:
             cached = Artifact.load(folder)  # every file against its recorded sha256
             q = cached.manifest.get("quantization") or {}
-            head = manifest_formats(q).get(LM_HEAD) if "tensors" in q else None  # (none when tied)
+            head = manifest_formats(q).get(LM_HEAD) if "tensors" in q else None
             hidden = fp32.manifest["config"]["hidden_size"]
             if (q.get("format"), q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
                     QUANT_FORMAT, scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4) \
@@ -262,7 +262,8 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
     if folder.exists() and not (folder / "manifest.json").is_file() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} is where bench caches the {scheme.name} export, and it holds something moedeploy "
                          "did not write: move it, or set MOEDEPLOY_CACHE to another folder")
-    progress(f"exporting {target} as {scheme.name} (blocks of {scheme.block_size}) into the cache {folder}")
+    progress(f"exporting {target} as {scheme.name} (blocks of {scheme.block_size}, the LM head's by export's default) "
+             f"into the cache {folder}")
     source = {"checkpoint": target} if is_checkpoint(target) else {"preset_name": target}
     artifact = export("decoder", folder, **source, quantization=scheme, progress=progress)
     if artifact.manifest["config"]["source"].get("weights_sha256") != weights_sha256:
@@ -309,7 +310,7 @@ def bench(
     rounds: run every backend this many times, each in a fresh process, the backends interleaved
     (round 1: a, b, c; round 2: a, b, c ...), so a slow spell of the machine hits them alike.
     quantize: also export the preset or checkpoint as these ("int8", "int4"; blocks of
-    `block_size`) and time the ONNX Runtime backends on each, named "<backend> int8" etc., each
+    `block_size`, the LM head's by export's default) and time the ONNX Runtime backends on each, named "<backend> int8" etc., each
     beside its own roofline (bytes on disk, bytes a step reads, the bandwidth bound).
     """
     progress = progress or (lambda _: None)

@@ -282,7 +282,8 @@ def export_decoder(
     source["weights_sha256"] = fingerprint(weights, torch_dtype, progress)
     quantized: dict[str, Any] | None = None
     if quantization is not None:
-        progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}")
+        progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}"
+                 + (f" (the LM head's: {head_block_size})" if head_block_size is not None else ""))
         counts = quantize_weights(traced, weights, quantization, mixed, head_block_size)
         quantized = manifest_section(quantization, mixed, counts, traced.quantization)
 

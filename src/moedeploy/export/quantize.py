@@ -177,7 +177,7 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
         codes_type = CODE_TYPES[(tensor_scheme.bits, tensor_scheme.signed)]
         formats.update(dict.fromkeys(names, tensor_scheme))
         if shape[-1] % tensor_scheme.block_size:
-            flag = "--block-size" if tensor_scheme.block_size == scheme.block_size else "--head-block-size"
+            flag = "--head-block-size" if names[0].endswith(LM_HEAD) and head_block_size is not None else "--block-size"
             raise QuantizeError(
                 f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of {flag} "
                 f"{tensor_scheme.block_size}; choose a power of two that divides it (16, 32, 64, ...)")
@@ -269,5 +269,15 @@ def manifest_formats(q: dict) -> dict[str, QuantScheme]:
     """Each quantized tensor's format, from the manifest's "quantization" (manifest_section; an
     artifact written before "block_sizes" has the scheme's blocks everywhere)."""
     blocks = q.get("block_sizes", {})
-    return {name: QuantScheme(bits, blocks.get(name, q["block_size"]), q.get("symmetric", True))
-            for name, bits in q["tensors"].items()}
+    formats = {}
+    for name, bits in q["tensors"].items():
+        block = blocks.get(name, q["block_size"]) if isinstance(blocks, dict) else None
+        if not isinstance(bits, int) or not isinstance(block, int):
+            raise QuantizeError(f"the manifest's quantization section is malformed at {name!r} "
+                                "(bits and block sizes are integers): export the artifact again")
+        try:
+            formats[name] = QuantScheme(bits, block, q.get("symmetric", True))
+        except ValueError as e:
+            raise QuantizeError(f"the manifest's quantization section is malformed at {name!r}: {e}; "
+                                "export the artifact again") from None
+    return formats
