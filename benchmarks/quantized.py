@@ -116,7 +116,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from moedeploy.bench.api import cache_dir, merge_rounds, prepare, quantized_variant
+    from moedeploy.bench.api import (
+        cache_dir,
+        merge_rounds,
+        paired_ratio,
+        prepare,
+        quantized_variant,
+        rotated,
+    )
     from moedeploy.bench.decode import Settings, run_in_subprocess
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.bench.peers import gguf_file, missing
@@ -155,7 +162,7 @@ def main() -> None:
 
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for round_no in range(1, args.rounds + 1):
-        for name, (artifact, backend, peer_model, _) in systems.items():
+        for name, (artifact, backend, peer_model, _) in rotated(list(systems.items()), round_no - 1):
             progress(f"timing {name}, round {round_no}/{args.rounds}")
             runs[name].append(run_in_subprocess(Settings(str(artifact.path), backend, 1, 128, 64, args.threads,
                                                          args.repeat, peer_model=str(peer_model) if peer_model else None)))
@@ -209,8 +216,19 @@ def main() -> None:
             spread = row["decode_all"]
             print(f"  {row['system']}: decode min / median / max {min(spread):.1f} / {statistics.median(spread):.1f} / "
                   f"{max(spread):.1f} tokens/s")
+    # each moedeploy format against its llama.cpp / OpenVINO counterpart, round by round: the
+    # figure to read on a machine whose speed drifts over the run
+    pairs = {}
+    for kind, (llama_kind, *_) in {"fp32": ("f32",), **LLAMA_FORMATS}.items():
+        for peer in (f"llama.cpp {llama_kind}", f"openvino {kind}"):
+            ours = timed.get(f"moedeploy {kind}")
+            if ours and peer in timed and "error" not in ours and "error" not in timed[peer] \
+                    and (paired := paired_ratio(ours, timed[peer])):
+                pairs[f"moedeploy {kind} / {peer}"] = paired
+                print(f"  moedeploy {kind} / {peer}: decode x{paired['median']:.2f} paired by round "
+                      f"({' / '.join(f'{r:.2f}' for r in paired['by_round'])})")
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows, "paired": pairs}, indent=2))
 
 
 if __name__ == "__main__":

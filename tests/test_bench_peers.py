@@ -149,6 +149,7 @@ def test_rounds_pool_every_timed_run_and_keep_the_highest_peak() -> None:
                            _result("ort", [20.0, 40.0, 50.0], [6.0, 7.0, 8.0], 320.0, [[1, 2]])])
     assert merged["decode_tokens_per_s_all"] == [10.0, 30.0, 20.0, 40.0, 50.0]
     assert merged["decode_tokens_per_s"] == 30.0 and merged["prefill_ms"] == 7.0
+    assert merged["decode_tokens_per_s_rounds"] == [20.0, 40.0]  # each round's median, for paired ratios
     assert merged["peak_rss_mb"] == 320.0 and merged["load_peak_rss_mb"] == 160.0
     differ = merge_rounds([_result("ort", [1.0], [1.0], 1.0, [[1, 2]]), _result("ort", [1.0], [1.0], 1.0, [[1, 3]])])
     assert differ == {"backend": "ort", "error": "its rounds generated different greedy tokens"}
@@ -172,17 +173,20 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(api, "describe", lambda threads: FAKE_MACHINE)
     order = []
+    # decode tokens/s by backend and round: the machine slows down in round 2, ort more than torch
+    rates = {"torch": [50.0, 25.0], "ort": [100.0, 75.0]}
 
     def worker(settings):
+        round_no = order.count(settings.backend)
         order.append(settings.backend)
-        return _result(settings.backend, [100.0], [5.0], 300.0, [[1, 2, 3]])
+        return _result(settings.backend, [rates[settings.backend][round_no]], [5.0], 300.0, [[1, 2, 3]])
 
     monkeypatch.setattr(api, "run_in_subprocess", worker)
     out = tmp_path / "bench.json"
     done = CliRunner().invoke(app, ["bench", "tiny", "--backend", "torch,ort", "--peers", "--rounds", "2",
                                     "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json", str(out)])
     assert done.exit_code == 0, done.output
-    assert order == ["torch", "ort", "torch", "ort"]
+    assert order == ["torch", "ort", "ort", "torch"]  # interleaved, and rotated each round
     report = json.loads(out.read_text())
     assert report["peers_skipped"] == {
         "llama.cpp": "backend 'llama.cpp' needs llama_cpp, which is not installed: "
@@ -191,8 +195,13 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     assert "--peers: llama.cpp left out: backend 'llama.cpp' needs llama_cpp" in done.stderr
     assert "--peers: openvino left out: backend 'openvino' needs openvino" in done.stderr
     assert report["settings"]["rounds"] == 2
-    assert report["raw"][0]["decode_tokens_per_s_all"] == [100.0, 100.0]
+    assert report["raw"][0]["decode_tokens_per_s_all"] == [50.0, 25.0]
     assert "min / median / max over 2 runs (2 rounds of 1):" in done.stdout
+    # medians 87.5 / 37.5 = 2.333; by round 100 / 50 = 2 and 75 / 25 = 3, median 2.5
+    ratio = report["ratios"]["ort_vs_torch"]
+    assert ratio["decode_speedup"] == 2.333
+    assert ratio["decode_speedup_paired"] == {"median": 2.5, "by_round": [2.0, 3.0]}
+    assert "ort_vs_torch: decode x2.33 (paired by round: x2.50, rounds 2.00 / 3.00)" in " ".join(done.stdout.split())
 
 
 def test_naming_an_absent_peer_fails_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -593,7 +593,7 @@ def bench_cmd(
     peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp, openvino) on the "
                                "same weights; the report says which were left out and how to install them."),
     rounds: int = typer.Option(1, "--rounds", help="Run every backend this many times, each in a fresh process, the "
-                               "backends interleaved, so a busy spell of the machine hits them alike."),
+                               "backends interleaved and their order rotated each round, so a busy spell of the machine hits them alike; with 2 or more, each ratio is also given paired by round (the median of the rounds' ratios), the figure to trust on a busy machine."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),
@@ -658,8 +658,11 @@ def bench_cmd(
     for warning in report["warnings"]:
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     for name, ratio in report["ratios"].items():
-        out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}, prefill time x{ratio['prefill_time_ratio']:.2f}, "
-                  f"peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
+        paired = ratio.get("decode_speedup_paired")
+        by_round = (f" (paired by round: x{paired['median']:.2f}, rounds "
+                    f"{' / '.join(f'{r:.2f}' for r in paired['by_round'])})") if paired else ""
+        out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}{by_round}, prefill time "
+                  f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if not report["greedy_tokens_agree"]:
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
     if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:

@@ -224,7 +224,7 @@ def test_a_malformed_quantization_section_is_refused_by_name() -> None:
     assert manifest_formats(good | {"block_sizes": {"lm_head.weight": 256}})["lm_head.weight"] == QuantScheme(8, 256)
     for bad in ({"block_sizes": {"lm_head.weight": "256"}}, {"block_sizes": {"lm_head.weight": 24}},
                 {"block_sizes": [256]}, {"tensors": {"lm_head.weight": 3}}):
-        with pytest.raises(QuantizeError, match="malformed at 'lm_head.weight'"):
+        with pytest.raises(QuantizeError, match=r"malformed at 'lm_head\.weight'"):
             manifest_formats(good | bad)
 
 

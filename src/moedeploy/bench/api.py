@@ -308,7 +308,8 @@ def bench(
 
     peers: add every peer engine installed here (llama.cpp, openvino) on the same weights.
     rounds: run every backend this many times, each in a fresh process, the backends interleaved
-    (round 1: a, b, c; round 2: a, b, c ...), so a slow spell of the machine hits them alike.
+    and rotated (round 1: a, b, c; round 2: b, c, a ...), so a slow spell of the machine hits
+    them alike; each ratio then also comes paired by round (paired_ratio).
     quantize: also export the preset or checkpoint as these ("int8", "int4"; blocks of
     `block_size`, the LM head's by export's default) and time the ONNX Runtime backends on each, named "<backend> int8" etc., each
     beside its own roofline (bytes on disk, bytes a step reads, the bandwidth bound).
@@ -343,7 +344,7 @@ def bench(
     checkpoint = str(Path(target).resolve()) if is_checkpoint(target) else None
     runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
     for round_no in range(1, rounds + 1):
-        for label, variant_name, backend, _ in jobs:
+        for label, variant_name, backend, _ in rotated(jobs, round_no - 1):
             of_rounds = f", round {round_no}/{rounds}" if rounds > 1 else ""
             progress(f"{label}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
             runs[label].append(run_in_subprocess(Settings(
@@ -425,10 +426,32 @@ def bench(
     return report
 
 
+def rotated(jobs: list, shift: int) -> list:
+    """The backends of one round, starting `shift` places on: each takes every place in the order
+    over the rounds, so none always runs right after the same one or first in a fresh spell."""
+    shift %= max(len(jobs), 1)
+    return jobs[shift:] + jobs[:shift]
+
+
+def paired_ratio(numerator: dict, denominator: dict, key: str = "decode_tokens_per_s") -> dict[str, Any] | None:
+    """`key` of two backends' merged rounds as a ratio per round (each round's medians, timed
+    minutes apart at most, so a machine that drifts over the run moves both alike) and the median
+    of those: the figure to compare two systems by on a busy machine. None with fewer than two
+    rounds."""
+    import statistics
+
+    a, b = numerator.get(f"{key}_rounds"), denominator.get(f"{key}_rounds")
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    by_round = [x / y for x, y in zip(a, b, strict=True)]
+    return {"median": round(statistics.median(by_round), 3), "by_round": [round(r, 3) for r in by_round]}
+
+
 def merge_rounds(runs: list[dict]) -> dict:
-    """One backend's rounds as one result: medians over every timed generation of every round,
-    the highest peak memory; the first error if any round failed (a flaky backend is not averaged
-    away), and an error if two rounds generated different tokens."""
+    """One backend's rounds as one result: medians over every timed generation of every round
+    (and each round's median, for paired_ratio), the highest peak memory; the first error if any
+    round failed (a flaky backend is not averaged away), and an error if two rounds generated
+    different tokens."""
     import statistics
 
     failed = [r for r in runs if "error" in r]
@@ -441,6 +464,7 @@ def merge_rounds(runs: list[dict]) -> dict:
     for key in ("prefill_ms", "decode_tokens_per_s"):
         merged[f"{key}_all"] = [v for r in runs for v in r[f"{key}_all"]]
         merged[key] = statistics.median(merged[f"{key}_all"])
+        merged[f"{key}_rounds"] = [statistics.median(r[f"{key}_all"]) for r in runs]
     for key in ("token_latency_p50_ms", "token_latency_p99_ms", "load_s"):
         merged[key] = statistics.median(r[key] for r in runs)
     for key in ("peak_rss_mb", "load_peak_rss_mb", "backend_rss_mb"):
@@ -457,23 +481,24 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
     for name, r in by.items():
         for base in ("torch", "hf", *PEERS):
             if base in by and base != name:
-                b = by[base]
-                ratios[f"{name}_vs_{base}"] = {
-                    "decode_speedup": round(r["decode_tokens_per_s"] / b["decode_tokens_per_s"], 3),
-                    "prefill_time_ratio": round(r["prefill_ms"] / b["prefill_ms"], 3),
-                    "peak_rss_ratio": round(r["peak_rss_mb"] / b["peak_rss_mb"], 3),
-                }
+                ratios[f"{name}_vs_{base}"] = _ratio(r, by[base])
     return ratios
+
+
+def _ratio(r: dict, base: dict) -> dict[str, Any]:
+    """One backend against another: medians' ratios, and decode by round when there were rounds."""
+    ratio = {"decode_speedup": round(r["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3),
+             "prefill_time_ratio": round(r["prefill_ms"] / base["prefill_ms"], 3),
+             "peak_rss_ratio": round(r["peak_rss_mb"] / base["peak_rss_mb"], 3)}
+    if paired := paired_ratio(r, base):
+        ratio["decode_speedup_paired"] = paired
+    return ratio
 
 
 def _quantized_ratios(ok: list[dict], bases: dict[str, str]) -> dict[str, dict[str, float]]:
     """Each quantized export's backend against the same backend on the float export."""
     by = {r["backend"]: r for r in ok}
-    return {f"{label}_vs_{base}": {
-        "decode_speedup": round(by[label]["decode_tokens_per_s"] / by[base]["decode_tokens_per_s"], 3),
-        "prefill_time_ratio": round(by[label]["prefill_ms"] / by[base]["prefill_ms"], 3),
-        "peak_rss_ratio": round(by[label]["peak_rss_mb"] / by[base]["peak_rss_mb"], 3),
-    } for label, base in bases.items() if label in by and base in by}
+    return {f"{label}_vs_{base}": _ratio(by[label], by[base]) for label, base in bases.items() if label in by and base in by}
 
 
 #: A last-level cache at least this share of a decode step's bytes can keep the weights every
