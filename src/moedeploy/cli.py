@@ -259,9 +259,9 @@ def export_cmd(
     A decoder keeps its weights in model.onnx.data, streamed from the checkpoint one tensor
     at a time: memory does not grow with the model, so any size exports (the disk must
     hold the weights in the chosen --dtype; that is checked before any work).
-    --quantize int8|int4 stores the Linear and expert weights as blocked codes, one scale
-    per --block-size values (an int8 LM head: up to 256, --head-block-size) (signed codes;
-    --asymmetric: unsigned with a zero point), read
+    --quantize int8|int4 stores the Linear and expert weights as blocked signed codes, one
+    scale per --block-size values (an int8 LM head's: up to 256, see --head-block-size;
+    --asymmetric: unsigned codes with a zero point), read
     through ONNX DequantizeLinear (`moedeploy check --target trt` says what TensorRT takes); the golden
     outputs are then eager PyTorch's on the dequantized weights, what the artifact computes.
     An existing --out is replaced only when it is empty or an artifact; anything else needs --force.
