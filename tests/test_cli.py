@@ -329,6 +329,17 @@ def test_help_has_no_placeholders_on_flags_and_keeps_examples(tmp_path: Path) ->
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
 
 
+def test_compare_help_states_the_quantization_bars_compare_applies(tmp_path: Path) -> None:
+    """The defaults --help names are the thresholds compare judges by (compare/quantization.py)."""
+    from moedeploy.compare.quantization import THRESHOLDS
+
+    result = run_in_process(["compare", "--help"], tmp_path)
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert f"(default {THRESHOLDS[8]['kl_mean']} for int8, {THRESHOLDS[4]['kl_mean']} for int4)" in text
+    assert f"(default {THRESHOLDS[8]['top1']} for int8, {THRESHOLDS[4]['top1']} for int4)" in text
+
+
 # --- output in a CI log or a pipe: 80 columns, no spinner ----------------------------------------
 
 

@@ -422,7 +422,7 @@ def compare_cmd(
     max_kl_mean: float = typer.Option(None, "--max-kl-mean", help="Quantized decoder: the most mean KL divergence "
                                       "from the unquantized model that passes (default 0.01 for int8, 0.15 for int4)."),
     min_top1: float = typer.Option(None, "--min-top1", help="Quantized decoder: the least top-1 agreement with the "
-                                   "unquantized model that passes (default 0.8 for int8, 0.5 for int4)."),
+                                   "unquantized model that passes (default 0.8 for int8, 0.25 for int4)."),
 ) -> None:
     """Compare an artifact's backends with eager PyTorch.
 
