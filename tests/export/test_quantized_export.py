@@ -138,6 +138,10 @@ def test_compare_passes_every_lowering_against_the_dequantized_eager_model(artif
     result = CliRunner().invoke(app, ["compare", str(artifacts["int4"].path), "--backend", "ort,ort-gqa,ort-contrib"])
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output
+    # what the quantization section measured, by hand for SHAPE's mixed int4: q and o (2 layers)
+    # and gate, up, down (2 layers) at int4; k and v at int8; the LM head at int8 in whole rows of 64
+    assert ("int4 (the narrowest bit width; int4 in blocks of 32: 10 tensors; int8 in blocks of 32: 4 tensors; "
+            "int8 in blocks of 64: the LM head)") in " ".join(result.output.split())
 
 
 def test_quantized_bytes_are_the_formats_arithmetic(artifacts) -> None:

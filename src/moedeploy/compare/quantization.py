@@ -76,6 +76,19 @@ def narrowest_bits(manifest: dict[str, Any]) -> int:
     return min(q["tensors"].values(), default=q["bits"])
 
 
+def format_summary(q: dict[str, Any]) -> str:
+    """The artifact's formats in one line for the report (each bit width and block size, with how
+    many tensors have it; the LM head named when it has blocks of its own), so a reader knows
+    what the figures measured: "int4 in blocks of 32: 40 tensors; int8 in blocks of 256: the LM head"."""
+    from moedeploy.export.quantize import LM_HEAD, manifest_formats
+
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, f in manifest_formats(q).items():
+        groups.setdefault((f.bits, f.block_size), []).append(name)
+    return "; ".join(f"int{bits} in blocks of {block}: " + ("the LM head" if names == [LM_HEAD] else f"{len(names)} tensors")
+                     for (bits, block), names in sorted(groups.items()))
+
+
 def stream_plan(max_positions: int) -> tuple[int, int, int]:
     """(stream tokens, greedy prompt tokens, greedy new tokens) that fit the model's positions."""
     stream = min(STREAM_TOKENS, max_positions)
@@ -130,7 +143,8 @@ def quantization_accuracy(
     reference_logits, reference_tokens = reference.logits(stream), reference.generate(prompt, new_tokens)
     del reference
     section: dict[str, Any] = {
-        "bits": bits, "thresholds": limits, "stream_tokens": stream_len, "greedy_prompt_tokens": prompt_len,
+        "bits": bits, "formats": format_summary(artifact.manifest["quantization"]), "thresholds": limits,
+        "stream_tokens": stream_len, "greedy_prompt_tokens": prompt_len,
         "greedy_new_tokens": new_tokens, "reference": "eager PyTorch on the unquantized weights",
         "accuracy_levels": [0, RUN_ACCURACY], "backends": {},
     }

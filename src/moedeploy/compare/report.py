@@ -92,7 +92,8 @@ QUANTIZATION_COLUMNS = ("KL mean", "KL max", "top-1", "max error", "greedy", "pr
 def quantization_intro(q: dict[str, Any]) -> str:
     """What the quantization section measured and by which thresholds it judged."""
     t = q["thresholds"]
-    return (f"int{q['bits']} (the narrowest bit width), against {q['reference']}: next-token distributions on a "
+    formats = f"; {q['formats']}" if q.get("formats") else ""  # (reports from before session 17 have none)
+    return (f"int{q['bits']} (the narrowest bit width{formats}), against {q['reference']}: next-token distributions on a "
             f"{q['stream_tokens']}-token stream, greedy agreement over {q['greedy_new_tokens']} new tokens from its "
             f"first {q['greedy_prompt_tokens']} (greedy: the fraction that agree; prefix: how many before the first "
             f"difference); max error: the largest logit difference. Each ONNX Runtime backend at accuracy level 0 "
