@@ -128,6 +128,7 @@ def main() -> None:
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.bench.peers import gguf_file, missing
     from moedeploy.bench.roofline import decode_step_bytes
+    from moedeploy.bench.summary import paired_text
     from moedeploy.compare.quantization import distribution_metrics
     from moedeploy.export.reference import build_decoder
     from moedeploy.models.blockquant import QuantScheme
@@ -225,8 +226,7 @@ def main() -> None:
             if ours and peer in timed and "error" not in ours and "error" not in timed[peer] \
                     and (paired := paired_ratio(ours, timed[peer])):
                 pairs[f"moedeploy {kind} / {peer}"] = paired
-                print(f"  moedeploy {kind} / {peer}: decode x{paired['median']:.2f} paired by round "
-                      f"({' / '.join(f'{r:.2f}' for r in paired['by_round'])})")
+                print(f"  moedeploy {kind} / {peer}: decode paired by round {paired_text(paired)}")
     if args.json:
         args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows, "paired": pairs}, indent=2))
 

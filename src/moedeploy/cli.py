@@ -308,8 +308,6 @@ def export_cmd(
     if quantize_as is not None and target != DECODER:
         raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
-    if head_block_size is not None:
-        parse_scheme(quantize_as, head_block_size, symmetric, flag="--head-block-size")
     check_writable(out_dir)
 
     with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:
@@ -322,9 +320,10 @@ def export_cmd(
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
     size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
     q = artifact.manifest.get("quantization")
+    head = q["block_sizes"].get(LM_HEAD) if q is not None else None
     precision = dtype if q is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}" + (
-        " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "") + "".join(
-        f", LM head in blocks of {block}" for name, block in q["block_sizes"].items() if name == LM_HEAD)
+        " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "") + (
+        f", LM head in blocks of {head}" if head else "")
     out.print(f"[green]exported[/green] {target} ({precision}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]",
               highlight=False)
 
@@ -614,7 +613,7 @@ def bench_cmd(
     engine) before any work; exit code 1 when one cannot run or fails.
     """
     from moedeploy.bench.api import bench
-    from moedeploy.bench.summary import cache_line, spread_lines
+    from moedeploy.bench.summary import cache_line, paired_text, spread_lines
 
     if json_file is not None:
         if json_file.is_dir() or not json_file.parent.is_dir():
@@ -659,8 +658,7 @@ def bench_cmd(
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     for name, ratio in report["ratios"].items():
         paired = ratio.get("decode_speedup_paired")
-        by_round = (f" (paired by round: x{paired['median']:.2f}, rounds "
-                    f"{' / '.join(f'{r:.2f}' for r in paired['by_round'])})") if paired else ""
+        by_round = f" (paired by round: {paired_text(paired)})" if paired else ""
         out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}{by_round}, prefill time "
                   f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if not report["greedy_tokens_agree"]:

@@ -22,6 +22,11 @@ def spread_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def paired_text(paired: dict[str, Any]) -> str:
+    """A ratio paired by round (bench.api.paired_ratio) as "x0.92, rounds 0.95 / 0.90 / 0.92"."""
+    return f"x{paired['median']:.2f}, rounds {' / '.join(f'{r:.2f}' for r in paired['by_round'])}"
+
+
 def readable_size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
