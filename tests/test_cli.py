@@ -255,6 +255,9 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "Traceback (most recent call last)" in result.stderr
     assert "UserError: unknown block 'nosuch'" in result.stderr
+    # the user's error is the last thing shown, not a failure of the error handling after it
+    assert result.stderr.strip().splitlines()[-1].startswith("moedeploy.cli.UserError: unknown block"), result.stderr
+    assert "During handling of the above exception" not in result.stderr
     assert snapshot(tmp_path) == set()
 
 

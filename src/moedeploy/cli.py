@@ -47,7 +47,7 @@ class _OneLineUsageErrors(TyperGroup):
         except exceptions.ClickException as e:
             err.print(f"[bold red]error:[/bold red] {escape(e.format_message())}", highlight=False, soft_wrap=True)
             rv = e.exit_code
-        except exceptions.Abort:
+        except typer.Abort:  # typer's own (click's vendored copy has none since typer 0.29)
             rv = 1
         if not standalone_mode:
             return rv
