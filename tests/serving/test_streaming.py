@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import queue
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -108,6 +109,58 @@ def test_a_bad_stream_request_gets_its_own_one_line_error(served) -> None:
     tokens, _ = tokens_and_text(grpc_stream(server, {"text_input": np.array([[b"hi"]], dtype=np.object_),
                                                      "max_tokens": np.array([[3]], dtype=np.int64)}))
     assert len(tokens) == 3
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    """(status, JSON answer) of a POST, error statuses included."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_generate_requests_triton_would_answer_500_get_400_from_the_front(served) -> None:
+    server, *_ = served
+    base = f"http://{HOST}:{server.options.http_port}/v2/models"
+    assert post(f"{base}/{MODEL}/generate_stream", b'{"text_input": "hi", "max_tokens": "3"}') == (
+        400, {"error": "max_tokens must be an integer in int64's range, got \"3\""})
+    assert post(f"{base}/{MODEL}/generate_stream", b"{oops") == (
+        400, {"error": "the request body is not valid JSON: Expecting property name enclosed in double quotes: "
+                       "line 1 column 2 (char 1)"})
+    status, answer = post(f"{base}/{MODEL}/generate", json.dumps({"text_input": "hi", "max_tokens": 3}).encode())
+    assert (status, answer["error"].split(":")[0]) == (400, f"{MODEL} sends a response per token")
+    # a refusal of the model's own, before its first token: one JSON line, 400
+    assert post(f"{base}/{MODEL}/generate_stream", b'{"text_input": "hi", "max_tokens": 100000}') == (
+        400, {"error": "prompt (3 tokens) + max_tokens (100000) exceeds max_positions 2048"})
+
+
+def test_openai_prompts_up_to_the_models_positions_are_taken(served, openai_client) -> None:
+    """The artifact's graph was exported for 1..1,024 tokens a call; a stream's prompt runs
+    through the generation loop, so the API takes prompts up to max_positions (2,048)."""
+    from moedeploy.runtime.text import TextCodec
+
+    _, _, artifact = served
+    prompt = "the cat " * 350
+    n = len(TextCodec.from_artifact(artifact).encode(prompt))
+    assert 1024 < n < 2040
+    answer = openai_client.completions.create(model="decoder", prompt=prompt, max_tokens=2, temperature=0)
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (n, 2)
+
+
+def test_openai_answers_unknown_paths_and_methods_with_its_error_object(served) -> None:
+    server, *_ = served
+    with urllib.request.urlopen(f"{server.openai_url}/models/decoder", timeout=30) as response:
+        assert json.loads(response.read())["id"] == "decoder"
+    for url, method, status in [(f"{server.openai_url}/embeddings", "POST", 404),
+                                (f"{server.openai_url}/completions", "GET", 405),
+                                (f"{server.openai_url}/models/nope", "GET", 404)]:
+        request = urllib.request.Request(url, data=b"{}" if method == "POST" else None, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(e.value.read())["error"]
+        assert e.value.code == status and error["type"] == "invalid_request_error" and error["message"], (url, error)
 
 
 @torch.no_grad()
@@ -319,7 +372,9 @@ def test_openai_bad_requests_get_openai_errors(served, openai_client) -> None:
     assert e.value.body["code"] == "model_not_found" and "'nope' does not exist" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.completions.create(model="decoder", prompt="hi", max_tokens=10_000)
-    assert "exceeds max_positions" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["message"] == ("the prompt (3 tokens) and max_tokens (10,000) come to more than the model's "
+                                       "2,048 positions; shorten the prompt or ask for fewer tokens")
+    assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.chat.completions.create(model="decoder", messages=[{"role": "user", "content": 3}], max_tokens=2)
     assert e.value.body["param"] == "messages" and "messages[0].content is not a string" in e.value.body["message"]

@@ -35,8 +35,25 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 Message = dict[str, Any]
 
 
+#: a prompt longer than this many characters per allowed token is first encoded in part (TextCodec.encode)
+PREFIX_CHARS_PER_TOKEN = 8
+#: how many more tokens than allowed the part must hold to refuse the prompt: a word cut at the
+#: part's end can take a few more tokens than the whole word does
+PREFIX_SLACK_TOKENS = 16
+
+
 class TextError(ValueError):
     """Text cannot be handled: the artifact has no tokenizer or chat template, or a message is malformed."""
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse a string that UTF-8 cannot hold (a lone surrogate such as "\\ud800", which JSON can
+    carry): the tokenizer and Triton's transport would fail on it later, as a server error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TextError(f"{what} holds {text[e.start]!r} at character {e.start}, a lone surrogate that is not "
+                        "valid Unicode text; send well-formed text") from None
 
 
 def _token_text(token: Any) -> str | None:
@@ -70,12 +87,27 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Ids of `text`; with add_special_tokens, the tokenizer's post-processor adds its BOS
-        and the like, as transformers' tokenizer(text) does."""
+        and the like, as transformers' tokenizer(text) does.
+
+        `max_tokens`: a text certainly longer is refused (TextError) after encoding only its first
+        PREFIX_CHARS_PER_TOKEN * max_tokens characters, so a megabyte prompt costs what a prompt
+        of the model's length does (the prefix's ids are the text's first ids, give or take its
+        last word). Encoding goes through `encode_batch`, which lets other Python threads run
+        (`encode` holds the GIL), so a server can encode on a worker thread without stalling."""
         if not isinstance(text, str):
             raise TextError(f"a prompt must be a string, not {type(text).__name__}")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        check_unicode(text, "the prompt")
+        if max_tokens is not None and len(text) > (cut := PREFIX_CHARS_PER_TOKEN * max_tokens):
+            head = len(self._encode(text[:cut], add_special_tokens))
+            if head > max_tokens + PREFIX_SLACK_TOKENS:
+                raise TextError(f"the prompt is longer than the model's {max_tokens} positions: its first {cut:,} "
+                                f"characters alone are {head:,} tokens")
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -137,10 +169,12 @@ class TextCodec:
         except jinja2.exceptions.TemplateError as e:
             raise TextError(f"the chat template refused these messages: {e}") from None
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                 max_tokens: int | None = None) -> list[int]:
         """Prompt ids of chat messages: the rendered template already holds its special tokens,
         so none are added (transformers' apply_chat_template(tokenize=True) does the same)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False,
+                           max_tokens=max_tokens)
 
 
 def check_messages(messages: Any) -> None:
@@ -152,6 +186,8 @@ def check_messages(messages: Any) -> None:
             raise TextError(f"messages[{i}] is not an object with a string \"role\"")
         if not isinstance(message.get("content"), str):
             raise TextError(f"messages[{i}].content is not a string (only text content is supported)")
+        check_unicode(message["role"], f"messages[{i}].role")
+        check_unicode(message["content"], f"messages[{i}].content")
 
 
 class IncrementalDetokenizer:
@@ -202,11 +238,16 @@ class StopStrings:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._matchers = [_PrefixMatcher(s) for s in self.stops]
         self.held = ""
         self.stopped = False
 
     def push(self, piece: str) -> str:
-        """What of `held + piece` can be sent now; after a stop string, nothing more."""
+        """What of `held + piece` can be sent now; after a stop string, nothing more.
+
+        Each push costs the piece's length times the stop strings (plus finding them in the held
+        text), whatever their length: the tail to hold is tracked as each stop string's longest
+        prefix that the text ends with, a Knuth-Morris-Pratt automaton fed one character at a time."""
         if self.stopped:
             return ""
         text = self.held + piece
@@ -215,10 +256,39 @@ class StopStrings:
             self.stopped, self.held = True, ""
             return text[:min(hits)]
         # hold back the longest tail that is a proper prefix of some stop string
-        keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        keep = max(m.feed(piece) for m in self._matchers)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
     def flush(self) -> str:
         held, self.held = ("" if self.stopped else self.held), ""
         return held
+
+
+class _PrefixMatcher:
+    """The length of the longest prefix of `stop` that the text fed so far ends with (Knuth-Morris-
+    Pratt: `fail[k]` is the longest proper prefix of stop[:k + 1] that is also its suffix)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+        self.state = 0
+
+    def feed(self, text: str) -> int:
+        stop, fail, k = self.stop, self.fail, self.state
+        for c in text:
+            if k == len(stop):  # a whole match (StopStrings ends there); go on as from its longest border
+                k = fail[k - 1]
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+        self.state = k
+        return k

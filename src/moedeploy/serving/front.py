@@ -13,9 +13,11 @@ last token.
   `Expect: 100-continue` its body is not even sent). A body of no stated length (chunked) or a
   compressed one (counted decompressed) is read whole in the front first, up to the limit, and
   forwarded with its length, or refused the same way once it passes the limit: Triton keeps
-  the memory of whatever it has buffered, so it never gets part of a refused body. Every other status, header and body
-  passes through unchanged. An inference request to a generation model gets a fresh
-  `REQUEST_ID_HEADER`, which Triton forwards to the model as a request parameter
+  the memory of whatever it has buffered, so it never gets part of a refused body. A generate
+  request's body is checked first (serving.generate_body: what Triton's own parser would answer
+  500 gets 400), and its refusal before the first token comes back as one JSON line, 503 when
+  the server is busy. Every other status, header and body passes through unchanged. An
+  inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton forwards to the model as a request parameter
   (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
   the id goes into the JSON body's "parameters" instead); when its client disconnects before
   the answer (or, streaming, before the last token), the id is marked in `CancelledRequests`,
@@ -42,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote
 
+from moedeploy.serving.generate_body import error_message, error_status, generate_problem
 from moedeploy.serving.specs import ServingError
 
 LOGGER = logging.getLogger("moedeploy.serving")
@@ -246,6 +249,8 @@ class HttpFront(LoopServer):
                 if body is None:
                     return self._refusal(413, too_big_message(self.max_bytes, None))
                 if generate:
+                    if problem := generate_problem(bytes(body), unquote(infer[1]), infer[2]):
+                        return self._refusal(400, problem)
                     body = with_parameter(bytes(body), REQUEST_ID_HEADER, request_id)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
@@ -258,6 +263,10 @@ class HttpFront(LoopServer):
             async with self._session.request(request.method, url, headers=headers,
                                              data=body, allow_redirects=False) as upstream:
                 answered = True
+                if request_id is not None and infer[2] != "infer" and upstream.status >= 400:
+                    # a generation refused before its first token: one JSON line, and 503 for "busy"
+                    message = error_message(await upstream.read())
+                    return self._refusal(error_status(upstream.status, message), message)
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for name, value in upstream.headers.items():
                     if name.lower() not in _HOP_BY_HOP:

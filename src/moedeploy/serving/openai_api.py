@@ -15,17 +15,21 @@ for any other request. Served: every decoder artifact with a tokenizer, under it
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from moedeploy.runtime.text import TextCodec, TextError
+from moedeploy.runtime.text import TextCodec, TextError, check_unicode
 from moedeploy.serving.front import LoopServer
+from moedeploy.serving.generate_body import error_message
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     STREAM_SUFFIX,
     ServingError,
@@ -33,6 +37,15 @@ from moedeploy.serving.specs import (
 
 #: OpenAI's defaults where a request leaves a field out
 DEFAULT_TEMPERATURE = 1.0
+#: the roles OpenAI's chat API takes ("function" is its older name for "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+#: fields this server does not implement -> the values that ask for nothing (those pass)
+UNSUPPORTED = {
+    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "functions": ([],), "logit_bias": ({},), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "response_format": ({"type": "text"},),
+}
+INT64 = (-(2**63), 2**63 - 1)
 
 
 class ApiError(Exception):
@@ -52,6 +65,7 @@ class ServedModel:
     name: str  # the artifact's name; Triton serves `<name>_stream`
     codec: TextCodec
     created: int
+    max_positions: int  # prompt + completion tokens
 
 
 @dataclass(frozen=True)
@@ -72,12 +86,36 @@ def _number(body: dict, name: str, kind: type, default: Any = None, low: float |
     if value is None:
         return default
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ApiError(f"{name} must be an integer, got {value!r}", name)
-    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        raise ApiError(f"{name} must be a number, got {value!r}", name)
+        raise ApiError(f"{name} must be an integer, got {_short(value)}", name)
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+        raise ApiError(f"{name} must be a finite number, got {_short(value)}", name)
     if low is not None and value < low:
-        raise ApiError(f"{name} must be >= {low}, got {value!r}", name)
+        raise ApiError(f"{name} must be >= {low}, got {_short(value)}", name)
+    if kind is int and not INT64[0] <= value <= INT64[1]:
+        raise ApiError(f"{name} must fit in 64 bits, got {_short(value)}", name)
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _unsupported(body: dict) -> str | None:
+    """The first field asking for something this server does not do (it would be ignored)."""
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not (value in neutral and type(value) in {type(v) for v in neutral}):
+            return name
+    return None
+
+
+def _checked_text(text: str, field: str) -> str:
+    try:
+        check_unicode(text, field)
+    except TextError as e:
+        raise ApiError(str(e), field) from None
+    return text
 
 
 def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Generation:
@@ -91,36 +129,53 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
         raise ApiError(f"the model {name!r} does not exist; served: {', '.join(models)}", "model", 404,
                        "model_not_found")
     model = models[name]
-    unsupported = [k for k in ("n", "best_of") if body.get(k) not in (None, 1)]
-    unsupported += [k for k in ("logprobs", "echo", "tools", "suffix") if body.get(k) not in (None, False, [], 0)]
-    if unsupported:
-        raise ApiError(f"{unsupported[0]} is not supported by this server", unsupported[0])
-    try:
-        if chat:
-            ids = model.codec.chat_ids(body.get("messages"))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str) or not prompt:
-                raise ApiError("prompt must be one non-empty string", "prompt")
-            ids = model.codec.encode(prompt)
-    except TextError as e:
-        raise ApiError(str(e), "messages" if chat else "prompt") from None
+    for field in ("n", "best_of"):
+        if (value := _number(body, field, int)) is not None and value != 1:
+            raise ApiError(f"{field} must be 1: this server makes one choice per request", field)
+    if unsupported := _unsupported(body):
+        raise ApiError(f"{unsupported} is not supported by this server; leave it out", unsupported)
     limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     default = DEFAULT_MAX_NEW_TOKENS if chat else 16  # OpenAI's completions default is 16 tokens
     max_tokens = _number(body, limit, int, default, low=1)
     options = {"temperature": float(_number(body, "temperature", float, DEFAULT_TEMPERATURE, low=0.0))}
     if (top_p := _number(body, "top_p", float)) is not None:
         options["top_p"] = float(top_p)
+    if (top_k := _number(body, "top_k", int, low=1)) is not None:  # not OpenAI's; vLLM's and TensorRT-LLM's
+        options["top_k"] = top_k
     if (seed := _number(body, "seed", int)) is not None:
         options["seed"] = seed
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    for text in stop:
+        if len(text) > MAX_STOP_CHARS:
+            raise ApiError(f"a stop string has {len(text):,} characters; the most is {MAX_STOP_CHARS}", "stop")
+        _checked_text(text, "stop")
     if stop := [s for s in stop if s]:
         options["stop"] = stop
+    field = "messages" if chat else "prompt"
+    try:
+        if chat:
+            messages = body.get("messages")
+            for i, message in enumerate(messages if isinstance(messages, list) else []):
+                role = message.get("role") if isinstance(message, dict) else None
+                if isinstance(role, str) and role not in CHAT_ROLES:
+                    raise ApiError(f"messages[{i}].role is {_short(role)}; use one of {', '.join(CHAT_ROLES)}", field)
+            ids = model.codec.chat_ids(messages, max_tokens=model.max_positions)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError("prompt must be one non-empty string", "prompt")
+            ids = model.codec.encode(prompt, max_tokens=model.max_positions)
+    except TextError as e:
+        raise ApiError(str(e), field) from None
+    if len(ids) + max_tokens > model.max_positions:
+        raise ApiError(f"the prompt ({len(ids):,} tokens) and {limit} ({max_tokens:,}) come to more than the model's "
+                       f"{model.max_positions:,} positions; shorten the prompt or ask for fewer tokens",
+                       field if len(ids) >= model.max_positions else limit)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be true or false", "stream")
@@ -136,17 +191,20 @@ class OpenAIFront(LoopServer):
     flag = "--openai-port"
     thread_name = "moedeploy-openai"
 
-    def __init__(self, host: str, port: int, upstream: str, models: list[ServedModel]) -> None:
+    def __init__(self, host: str, port: int, upstream: str, models: list[ServedModel],
+                 max_bytes: int = 16 * 2**20) -> None:
         super().__init__(host, port, upstream)
         self.models = {m.name: m for m in models}
+        self.max_bytes = max_bytes
 
     async def _start(self) -> None:
         import aiohttp
         from aiohttp import web
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        app = web.Application(client_max_size=16 * 2**20)
+        app = web.Application(client_max_size=self.max_bytes, middlewares=[_openai_errors_middleware()])
         app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
@@ -160,6 +218,17 @@ class OpenAIFront(LoopServer):
         data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "moedeploy"}
                 for m in self.models.values()]
         return web.json_response({"object": "list", "data": data})
+
+    async def _model(self, request):
+        from aiohttp import web
+
+        name = request.match_info["model"]
+        if name not in self.models:
+            error = ApiError(f"the model {name!r} does not exist; served: {', '.join(self.models)}", "model", 404,
+                             "model_not_found")
+            return web.json_response(error.body(), status=404)
+        m = self.models[name]
+        return web.json_response({"id": m.name, "object": "model", "created": m.created, "owned_by": "moedeploy"})
 
     async def _completions(self, request):
         return await self._generate(request, chat=False)
@@ -175,7 +244,8 @@ class OpenAIFront(LoopServer):
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ApiError("the request body is not valid JSON") from None
-            generation = parse_request(body, self.models, chat)
+            # on a worker thread: encoding a long prompt must not hold up the other requests
+            generation = await asyncio.to_thread(parse_request, body, self.models, chat)
             if generation.stream:
                 return await self._stream(request, generation)
             pieces, tokens, finish = [], 0, "length"
@@ -265,19 +335,37 @@ class OpenAIFront(LoopServer):
         return response
 
 
+def _openai_errors_middleware():
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request, handler):
+        """aiohttp's own refusals (no such path, wrong method, a body over the limit) as OpenAI's
+        error object instead of plain text."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = {404: f"no such endpoint: {request.method} {request.path}",
+                       405: f"{request.path} does not take {request.method}",
+                       413: f"the request body is over this server's limit of {request.app._client_max_size:,} bytes "
+                            "(moedeploy serve --max-request-mb)"}.get(e.status, e.text or e.reason)
+            return web.json_response(ApiError(message, status=e.status).body(), status=e.status)
+
+    return middleware
+
+
 async def _triton_error(response) -> str:
-    """Triton's one-line reason from an error answer ({"error": "..."}), else its status."""
-    text = await response.text()
-    try:
-        message = str(json.loads(text).get("error", ""))
-    except (ValueError, AttributeError):  # not the JSON object Triton answers with
-        message = text
-    return message.strip().split("\n")[0] or f"the model server answered HTTP {response.status}"
+    """The one-line reason of an error answer ({"error": "..."}, or as a server-sent event),
+    else its status."""
+    return error_message(await response.read()) or f"the model server answered HTTP {response.status}"
 
 
 def served_models_of(artifacts: list) -> list[ServedModel]:
     """The decoders with a tokenizer; the OpenAI API needs text. Refuses a server with none."""
-    models = [ServedModel(a.name, TextCodec.from_artifact(a), int(a.path.stat().st_mtime))
+    models = [ServedModel(a.name, TextCodec.from_artifact(a), int(a.path.stat().st_mtime),
+                          int(a.manifest["config"]["max_positions"]))
               for a in artifacts if a.kind == "decoder" and a.manifest.get("tokenizer")]
     if not models:
         raise ServingError("--openai-port serves decoders with a tokenizer, and none of these artifacts has one: "

@@ -536,7 +536,8 @@ class ModelServer:
                                          self.metrics))
         self._fronts[-1].start()
         if o.openai_port is not None:  # forwards to the HTTP front above, so a client that goes away cancels there too
-            self._fronts.append(OpenAIFront(o.host, o.openai_port, f"http://{self.http_url}", self.openai_models))
+            self._fronts.append(OpenAIFront(o.host, o.openai_port, f"http://{self.http_url}", self.openai_models,
+                                            max_bytes))
             self._fronts[-1].start()
 
     def _stop_fronts(self) -> None:

@@ -50,6 +50,7 @@ STREAM_TEXT_OUTPUT = "text_output"
 STREAM_STOP_INPUT = "stop"  # stop strings, [1, n]: the text ends before the first one found
 STREAM_FINISH_OUTPUT = "finish_reason"  # "" until the last response: "stop" (EOS id, stop string) or "length"
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # characters in one stop string
 STREAM_OPTIONS = {  # name -> dtype
     "max_tokens": "int64",
     "temperature": "float32",
@@ -184,7 +185,10 @@ def request_limits(artifact: Artifact, model: ModelSpec, max_request_bytes: int)
     inputs: dict[str, list] = {}
     if model.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX)):
         seq = _range(artifact, "seq", batch)
-        seq[2] = min(seq[2], int(artifact.manifest["config"]["max_positions"]))
+        max_positions = int(artifact.manifest["config"]["max_positions"])
+        # a stream's prompt runs through the generation loop, which takes any length up to
+        # max_positions (as its text_input does); one answer's runs the graph's tested range
+        seq[2] = max_positions if model.name.endswith(STREAM_SUFFIX) else min(seq[2], max_positions)
         inputs[GENERATE_INPUT] = [[BATCH_DIM, 1, batch], seq]
         options = GENERATE_OPTIONS if model.name.endswith(GENERATE_SUFFIX) else [STREAM_TEXT_INPUT, *STREAM_OPTIONS]
         for name in options:

@@ -65,6 +65,7 @@ from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     GENERATE_INPUT,
     GENERATE_OUTPUT,
+    MAX_STOP_CHARS,
     STREAM_FINISH_OUTPUT,
     STREAM_OPTIONS,
     STREAM_STOP_INPUT,
@@ -90,6 +91,8 @@ def stop_strings_of(feed: Feed, codec: TextCodec | None) -> StopStrings | None:
     asked = _strings(feed, STREAM_STOP_INPUT) if STREAM_STOP_INPUT in feed else []
     if asked and codec is None:
         raise RequestError(f"{STREAM_STOP_INPUT} needs the model's tokenizer, and this artifact has none")
+    if too_long := [s for s in asked if len(s) > MAX_STOP_CHARS]:
+        raise RequestError(f"a {STREAM_STOP_INPUT} string has {len(too_long[0]):,} characters; the most is {MAX_STOP_CHARS}")
     stops = (codec.stop_strings if codec is not None else []) + [s for s in asked if s]
     return StopStrings(stops) if stops else None
 
@@ -107,7 +110,7 @@ def prompt_ids(feed: Feed, shape: DecoderShape, codec: TextCodec | None) -> np.n
     if codec is None:
         raise RequestError(f"this model has no tokenizer (its artifact was not exported from a checkpoint with "
                            f"tokenizer.json): send {GENERATE_INPUT!r} instead of {STREAM_TEXT_INPUT!r}")
-    ids = np.array([codec.encode(_text(feed))], dtype=np.int64)
+    ids = np.array([codec.encode(_text(feed), max_tokens=shape.max_positions)], dtype=np.int64)
     if ids.size == 0:
         raise RequestError(f"{STREAM_TEXT_INPUT} encodes to no tokens; send some text")
     shape.check_ids(ids, STREAM_TEXT_INPUT)
@@ -265,7 +268,8 @@ class StreamModel(InFlight):
             if problem := request_problem(request, []):
                 raise RequestError(problem)
             feed = {name: np.asarray(array) for name, array in request.items()}
-            ids = prompt_ids(feed, self.shape, self.codec)
+            # on a worker thread: a long text's encoding must not hold up the other streams' tokens
+            ids = await asyncio.to_thread(prompt_ids, feed, self.shape, self.codec)
             new = max_tokens_of(feed, ids.shape[1], self.shape)
             sampling = sampling_of(feed)
             stops = stop_strings_of(feed, self.codec)

@@ -1,0 +1,113 @@
+"""Checks of a Triton generate-extension request (`POST /v2/models/<name>/generate[_stream]`)
+that the HTTP front makes before Triton reads it, and the status its error answers get.
+
+Why: Triton's generate extension parses the JSON body itself and answers what its parser
+refuses (a body that is not a JSON object, a string where a number goes, a float in
+`input_ids`, an integer past int64, a lone surrogate) with HTTP 500, a server error, for what
+is the client's mistake. And a decoupled model's refusal comes back as HTTP 400 whatever its
+code, so "busy, retry later" would read as "your request is wrong". The front answers the
+first kind 400 itself, with one line naming the input, and gives the second its 503.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from moedeploy.serving.specs import GENERATE_OPTIONS, STREAM_OPTIONS, STREAM_SUFFIX
+
+#: how every message of moedeploy's Unavailable errors starts (serving.batching, serving.inflight)
+UNAVAILABLE_PREFIXES = ("the server is busy", "the server is shutting down")
+#: request parameters only the server sets (a client's would steer cancellation or refusals)
+RESERVED_PARAMETER_PREFIX = "moedeploy"
+INT64 = (-(2**63), 2**63 - 1)
+_INTEGERS = {name for name, dtype in (GENERATE_OPTIONS | STREAM_OPTIONS).items() if dtype == "int64"}
+_FLOATS = {name for name, dtype in (GENERATE_OPTIONS | STREAM_OPTIONS).items() if dtype == "float32"}
+
+
+def generate_problem(body: bytes, model: str, endpoint: str) -> str | None:
+    """Why this generate request is refused before Triton reads it (one line), or None."""
+    if endpoint == "generate" and model.endswith(STREAM_SUFFIX):
+        return (f"{model} sends a response per token: POST to /v2/models/{model}/generate_stream, or to "
+                f"/v2/models/{model.removesuffix(STREAM_SUFFIX)}_generate/generate for one answer")
+    try:
+        payload = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "the request body is not UTF-8 text"
+    except ValueError as e:
+        return f"the request body is not valid JSON: {str(e).splitlines()[0]}"
+    if not isinstance(payload, dict):
+        return "the request body must be a JSON object of input names to values"
+    parameters = payload.get("parameters", {})
+    if not isinstance(parameters, dict):
+        return '"parameters" must be a JSON object'
+    if reserved := [k for k in parameters if str(k).lower().startswith(RESERVED_PARAMETER_PREFIX)]:
+        return f"the parameter {reserved[0]!r} is the server's own; leave it out"
+    for name, value in payload.items():
+        if (problem := _value_problem(name, value)) is not None:
+            return problem
+    return None
+
+
+def _value_problem(name: str, value: Any) -> str | None:
+    if name in ("text_input", "stop"):
+        strings = value if name == "stop" and isinstance(value, list) else [value]
+        if not all(isinstance(s, str) for s in strings):
+            return f"{name} must be {'a string or a list of strings' if name == 'stop' else 'a string'}"
+        return next((f"{name} holds a lone surrogate, which is not valid Unicode text" for s in strings
+                     if not _is_utf8(s)), None)
+    if name == "input_ids":
+        return _ids_problem(value)
+    if name in _INTEGERS and not _is_int64(value):
+        return f"{name} must be an integer in int64's range, got {_short(value)}"
+    if name in _FLOATS and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                            or not math.isfinite(value) or abs(value) > 3.4e38):
+        return f"{name} must be a finite number, got {_short(value)}"
+    return None
+
+
+def _ids_problem(value: Any) -> str | None:
+    rows = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
+    if not all(isinstance(row, list) for row in rows):
+        return "input_ids must be a list of token ids (or a list of one such list)"
+    if len({len(row) for row in rows}) > 1:
+        return "input_ids rows have different lengths"
+    bad = [v for row in rows for v in row if not _is_int64(v)]
+    return f"input_ids must hold integer token ids, got {_short(bad[0])}" if bad else None
+
+
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and INT64[0] <= value <= INT64[1]
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def error_message(body: bytes) -> str:
+    """The one-line reason in an error answer of Triton's: {"error": ...}, as JSON or as a
+    server-sent event (`data: {...}`), else the text itself."""
+    text = body.decode("utf-8", "replace").strip()
+    for candidate in (text, *(line[len("data:"):] for line in text.splitlines() if line.startswith("data:"))):
+        try:
+            payload = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(payload, dict) and "error" in payload:
+            return (str(payload["error"]).strip().splitlines() or [""])[0]
+    return (text.splitlines() or [""])[0]
+
+
+def error_status(status: int, message: str) -> int:
+    """503 for moedeploy's Unavailable refusals (busy, shutting down), else Triton's status."""
+    return 503 if message.startswith(UNAVAILABLE_PREFIXES) else status

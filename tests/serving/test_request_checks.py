@@ -1,0 +1,157 @@
+"""What the serving fronts refuse before any work, and how: stop strings held back in linear
+time, prompts too long for the model refused after encoding a part of them, text that is not
+valid Unicode, and bodies Triton's own JSON parser would answer with a server error. Each
+expected value is written out by hand or computed by a brute-force definition."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from moedeploy.runtime.text import PREFIX_CHARS_PER_TOKEN, StopStrings, TextCodec, TextError
+from moedeploy.serving.generate_body import error_message, error_status, generate_problem
+from moedeploy.serving.openai_api import ApiError, ServedModel, parse_request
+from tests.text_helpers import export_with_tokenizer
+
+
+def held_by_definition(unsent: str, stops: list[str]) -> str:
+    """The longest tail of the unsent text that is a proper prefix of some stop string."""
+    keep = max((n for s in stops for n in range(1, min(len(s), len(unsent) + 1)) if unsent.endswith(s[:n])), default=0)
+    return unsent[len(unsent) - keep:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_held_tail_is_the_longest_proper_prefix_of_a_stop_string(seed: int) -> None:
+    """Random pieces over a two-letter alphabet, stop strings that overlap themselves (abab,
+    aab): after every push, what is held back is what the definition says, and what was sent
+    plus what is held is the text so far."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 7))) for _ in range(rng.randint(1, 3))]
+    stops = [s + "c" for s in stops]  # never completed: only holding is exercised
+    matcher, text, sent = StopStrings(stops), "", ""
+    for _ in range(200):
+        piece = "".join(rng.choice("ab") for _ in range(rng.randint(0, 4)))
+        text += piece
+        sent += matcher.push(piece)
+        assert sent + matcher.held == text
+        assert matcher.held == held_by_definition(text[len(sent):], stops), (stops, text)
+
+
+def test_a_long_stop_string_is_held_and_then_found() -> None:
+    """A 2,000-character stop string fed a character at a time (the quadratic search this
+    replaces took seconds a token here): all of it is held until its last character ends it."""
+    stop = "a" * 1999 + "b"
+    matcher = StopStrings([stop])
+    assert all(matcher.push("a") == "" for _ in range(1999))
+    assert matcher.push("a") == "a" and len(matcher.held) == 1999  # 2,000 a's: the first can go
+    assert matcher.push("b") == "" and matcher.stopped
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> ServedModel:
+    _, artifact = export_with_tokenizer(tmp_path_factory.mktemp("checks"), seed=3)
+    return ServedModel("decoder", TextCodec.from_artifact(artifact), 0, 64)
+
+
+def test_a_prompt_far_longer_than_the_model_is_refused_from_a_part_of_it(model: ServedModel) -> None:
+    codec = model.codec
+    text = "the cat sat on the mat " * 400  # 9,200 characters, well over 8 x 64
+    assert len(codec.encode(text)) > 64 + 16
+    with pytest.raises(TextError, match=r"^the prompt is longer than the model's 64 positions: its first 512 "
+                                        r"characters alone are \d+ tokens$"):
+        codec.encode(text, max_tokens=64)
+    short = "the cat sat on the mat"
+    assert len(short) < PREFIX_CHARS_PER_TOKEN * 64
+    assert codec.encode(short, max_tokens=64) == codec.tokenizer.encode(short).ids
+
+
+def test_a_lone_surrogate_is_refused_as_text(model: ServedModel) -> None:
+    with pytest.raises(TextError, match=r"the prompt holds '\\ud800' at character 3, a lone surrogate"):
+        model.codec.encode("abc\ud800")
+    with pytest.raises(TextError, match=r"messages\[0\]\.content holds '\\udfff' at character 0"):
+        model.codec.chat_ids([{"role": "user", "content": "\udfff"}])
+
+
+def refusal(body: dict, model: ServedModel, chat: bool = False) -> tuple[str, str | None]:
+    with pytest.raises(ApiError) as e:
+        parse_request({"model": "decoder", **body}, {"decoder": model}, chat)
+    return str(e.value), e.value.param
+
+
+def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(model: ServedModel) -> None:
+    prompt = {"prompt": "the cat"}
+    assert refusal({**prompt, "n": True}, model) == ("n must be an integer, got True", "n")
+    assert refusal({**prompt, "n": 0}, model) == ("n must be 1: this server makes one choice per request", "n")
+    assert refusal({**prompt, "stop": 0}, model)[1] == "stop"
+    assert refusal({**prompt, "stop": False}, model)[1] == "stop"
+    assert refusal({**prompt, "stop": "x" * 1001}, model) == (
+        "a stop string has 1,001 characters; the most is 1000", "stop")
+    assert refusal({**prompt, "stop": ["ok", "\ud800"]}, model)[1] == "stop"
+    assert refusal({**prompt, "seed": 2**64}, model) == ("seed must fit in 64 bits, got 18446744073709551616", "seed")
+    assert refusal({**prompt, "max_tokens": 2**70}, model)[1] == "max_tokens"
+    assert refusal({**prompt, "temperature": float("nan")}, model) == ("temperature must be a finite number, got nan",
+                                                                       "temperature")
+    for field, value in [("logit_bias", {"5": 10}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+                         ("response_format", {"type": "json_object"}), ("logprobs", True)]:
+        assert refusal({**prompt, field: value}, model) == (
+            f"{field} is not supported by this server; leave it out", field)
+    assert refusal({"prompt": "ab\ud800"}, model)[1] == "prompt"
+    assert refusal({"messages": [{"role": "wizard", "content": "hi"}]}, model, chat=True) == (
+        "messages[0].role is 'wizard'; use one of system, developer, user, assistant, tool, function", "messages")
+    n = len(model.codec.encode("the cat"))
+    assert refusal({**prompt, "max_tokens": 64 - n + 1}, model) == (
+        f"the prompt ({n} tokens) and max_tokens ({64 - n + 1}) come to more than the model's 64 positions; "
+        "shorten the prompt or ask for fewer tokens", "max_tokens")
+
+
+def test_openai_neutral_values_and_top_k_pass(model: ServedModel) -> None:
+    generation = parse_request({"model": "decoder", "prompt": "the cat", "max_tokens": 3, "logit_bias": {},
+                                "frequency_penalty": 0, "presence_penalty": 0.0, "response_format": {"type": "text"},
+                                "logprobs": False, "n": 1, "top_k": 5, "seed": -(2**63), "stop": []},
+                               {"decoder": model}, chat=False)
+    assert generation.options == {"temperature": 1.0, "top_k": 5, "seed": -(2**63)}
+    assert generation.ids == model.codec.encode("the cat") and generation.max_tokens == 3
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b"{not json", "the request body is not valid JSON: Expecting property name enclosed in double quotes: "
+                   "line 1 column 2 (char 1)"),
+    (b"\xff\xfe", "the request body is not UTF-8 text"),
+    (b"[1, 2]", "the request body must be a JSON object of input names to values"),
+    (b'{"text_input": 5}', "text_input must be a string"),
+    (b'{"text_input": "\\ud800"}', "text_input holds a lone surrogate, which is not valid Unicode text"),
+    (b'{"stop": ["a", 1]}', "stop must be a string or a list of strings"),
+    (b'{"input_ids": [1, 2.5]}', "input_ids must hold integer token ids, got 2.5"),
+    (b'{"input_ids": [[1, 2], [3]]}', "input_ids rows have different lengths"),
+    (b'{"input_ids": [1, true]}', "input_ids must hold integer token ids, got true"),
+    (b'{"max_tokens": "3"}', 'max_tokens must be an integer in int64\'s range, got "3"'),
+    (b'{"seed": 18446744073709551615}', "seed must be an integer in int64's range, got 18446744073709551615"),
+    (b'{"temperature": 1e300}', "temperature must be a finite number, got 1e+300"),
+    (b'{"parameters": 5}', '"parameters" must be a JSON object'),
+    (b'{"parameters": {"moedeploy_refused": "x"}}', "the parameter 'moedeploy_refused' is the server's own; leave it out"),
+])
+def test_generate_bodies_triton_would_answer_500_get_one_line(body: bytes, expected: str) -> None:
+    assert generate_problem(body, "decoder_stream", "generate_stream") == expected
+
+
+def test_good_generate_bodies_pass_and_the_stream_model_wants_generate_stream() -> None:
+    good = json.dumps({"text_input": "hi", "max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "seed": 2**63 - 1,
+                       "parameters": {"priority": 1}}).encode()
+    assert generate_problem(good, "decoder_stream", "generate_stream") is None
+    assert generate_problem(b'{"input_ids": [[1, 2, 3]]}', "decoder_generate", "generate") is None
+    assert generate_problem(good, "decoder_stream", "generate") == (
+        "decoder_stream sends a response per token: POST to /v2/models/decoder_stream/generate_stream, or to "
+        "/v2/models/decoder_generate/generate for one answer")
+
+
+def test_error_answers_read_as_one_line_and_busy_is_503() -> None:
+    sse = b'data: {"error":"the server is busy: 1 sequences running and 1 waiting (the limits); retry later"}\n\n'
+    assert error_message(sse) == "the server is busy: 1 sequences running and 1 waiting (the limits); retry later"
+    assert error_status(400, error_message(sse)) == 503
+    assert error_message(b'{"error": "prompt (3 tokens) + max_tokens (9) exceeds max_positions 8\\nmore"}') == (
+        "prompt (3 tokens) + max_tokens (9) exceeds max_positions 8")
+    assert error_status(400, "prompt (3 tokens) + max_tokens (9) exceeds max_positions 8") == 400
+    assert error_status(400, "the server is shutting down; retry on another replica") == 503
+    assert error_message(b"plain words\nsecond") == "plain words"
