@@ -109,6 +109,34 @@ def test_export_replaces_its_own_artifact(rmsnorm_artifact: Path, tmp_path: Path
     assert files == {*manifest["files"], "manifest.json"}
 
 
+def test_export_keeps_what_the_user_put_in_an_old_artifact(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    """An artifact folder is replaced whole; a file or folder the user added to it would go with
+    it, so the export is refused, naming them, and both stay (--force replaces anyway)."""
+    out = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, out)
+    (out / "notes.txt").write_text("the user's notes")
+    (out / "mine").mkdir()
+    (out / "report").mkdir()  # compare's: moedeploy's own
+    before = {p.relative_to(out).as_posix() for p in out.rglob("*")}
+    with pytest.raises(OutputRefused, match=r"is an artifact, but it also holds mine, notes\.txt, which moedeploy "
+                                            r"did not write and a new export would delete; move it out"):
+        export("rmsnorm", out, seed=7)
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*")} == before
+    (out / "mine").rmdir()
+    (out / "notes.txt").unlink()
+    export("rmsnorm", out, seed=7)  # only moedeploy's entries left: replaced
+    assert json.loads((out / "manifest.json").read_text())["seed"] == 7
+
+
+def test_the_folders_moedeploy_writes_into_an_artifact_are_the_ones_its_commands_use() -> None:
+    from moedeploy.compare.api import REPORT_DIR
+    from moedeploy.export.artifact import DERIVED_DIRS
+    from moedeploy.runtime.ort import CACHE_DIR
+    from moedeploy.runtime.tensorrt import ENGINES_DIR
+
+    assert set(DERIVED_DIRS) == {REPORT_DIR, CACHE_DIR, ENGINES_DIR}
+
+
 def test_triton_repo_replaces_only_its_own_model_folders(rmsnorm_artifact: Path, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     theirs = _user_folder(repo / "rmsnorm")  # a hand-made model of the same name

@@ -318,10 +318,11 @@ def export_cmd(
             head_block_size=head_block_size,
         )
     ops = ", ".join(f"{o['domain']}::{o['op_type']} x{o['count']}" for o in artifact.manifest["custom_ops"]) or "none"
-    size = sum((artifact.path / rel).stat().st_size for rel in artifact.model_files()) / 1e6
+    size = (artifact.model_path.stat().st_size + artifact.stored_weight_bytes()) / 1e6  # not the data file's gaps
     q = artifact.manifest.get("quantization")
     head = q["block_sizes"].get(LM_HEAD) if q is not None else None
-    precision = dtype if q is None else f"{dtype}, {quantize_as} weights in blocks of {block_size}" + (
+    precision = dtype if q is None else f"{dtype}, {quantize_as} {'' if q['symmetric'] else 'asymmetric '}" \
+        f"weights in blocks of {block_size}" + (
         " (LM head and attention K/V int8)" if quantize_as == "int4" and mixed else "") + (
         f", LM head in blocks of {head}" if head else "")
     out.print(f"[green]exported[/green] {target} ({precision}) -> {artifact.path}  [{size:.1f} MB, custom ops: {ops}]",
@@ -391,8 +392,8 @@ def _print_report(report: dict) -> None:
 
 def _quantization_thresholds(max_kl_mean: float | None, min_top1: float | None) -> dict[str, float]:
     """compare's --max-kl-mean / --min-top1, checked: overrides of the defaults by bit width."""
-    if max_kl_mean is not None and max_kl_mean < 0:
-        raise ValueError("--max-kl-mean must be >= 0")
+    if max_kl_mean is not None and not max_kl_mean >= 0:  # NaN too: no KL is <= NaN
+        raise ValueError("--max-kl-mean must be a number >= 0")
     if min_top1 is not None and not 0 <= min_top1 <= 1:
         raise ValueError("--min-top1 is a fraction of positions: choose a value from 0 to 1")
     given = {"kl_mean": max_kl_mean, "top1": min_top1}
@@ -431,7 +432,8 @@ def compare_cmd(
 
     A quantized decoder (export --quantize) is checked twice: each backend against eager
     PyTorch on the dequantized weights (the usual tolerances: does the backend compute what the
-    artifact says?), and against the unquantized model on a fixed 1,024-token stream (KL
+    artifact says?), and against the unquantized model on a fixed stream of 1,024 tokens (fewer
+    when the model has fewer positions) (KL
     divergence, top-1 and greedy agreement, judged by --max-kl-mean and --min-top1: what did
     quantization cost?).
     """
@@ -607,7 +609,7 @@ def bench_cmd(
 ) -> None:
     """Benchmark prefill, decode and memory on each backend.
 
-    Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend.     Each backend runs in its own process on the same seeded prompt, and every figure is set
+    Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend. Each backend runs in its own process on the same seeded prompt, and every figure is set
     against the machine's measured limits: decode against bytes of weights per token / memory
     bandwidth, prefill against flops / GEMM rate. Every backend is checked (packages, GPU,
     engine) before any work; exit code 1 when one cannot run or fails.
@@ -629,7 +631,8 @@ def bench_cmd(
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
               f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token", highlight=False)
-    if len(report["variants"]) > 1:
+    quantized = any(name.startswith("int") for name in report["variants"])  # an int8/int4 export among them
+    if quantized:
         out.print("; ".join(f"{name}: {v['weight_bytes'] / 1e6:.0f} MB on disk, {v['decode_step_bytes'] / 1e6:.0f} MB "
                             f"read per step, bound {v['decode_bound_tokens_per_s']} tokens/s"
                             for name, v in report["variants"].items()), highlight=False)
@@ -648,7 +651,7 @@ def bench_cmd(
         measured = ", ".join(f"{r['backend']} {r['bandwidth_gbs']:.1f}" for r in report["raw"] if "error" not in r)
         out.print(f"of bound: decode against bytes per step / the bandwidth each worker measured right after its "
                   f"timed runs (GB/s: {measured})", highlight=False)
-        of_quantized = " (a quantized row: of its export's weight file)" if len(report["variants"]) > 1 else ""
+        of_quantized = " (a quantized row: of its export's weights)" if quantized else ""
         out.print(f"own MB: a backend's peak RSS above its worker's baseline before loading (Python, torch: "
                   f"{min(baselines):.0f} MB), and that as a multiple of the weights' {roof['weight_bytes'] / 2**20:.0f} MB"
                   f"{of_quantized}", highlight=False)

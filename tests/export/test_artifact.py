@@ -207,9 +207,10 @@ def test_a_modified_artifact_is_refused(store, tmp_path: Path) -> None:
 def test_reexport_replaces_the_folder_and_leaves_no_temp(tmp_path: Path) -> None:
     out = tmp_path / "art"
     export_block("rmsnorm", out, seed=1)
-    (out / "stale.txt").write_text("from an older export")
+    (out / "report").mkdir()  # compare's report of the old export: moedeploy's, and stale now
+    (out / "report" / "report.json").write_text("{}")
     export_block("rmsnorm", out, seed=2)
-    assert not (out / "stale.txt").exists()
+    assert not (out / "report").exists()
     assert Artifact.load(out).manifest["seed"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 

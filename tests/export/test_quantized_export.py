@@ -23,6 +23,7 @@ from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.ort import create_session
 
 from ..models.helpers import tiny_mixtral
+from ..onnx_helpers import external_initializer_bytes
 from .moe_nbits_check import assert_plugin_matches_artifact
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -194,7 +195,10 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         (["export", "decoder", "--quantize", "int8", "--uniform"], "--mixed/--uniform applies with --quantize int4 only"),
         (["export", "rmsnorm", "--quantize", "int8"], "--quantize applies to the decoder only"),
         (["export", "decoder", "--quantize", "int4", "--block-size", "128"],
-         "weight layers.0.attn.wq.weight: its input dimension 64 is not a multiple of --block-size 128"),
+         "weight layers.0.attn.wq.weight: its input dimension 64 is not a multiple of --block-size 128; "
+         "choose 16 or 32 or 64"),
+        (["export", "decoder", "--quantize", "int8", "--block-size", "64"],  # tiny's experts: 96 wide
+         "weight layers.0.ffn.w_down: its input dimension 96 is not a multiple of --block-size 64; choose 16 or 32"),
         (["export", "decoder", "--head-block-size", "64"], "--head-block-size applies with --quantize int8|int4 only"),
         (["export", "decoder", "--quantize", "int8", "--head-block-size", "48"],
          "--head-block-size: block size 48 must be a power of two"),
@@ -230,6 +234,77 @@ def test_a_malformed_quantization_section_is_refused_by_name() -> None:
                 {"block_sizes": [256]}, {"tensors": {"lm_head.weight": 3}}):
         with pytest.raises(QuantizeError, match=r"malformed at 'lm_head\.weight'"):
             manifest_formats(good | bad)
+
+
+def _edited(artifact: Artifact, folder: Path, edit) -> Path:
+    """A copy of `artifact` whose manifest.json went through `edit(manifest)`."""
+    import json
+    import shutil
+
+    shutil.copytree(artifact.path, folder, ignore=shutil.ignore_patterns("report", "cache"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def _set(path: tuple[str, ...], value):
+    """An edit that sets manifest[path[0]][path[1]]... to `value`."""
+    def edit(manifest):
+        *parents, key = path
+        node = manifest
+        for part in parents:
+            node = node[part]
+        node[key] = value
+    return edit
+
+
+def _delete(path: tuple[str, ...]):
+    def edit(manifest):
+        *parents, key = path
+        node = manifest
+        for part in parents:
+            node = node[part]
+        del node[key]
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set(("quantization", "tensors", "lm_head.weight"), 4), "holds a quantization section other than the one model.onnx "
+                                                     "was exported with (the manifest was edited)"),
+    (_set(("quantization", "block_sizes"), {}), "holds a quantization section other than the one"),
+    (_set(("quantization", "symmetric"), False), "holds a quantization section other than the one"),
+    (_delete(("quantization",)), "lost the quantization section model.onnx was exported with"),
+    (_delete(("quantization", "block_size")), "quantization.block_size is missing, not a power of two >= 16"),
+    (_delete(("quantization", "tensors")), "quantization.tensors is missing, not an object of tensor names to bits"),
+    (_set(("quantization",), "int8"), "quantization is 'int8', not an object"),
+    (_set(("quantization", "bits"), 3), "quantization.bits is 3, not 4 or 8"),
+    (_set(("quantization", "symmetric"), "no"), "quantization.symmetric is 'no', not true or false"),
+    (_set(("quantization", "mixed"), True), "quantization.mixed is true, but only int4 exports are mixed"),
+    (_set(("quantization", "tensors", "nonexistent.weight"), 8), "holds a quantization section other than the one"),
+    (_set(("quantization", "block_sizes"), None), "quantization.block_sizes is None, not an object"),
+    (_set(("quantization", "block_sizes", "ghost"), 64), "quantization.block_sizes names 'ghost', which quantization.tensors"),
+])
+def test_an_edited_quantization_section_is_refused_at_load_in_one_line(artifacts, tmp_path, edit, message) -> None:
+    """The manifest holds the files' hashes, so nothing hashes it: model.onnx records the digest
+    of the quantization section it was exported with, and the section's schema is checked, so an
+    edit is refused by every command that loads the artifact instead of changing what it reads."""
+    from moedeploy.export.artifact import ArtifactError
+
+    folder = _edited(artifacts["int8"], tmp_path / "edited", edit)
+    with pytest.raises(ArtifactError, match="re-export the artifact") as e:
+        Artifact.load(folder)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_quantization_section_added_to_a_float_artifact_is_refused(tmp_path) -> None:
+    from moedeploy.export.artifact import ArtifactError
+
+    fp32 = export("decoder", tmp_path / "fp32", preset_name="tiny", golden=False)
+    folder = _edited(fp32, tmp_path / "edited", _set(("quantization",), {
+        "format": 2, "bits": 8, "block_size": 32, "symmetric": True, "mixed": False, "tensors": {"lm_head.weight": 8}}))
+    with pytest.raises(ArtifactError, match=r"has a quantization section but model\.onnx reads no quantized weight"):
+        Artifact.load(folder)
 
 
 def test_an_asked_head_block_size_is_what_the_artifact_computes(checkpoint, tmp_path) -> None:
@@ -297,8 +372,12 @@ def test_bench_times_a_quantized_artifact_beside_its_dequantized_eager_twin(arti
     report = bench(str(artifact.path), ["torch", "ort"], prompt_len=8, new_tokens=4, repeat=1)
     assert not [r for r in report["raw"] if "error" in r], report["raw"]
     assert report["greedy_tokens_agree"]
-    data = (artifact.path / MODEL_DATA_FILE).stat().st_size
-    assert report["roofline"]["weight_bytes"] == data  # the memory ratio is against the quantized file
+    # the memory ratio is against the quantized weights' bytes, not the data file's size (its
+    # tensors are aligned for mapping)
+    stored = external_initializer_bytes(artifact.model_path)
+    assert report["roofline"]["weight_bytes"] == stored < (artifact.path / MODEL_DATA_FILE).stat().st_size
+    # an int4 artifact given by its folder is called int4, not by its activations' dtype
+    assert list(report["variants"]) == ["int4"] and {r["variant"] for r in report["raw"]} == {"int4"}
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -625,6 +704,11 @@ def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
     result = CliRunner().invoke(app, ["compare", path, "--min-top1", "2"])
     assert result.exit_code != 0 and "--min-top1 is a fraction of positions" in result.output
     assert "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["compare", path, "--max-kl-mean", "nan"])
+    assert result.exit_code == 1 and "--max-kl-mean must be a number >= 0" in result.output
+    fp32 = export("decoder", Path(path).parent / "fp32-thresholds", preset_name="tiny", golden=False)
+    result = CliRunner().invoke(app, ["compare", str(fp32.path), "--max-kl-mean", "0.5"])
+    assert result.exit_code == 1 and "is not quantized (compare it without them)" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("name", SCHEMES)

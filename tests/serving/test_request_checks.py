@@ -82,7 +82,7 @@ def refusal(body: dict, model: ServedModel, chat: bool = False) -> tuple[str, st
 
 def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(model: ServedModel) -> None:
     prompt = {"prompt": "the cat"}
-    assert refusal({**prompt, "n": True}, model) == ("n must be an integer, got True", "n")
+    assert refusal({**prompt, "n": True}, model) == ("n must be an integer, got true", "n")
     assert refusal({**prompt, "n": 0}, model) == ("n must be 1: this server makes one choice per request", "n")
     assert refusal({**prompt, "stop": 0}, model)[1] == "stop"
     assert refusal({**prompt, "stop": False}, model)[1] == "stop"
@@ -99,7 +99,7 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
             f"{field} is not supported by this server; leave it out", field)
     assert refusal({"prompt": "ab\ud800"}, model)[1] == "prompt"
     assert refusal({"messages": [{"role": "wizard", "content": "hi"}]}, model, chat=True) == (
-        "messages[0].role is 'wizard'; use one of system, developer, user, assistant, tool, function", "messages")
+        "messages[0].role is \"wizard\"; use one of system, developer, user, assistant, tool, function", "messages")
     n = len(model.codec.encode("the cat"))
     assert refusal({**prompt, "max_tokens": 64 - n + 1}, model) == (
         f"the prompt ({n} tokens) and max_tokens ({64 - n + 1}) come to more than the model's 64 positions; "

@@ -16,7 +16,7 @@ from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weight_bytes
 from moedeploy.bench.spread import busy_warning, spreads
 from moedeploy.export import Artifact, export
-from moedeploy.export.artifact import MODEL_DATA_FILE, parse_dtype
+from moedeploy.export.artifact import parse_dtype
 from moedeploy.export.quantize import (
     LM_HEAD,
     QUANT_FORMAT,
@@ -271,12 +271,18 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
     return artifact
 
 
+def export_format(artifact: Artifact) -> str:
+    """What bench calls an export: its weights' format ("int8", "int4") or its dtype ("fp32")."""
+    q = artifact.manifest.get("quantization")
+    return f"int{q['bits']}" if q else artifact.dtype
+
+
 def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int) -> dict[str, Any]:
     """An artifact's bytes: its weights on disk (a quantized one's codes, scales and zero points)
     and what one decode step reads (weights in their stored format and the KV cache)."""
     itemsize = parse_dtype(artifact.dtype).itemsize
     quantization = artifact.manifest.get("quantization")
-    weights = (artifact.path / MODEL_DATA_FILE).stat().st_size if quantization else weight_bytes(config, itemsize)
+    weights = artifact.stored_weight_bytes() if quantization else weight_bytes(config, itemsize)
     return {"artifact": str(artifact.path), "weight_bytes": weights,
             "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
 
@@ -330,8 +336,9 @@ def bench(
     skipped_peers = {peer: why for peer, why in skipped_peers.items() if why}  # the others run
     config = config_of(artifact)
     # (label, export, backend, the row it is set against): the float export's rows, then each quantized export's
-    jobs = [(backend, artifact.dtype, backend, None) for backend in backends]
-    variants = {artifact.dtype: artifact}
+    base = export_format(artifact)  # an artifact given by folder may itself be quantized: "int8", not "fp32"
+    jobs = [(backend, base, backend, None) for backend in backends]
+    variants = {base: artifact}
     for scheme in schemes:
         variants[scheme.name] = quantized_variant(artifact, scheme, target, progress)
         jobs += [(f"{b} {scheme.name}", scheme.name, b, b) for b in backends if b in QUANTIZED_BACKENDS]
@@ -354,7 +361,7 @@ def bench(
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
     rooflines = {name: variant_roofline(a, config, batch, context) for name, a in variants.items()}
-    step_bytes = rooflines[artifact.dtype]["decode_step_bytes"]
+    step_bytes = rooflines[base]["decode_step_bytes"]
     step_flops = decode_step_flops(config, batch, context)
 
     def decode_bound(bandwidth_gbs: float, nbytes: float = step_bytes) -> float:
@@ -364,7 +371,7 @@ def bench(
     bound_tps = decode_bound(machine["bandwidth_gbs"])
     for roof in rooflines.values():
         roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"], roof["decode_step_bytes"]), 1)
-    model_bytes = rooflines[artifact.dtype]["weight_bytes"]
+    model_bytes = rooflines[base]["weight_bytes"]
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 
@@ -401,7 +408,7 @@ def bench(
     def tokens_agree(variant: str) -> bool:
         return len({str(r["tokens"]) for r in ok if r["backend"] != "hf" and r["variant"] == variant}) <= 1
 
-    agree = tokens_agree(artifact.dtype)
+    agree = tokens_agree(base)
     report = {
         "machine": machine,
         "settings": {"target": target, "artifact": str(artifact.path), "batch": batch, "prompt_len": prompt_len,
@@ -416,7 +423,7 @@ def bench(
         "warnings": warnings,
         "ratios": _ratios(ok) | _quantized_ratios(ok, {label: base for label, _, _, base in jobs if base}),
         "greedy_tokens_agree": agree,
-        "quantized_tokens_agree": {name: tokens_agree(name) for name in variants if name != artifact.dtype},
+        "quantized_tokens_agree": {name: tokens_agree(name) for name in variants if name != base},
         "peers_skipped": skipped_peers,
         "cache": cache_report(artifact, written),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],

@@ -194,6 +194,9 @@ def compare(
                          f"{artifact.path} holds a {artifact.kind!r}: compare it with ort, ort-contrib or trt")
     if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
         raise ValueError("--atol and --rtol must be >= 0")
+    if quantization_thresholds and not (artifact.kind == "decoder" and artifact.manifest.get("quantization")):
+        raise ValueError(f"--max-kl-mean and --min-top1 judge a quantized decoder against its float model; "
+                         f"{artifact.path} is not quantized (compare it without them)")
     if reason := not_runnable_here(artifact.dtype, backends):
         raise SessionError(f"cannot compare {artifact.path} ({artifact.dtype}): {reason}")
     quiet_polygraphy()

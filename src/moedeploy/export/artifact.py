@@ -33,6 +33,11 @@ from moedeploy.export.tokenizer_files import tokenizer_problems
 from moedeploy.models.config import DecoderConfig
 
 MANIFEST = "manifest.json"
+#: model.onnx's metadata key for the sha256 of the manifest's "quantization" section (section_digest)
+QUANTIZATION_DIGEST_KEY = "moedeploy.quantization_sha256"
+#: what moedeploy's commands write into an artifact beside its listed files (compare's report/,
+#: ONNX Runtime's lowered-session cache/, TensorRT's engines/); a test holds these to their modules
+DERIVED_DIRS = ("report", "cache", "engines")
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = MODEL_FILE + ".data"
 GOLDEN_INPUTS = "golden/inputs.json"
@@ -183,6 +188,46 @@ def _manifest_problems(m: Any) -> Problems:
         yield f"golden_outputs is {_shown(m, 'golden_outputs')}, not true or false"
     yield from _files_problems(m["kind"], m.get("files"), m.get("golden_outputs", True))
     yield from tokenizer_problems(m.get("tokenizer"), m.get("files"))
+    if "quantization" in m:
+        yield from _quantization_problems(m["quantization"])
+
+
+def _quantization_problems(q: Any) -> Problems:
+    """The section export/quantize.manifest_section writes: its shape and values, so a reader
+    never meets a missing key or a format no exporter makes."""
+    if not isinstance(q, dict):
+        yield f"quantization is {q!r}, not an object"
+        return
+    for key, ok, what in [("bits", lambda v: v in (4, 8) and _is_int(v), "4 or 8"),
+                          ("block_size", lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"),
+                          ("symmetric", lambda v: isinstance(v, bool), "true or false"),
+                          ("mixed", lambda v: isinstance(v, bool), "true or false"),
+                          ("tensors", lambda v: isinstance(v, dict) and v, "an object of tensor names to bits")]:
+        if not ok(q.get(key)):
+            yield f"quantization.{key} is {_shown(q, key)}, not {what}"
+            return
+    if q["mixed"] and q["bits"] != 4:
+        yield "quantization.mixed is true, but only int4 exports are mixed"
+    for name, bits in q["tensors"].items():
+        if bits not in (4, 8) or not _is_int(bits):
+            yield f"quantization.tensors[{name!r}] is {bits!r}, not 4 or 8"
+    blocks = q.get("block_sizes", {})
+    if not isinstance(blocks, dict):
+        yield f"quantization.block_sizes is {blocks!r}, not an object of tensor names to block sizes"
+        return
+    for name, block in blocks.items():
+        if name not in q["tensors"]:
+            yield f"quantization.block_sizes names {name!r}, which quantization.tensors does not list"
+        elif not _is_int(block) or block < 16 or block & (block - 1):
+            yield f"quantization.block_sizes[{name!r}] is {block!r}, not a power of two >= 16"
+
+
+def section_digest(section: Any) -> str:
+    """sha256 of a manifest section as canonical JSON: model.onnx records the quantization
+    section's under QUANTIZATION_DIGEST_KEY, so an edit to it (which the files' hashes, kept in
+    the manifest itself, cannot catch) is refused at load instead of silently changing what the
+    eager reference, the roofline and bench's cache read."""
+    return hashlib.sha256(json.dumps(section, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _shown(m: dict[str, Any], key: str) -> str:
@@ -361,7 +406,8 @@ class Artifact:
         """
         path = Path(path)
         if not path.is_dir():
-            raise ArtifactError(f"artifact {path} is not a folder; create one with `moedeploy export`")
+            what = "does not exist" if not path.exists() else "is not a folder"
+            raise ArtifactError(f"artifact {path} {what}; create one with `moedeploy export`")
         manifest_file = path / MANIFEST
         if not manifest_file.is_file():
             raise ArtifactError(f"{path} has no {MANIFEST}; is it an artifact made by `moedeploy export`?")
@@ -408,13 +454,18 @@ class Artifact:
         self.check_external_data()
 
     def check_external_data(self) -> None:
-        """model.onnx reads external data only from model.onnx.data, listed and hashed.
+        """model.onnx reads external data only from model.onnx.data, listed and hashed; and the
+        manifest's quantization section is the one model.onnx records the digest of.
 
         Parsing a graph with inline weights costs a second of every load on the small
         decoder; a tensor can name external data only with the key "location" in the
-        file's bytes, so a graph without those bytes is not parsed at all.
+        file's bytes, so a graph without those bytes (or the digest's key) is not parsed at all.
         """
-        if not _mentions(self.model_path, b"location"):
+        recorded = _mentions(self.model_path, QUANTIZATION_DIGEST_KEY.encode())
+        if "quantization" in self.manifest and not recorded and not _mentions(self.model_path, b"DequantizeLinear"):
+            raise ArtifactError(f"{self.path}: {MANIFEST} has a quantization section but {MODEL_FILE} reads no "
+                                "quantized weight (no DequantizeLinear); the manifest was edited: re-export the artifact")
+        if not _mentions(self.model_path, b"location") and not recorded:
             return
         try:
             model = onnx.load(str(self.model_path), load_external_data=False)
@@ -422,10 +473,27 @@ class Artifact:
             raise ArtifactError(f"{self.model_path} is not a readable ONNX model ({e}); re-export the artifact") from None
         if problem := next(_external_data_problems(model, self.manifest["files"]), None):
             raise ArtifactError(f"{self.path}: {problem}; re-export the artifact")
+        digest = {p.key: p.value for p in model.metadata_props}.get(QUANTIZATION_DIGEST_KEY)
+        if digest is not None and ("quantization" not in self.manifest
+                                   or section_digest(self.manifest["quantization"]) != digest):
+            what = "lost the quantization section" if "quantization" not in self.manifest else \
+                "holds a quantization section other than the one"
+            raise ArtifactError(f"{self.path}: {MANIFEST} {what} {MODEL_FILE} was exported with (the manifest was "
+                                "edited), so the weights' formats cannot be trusted; re-export the artifact")
 
     def model_files(self) -> list[str]:
         """The files a runtime needs to load the graph: model.onnx and, when listed, its data."""
         return [rel for rel in (MODEL_FILE, MODEL_DATA_FILE) if rel in self.manifest["files"]]
+
+    def stored_weight_bytes(self) -> int:
+        """The bytes of the weights the graph reads from its data file: the sum of its tensors'
+        lengths. Not the file's size, which counts the gaps that align each tensor for mapping
+        (64 KiB each: most of a tiny model's file, and holes on disk)."""
+        if MODEL_DATA_FILE not in self.manifest["files"]:
+            return 0
+        model = onnx.load(str(self.model_path), load_external_data=False)
+        return sum(int({e.key: e.value for e in t.external_data}.get("length", 0))
+                   for t in _get_all_tensors(model) if uses_external_data(t))
 
     @property
     def name(self) -> str:

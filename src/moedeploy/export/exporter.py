@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -23,15 +23,18 @@ import torch
 
 import moedeploy
 from moedeploy.export.artifact import (
+    DERIVED_DIRS,
     MANIFEST,
     MODEL_DATA_FILE,
     MODEL_FILE,
+    QUANTIZATION_DIGEST_KEY,
     SCHEMA_VERSION,
     Artifact,
     io_spec,
     parse_dtype,
     save_golden,
     save_model,
+    section_digest,
     sha256,
     to_numpy,
 )
@@ -70,6 +73,7 @@ from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint
 from moedeploy.plugins import moe
 from moedeploy.utils.io import (
+    OutputRefused,
     atomic_directory,
     atomic_write_json,
     check_replaceable,
@@ -149,7 +153,7 @@ def export(
         if quantization is None:
             raise ValueError("--head-block-size applies with --quantize int8|int4 only")
         parse_scheme(quantization.name, head_block_size, quantization.symmetric, flag="--head-block-size")
-    check_replaceable(out, is_artifact_folder, force)
+    check_artifact_out(out, force)
     if target == DECODER:
         return export_decoder(
             out, preset_name=preset_name or "tiny", checkpoint=checkpoint, dtype=dtype, seed=seed, force=force,
@@ -165,13 +169,43 @@ def export(
 
 
 def is_artifact_folder(path: Path) -> bool:
-    """Whether `path` is an artifact moedeploy wrote (its manifest names a schema and a kind), so
-    export may replace it. Anything else in the way is the user's, and is refused."""
+    """Whether `path` is an artifact moedeploy wrote (its manifest names a schema and a kind) and
+    holds nothing else (`foreign_entries`), so export may replace it. Anything else in the way
+    is the user's, and is refused."""
+    manifest = _artifact_manifest(path)
+    return manifest is not None and not foreign_entries(path, manifest)
+
+
+def _artifact_manifest(path: Path) -> dict | None:
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and "schema_version" in manifest and "kind" in manifest
+        return None
+    return manifest if isinstance(manifest, dict) and "schema_version" in manifest and "kind" in manifest else None
+
+
+def foreign_entries(path: Path, manifest: dict) -> list[str]:
+    """The names in an artifact folder that moedeploy did not put there: anything besides its
+    manifest, the files the manifest lists (by their first path part: golden/, tokenizer/) and
+    the folders moedeploy's commands write into an artifact (DERIVED_DIRS). Replacing the
+    artifact would delete them, so an export refuses to."""
+    files = manifest.get("files")
+    ours = {MANIFEST, *DERIVED_DIRS, *(PurePosixPath(rel).parts[0] for rel in files if isinstance(rel, str)
+                                        and PurePosixPath(rel).parts)} if isinstance(files, dict) else {MANIFEST}
+    try:
+        return sorted(entry.name for entry in Path(path).iterdir() if entry.name not in ours)
+    except OSError:
+        return []
+
+
+def check_artifact_out(out: str | Path, force: bool) -> None:
+    """`check_replaceable` for an export's --out, naming what in an old artifact is the user's."""
+    manifest = _artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
+    if manifest is not None and not force and (foreign := foreign_entries(Path(out), manifest)):
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputRefused(f"{out} is an artifact, but it also holds {names}, which moedeploy did not write and a "
+                            "new export would delete; move it out, choose another --out, or pass --force")
+    check_replaceable(out, is_artifact_folder, force)
 
 
 def export_block(
@@ -313,10 +347,12 @@ def export_decoder(
     tokenizer: dict[str, Any] = {}
 
     def write_model(folder: Path) -> tuple[onnx.ModelProto, list[str]]:
-        progress(f"streaming {size_text(weight_bytes)} of weights into {MODEL_DATA_FILE}")
+        on_the_way = "" if quantization is None else f", quantized to {quantization.name} on the way"
+        progress(f"streaming {size_text(weight_bytes)} of {dtype} weights into {MODEL_DATA_FILE}{on_the_way}")
         write_weights(traced, weights, torch_dtype, folder / MODEL_DATA_FILE, progress)
         progress("checking the graph with the ONNX checker")
-        model = save_graph(traced, folder / MODEL_FILE)
+        digest = {QUANTIZATION_DIGEST_KEY: section_digest(quantized)} if quantized is not None else None
+        model = save_graph(traced, folder / MODEL_FILE, digest)
         files = [MODEL_FILE, MODEL_DATA_FILE]
         if checkpoint is not None:  # text in and out on the server: the checkpoint's own tokenizer
             summary, copied = copy_tokenizer(Path(checkpoint), folder)

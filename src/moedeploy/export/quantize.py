@@ -178,9 +178,10 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
         formats.update(dict.fromkeys(names, tensor_scheme))
         if shape[-1] % tensor_scheme.block_size:
             flag = "--head-block-size" if names[0].endswith(LM_HEAD) and head_block_size is not None else "--block-size"
-            raise QuantizeError(
-                f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of {flag} "
-                f"{tensor_scheme.block_size}; choose a power of two that divides it (16, 32, 64, ...)")
+            fits = [b for b in (16, 32, 64, 128, 256, 512) if shape[-1] % b == 0]
+            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides it"
+            raise QuantizeError(f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of {flag} "
+                                f"{tensor_scheme.block_size}; {advice}")
         blocks = [*shape[:-1], shape[-1] // tensor_scheme.block_size]
         parts = []
         layout_parts = [("codes", codes_type, shape), ("scale", value.dtype, blocks)]

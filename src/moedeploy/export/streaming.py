@@ -262,11 +262,13 @@ def write_weights(
     return written
 
 
-def save_graph(traced: TracedDecoder, model_file: Path) -> onnx.ModelProto:
+def save_graph(traced: TracedDecoder, model_file: Path, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
     """Serialise the graph (weights stay in the data file), attach the custom ops' function
     bodies, name the custom nodes after their modules, and check the file by path (a model
-    past 2 GB cannot be checked in memory). Returns the proto without weight data."""
+    past 2 GB cannot be checked in memory). `metadata`: the model's metadata_props to add.
+    Returns the proto without weight data."""
     proto = ir.serde.serialize_model(traced.model)
+    onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {})})
     attach_function_bodies(proto)
     name_custom_nodes(proto, WRAPPER_PREFIX)
     normalize_dim_sums(proto)

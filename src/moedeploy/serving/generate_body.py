@@ -60,10 +60,10 @@ def _value_problem(name: str, value: Any) -> str | None:
     if name == "input_ids":
         return _ids_problem(value)
     if name in _INTEGERS and not _is_int64(value):
-        return f"{name} must be an integer in int64's range, got {_short(value)}"
+        return f"{name} must be an integer in int64's range, got {shown(value)}"
     if name in _FLOATS and (not isinstance(value, (int, float)) or isinstance(value, bool)
                             or not math.isfinite(value) or abs(value) > 3.4e38):
-        return f"{name} must be a finite number, got {_short(value)}"
+        return f"{name} must be a finite number, got {shown(value)}"
     return None
 
 
@@ -74,7 +74,7 @@ def _ids_problem(value: Any) -> str | None:
     if len({len(row) for row in rows}) > 1:
         return "input_ids rows have different lengths"
     bad = [v for row in rows for v in row if not _is_int64(v)]
-    return f"input_ids must hold integer token ids, got {_short(bad[0])}" if bad else None
+    return f"input_ids must hold integer token ids, got {shown(bad[0])}" if bad else None
 
 
 def _is_int64(value: Any) -> bool:
@@ -89,7 +89,8 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _short(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A request's value as its JSON spells it (NaN and infinities as Python does), cut at 40 characters."""
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

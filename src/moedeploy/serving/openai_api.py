@@ -26,7 +26,7 @@ from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
 from moedeploy.serving.front import LoopServer
-from moedeploy.serving.generate_body import error_message
+from moedeploy.serving.generate_body import INT64, error_message, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_STOP_CHARS,
@@ -45,7 +45,6 @@ UNSUPPORTED = {
     "functions": ([],), "logit_bias": ({},), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "response_format": ({"type": "text"},),
 }
-INT64 = (-(2**63), 2**63 - 1)
 
 
 class ApiError(Exception):
@@ -86,19 +85,14 @@ def _number(body: dict, name: str, kind: type, default: Any = None, low: float |
     if value is None:
         return default
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ApiError(f"{name} must be an integer, got {_short(value)}", name)
+        raise ApiError(f"{name} must be an integer, got {shown(value)}", name)
     if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
-        raise ApiError(f"{name} must be a finite number, got {_short(value)}", name)
+        raise ApiError(f"{name} must be a finite number, got {shown(value)}", name)
     if low is not None and value < low:
-        raise ApiError(f"{name} must be >= {low}, got {_short(value)}", name)
+        raise ApiError(f"{name} must be >= {low}, got {shown(value)}", name)
     if kind is int and not INT64[0] <= value <= INT64[1]:
-        raise ApiError(f"{name} must fit in 64 bits, got {_short(value)}", name)
+        raise ApiError(f"{name} must fit in 64 bits, got {shown(value)}", name)
     return value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _unsupported(body: dict) -> str | None:
@@ -161,7 +155,7 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
             for i, message in enumerate(messages if isinstance(messages, list) else []):
                 role = message.get("role") if isinstance(message, dict) else None
                 if isinstance(role, str) and role not in CHAT_ROLES:
-                    raise ApiError(f"messages[{i}].role is {_short(role)}; use one of {', '.join(CHAT_ROLES)}", field)
+                    raise ApiError(f"messages[{i}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", field)
             ids = model.codec.chat_ids(messages, max_tokens=model.max_positions)
         else:
             prompt = body.get("prompt")
