@@ -574,7 +574,9 @@ def test_bench_quantize_refusals_are_one_line_before_any_work(tmp_path: Path, mo
     runner = CliRunner()
     for args, message in ((["--quantize", "int3"], "choose int8 or int4"),
                           (["--quantize", "int8", "--backend", "torch"], "add one of ort, ort-gqa, ort-contrib"),
-                          (["--quantize", "int8", "--block-size", "24"], "must be a power of two")):
+                          (["--quantize", "int8", "--block-size", "24"], "must be a power of two"),
+                          (["--block-size", "64"], "--block-size applies with --quantize int8|int4 only"),
+                          (["--quantize", ","], "--quantize names int8, int4 or both, comma-separated")):
         result = runner.invoke(app, ["bench", "tiny", *args])
         assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
         assert "Traceback" not in result.output

@@ -584,6 +584,7 @@ def check_cmd(
 @app.command("bench")
 @handle_errors
 def bench_cmd(
+    ctx: typer.Context,
     target: str = typer.Argument(..., help="A decoder artifact folder; a checkpoint folder (config.json + safetensors: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, GLM-4-MoE, MiniMax-M2, or moedeploy's own), exported once (fp32) into the cache and reused only while its weights fingerprint and config still match; or a preset (tiny, small), exported once into the cache. The cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
                                 "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
@@ -622,11 +623,14 @@ def bench_cmd(
             raise UserError(f"--json {json_file}: name a file in an existing folder")
         check_writable(json_file.parent)
     backends = [b.strip() for b in backend.split(",") if b.strip()]
+    variants = [q.strip() for q in quantize.split(",") if q.strip()] if quantize is not None else None
+    if quantize is not None and not variants:
+        raise UserError("--quantize names int8, int4 or both, comma-separated")
+    if not variants and given(ctx, "block_size"):
+        raise UserError("--block-size applies with --quantize int8|int4 only")
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
-                       progress=progress, peers=peers, rounds=rounds,
-                       quantize=[q.strip() for q in quantize.split(",") if q.strip()] if quantize else None,
-                       block_size=block_size)
+                       progress=progress, peers=peers, rounds=rounds, quantize=variants, block_size=block_size)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
