@@ -59,7 +59,7 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
     http, grpc, metrics = (str(p) for p in free_ports(3))
     ports = ["--http-port", http, "--grpc-port", grpc, "--metrics-port", metrics]
     return {
-        "missing artifact": (["serve", str(tmp_path / "nope"), *ports], "is not a folder"),
+        "missing artifact": (["serve", str(tmp_path / "nope"), *ports], "does not exist; create one with `moedeploy export`"),
         "unknown backend": (["serve", moe, "--backend", "onnx", *ports], "unknown backend 'onnx'; choose from: ort, trt, torch"),
         "bf16": (["serve", str(store.block("rmsnorm", "bf16").path), *ports], "is bf16: NumPy, and so PyTriton, has no bfloat16"),
         "port in use": (["serve", moe, "--http-port", str(taken_port), "--grpc-port", grpc, "--metrics-port", metrics],
