@@ -617,6 +617,7 @@ def bench_cmd(
     """
     from moedeploy.bench.api import bench
     from moedeploy.bench.summary import cache_line, paired_text, spread_lines
+    from moedeploy.utils.progress import size_text
 
     if json_file is not None:
         if json_file.is_dir() or not json_file.parent.is_dir():
@@ -633,11 +634,11 @@ def bench_cmd(
                        progress=progress, peers=peers, rounds=rounds, quantize=variants, block_size=block_size)
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
-              f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({roof['decode_step_bytes'] / 1e6:.0f} MB/step); "
+              f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({size_text(roof['decode_step_bytes'])}/step); "
               f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token", highlight=False)
     quantized = any(name.startswith("int") for name in report["variants"])  # an int8/int4 export among them
     if quantized:
-        out.print("; ".join(f"{name}: {v['weight_bytes'] / 1e6:.0f} MB on disk, {v['decode_step_bytes'] / 1e6:.0f} MB "
+        out.print("; ".join(f"{name}: {size_text(v['weight_bytes'])} of weights, {size_text(v['decode_step_bytes'])} "
                             f"read per step, bound {v['decode_bound_tokens_per_s']} tokens/s"
                             for name, v in report["variants"].items()), highlight=False)
     # p50 per-token latency is in the JSON (the decode rate is its reciprocal, near enough): the
