@@ -150,14 +150,3 @@ def test_a_group_stops_only_when_every_request_in_it_is_cancelled(tmp_path) -> N
     assert not model.all_cancelled([*group, request()])()  # a request nobody can cancel keeps it running
 
 
-def test_a_generate_request_carries_the_request_id_in_its_json_parameters() -> None:
-    """Triton forwards no header through its generate extension, so the front writes the id into
-    the body's "parameters" (which Triton hands the model); other bodies pass unchanged."""
-    from moedeploy.serving.front import with_parameter
-
-    body = json.dumps({"text_input": "hi", "parameters": {"stream": True}}).encode()
-    assert json.loads(with_parameter(body, "moedeploy-request-id", "abc")) == {
-        "text_input": "hi", "parameters": {"stream": True, "moedeploy-request-id": "abc"}}
-    assert json.loads(with_parameter(b'{"input_ids": [1, 2]}', "k", "v")) == {"input_ids": [1, 2], "parameters": {"k": "v"}}
-    for untouched in (b"not json", b"[1, 2]", b'{"parameters": 3}'):
-        assert with_parameter(untouched, "k", "v") == untouched

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from moedeploy.runtime.text import PREFIX_CHARS_PER_TOKEN, StopStrings, TextCodec, TextError
-from moedeploy.serving.generate_body import error_message, error_status, generate_problem
+from moedeploy.serving.generate_body import checked_generate_body, error_message, error_status
 from moedeploy.serving.openai_api import ApiError, ServedModel, parse_request
 from tests.text_helpers import export_with_tokenizer
 
@@ -65,6 +65,10 @@ def test_a_prompt_far_longer_than_the_model_is_refused_from_a_part_of_it(model: 
     short = "the cat sat on the mat"
     assert len(short) < PREFIX_CHARS_PER_TOKEN * 64
     assert codec.encode(short, max_tokens=64) == codec.tokenizer.encode(short).ids
+    # 13 characters a token (a special token written out): the first part fits, a 4 times longer one not
+    specials = "<|assistant|>" * 5000
+    with pytest.raises(TextError, match=r"its first 2,048 characters alone are \d+ tokens$"):
+        codec.encode(specials, max_tokens=64)
 
 
 def test_a_lone_surrogate_is_refused_as_text(model: ServedModel) -> None:
@@ -91,8 +95,8 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     assert refusal({**prompt, "stop": ["ok", "\ud800"]}, model)[1] == "stop"
     assert refusal({**prompt, "seed": 2**64}, model) == ("seed must fit in 64 bits, got 18446744073709551616", "seed")
     assert refusal({**prompt, "max_tokens": 2**70}, model)[1] == "max_tokens"
-    assert refusal({**prompt, "temperature": float("nan")}, model) == ("temperature must be a finite number, got nan",
-                                                                       "temperature")
+    assert refusal({**prompt, "temperature": float("nan")}, model) == (
+        "temperature must be a number within float32's range, got nan", "temperature")
     for field, value in [("logit_bias", {"5": 10}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
                          ("response_format", {"type": "json_object"}), ("logprobs", True)]:
         assert refusal({**prompt, field: value}, model) == (
@@ -124,26 +128,44 @@ def test_openai_neutral_values_and_top_k_pass(model: ServedModel) -> None:
     (b'{"text_input": "\\ud800"}', "text_input holds a lone surrogate, which is not valid Unicode text"),
     (b'{"stop": ["a", 1]}', "stop must be a string or a list of strings"),
     (b'{"input_ids": [1, 2.5]}', "input_ids must hold integer token ids, got 2.5"),
-    (b'{"input_ids": [[1, 2], [3]]}', "input_ids rows have different lengths"),
+    (b'{"input_ids": [[1, 2, 3]]}', "input_ids must be a flat list of token ids: the generate endpoint takes one "
+                                    "sequence"),
+    (b'{"input_ids": 7}', "input_ids must be a list of token ids"),
     (b'{"input_ids": [1, true]}', "input_ids must hold integer token ids, got true"),
     (b'{"max_tokens": "3"}', 'max_tokens must be an integer in int64\'s range, got "3"'),
     (b'{"seed": 18446744073709551615}', "seed must be an integer in int64's range, got 18446744073709551615"),
-    (b'{"temperature": 1e300}', "temperature must be a finite number, got 1e+300"),
+    (b'{"temperature": 1e300}', "temperature must be a number within float32's range, got 1e+300"),
     (b'{"parameters": 5}', '"parameters" must be a JSON object'),
     (b'{"parameters": {"moedeploy_refused": "x"}}', "the parameter 'moedeploy_refused' is the server's own; leave it out"),
 ])
 def test_generate_bodies_triton_would_answer_500_get_one_line(body: bytes, expected: str) -> None:
-    assert generate_problem(body, "decoder_stream", "generate_stream") == expected
+    assert checked_generate_body(body, "decoder_stream", "generate_stream", ("id", "1")) == (body, expected)
 
 
-def test_good_generate_bodies_pass_and_the_stream_model_wants_generate_stream() -> None:
-    good = json.dumps({"text_input": "hi", "max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "seed": 2**63 - 1,
-                       "parameters": {"priority": 1}}).encode()
-    assert generate_problem(good, "decoder_stream", "generate_stream") is None
-    assert generate_problem(b'{"input_ids": [[1, 2, 3]]}', "decoder_generate", "generate") is None
-    assert generate_problem(good, "decoder_stream", "generate") == (
+def test_good_generate_bodies_pass_with_the_request_id_and_the_stream_model_wants_generate_stream() -> None:
+    """Triton forwards no header through its generate extension, so the front writes the request
+    id into the body's "parameters" (which Triton hands the model), in the same pass that checks it."""
+    good = {"text_input": "hi", "max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "seed": 2**63 - 1,
+            "parameters": {"priority": 1}}
+    body, problem = checked_generate_body(json.dumps(good).encode(), "decoder_stream", "generate_stream", ("id", "ab"))
+    assert problem is None and json.loads(body) == {**good, "parameters": {"priority": 1, "id": "ab"}}
+    # one-element arrays for one-value inputs, as Triton takes them
+    body, problem = checked_generate_body(b'{"input_ids": [1, 2, 3], "max_new_tokens": [3]}', "decoder_generate",
+                                          "generate", ("id", "cd"))
+    assert problem is None and json.loads(body) == {"input_ids": [1, 2, 3], "max_new_tokens": [3],
+                                                    "parameters": {"id": "cd"}}
+    assert checked_generate_body(b"{}", "decoder_stream", "generate", ("id", "x"))[1] == (
         "decoder_stream sends a response per token: POST to /v2/models/decoder_stream/generate_stream, or to "
         "/v2/models/decoder_generate/generate for one answer")
+
+
+def test_a_generate_body_is_bounded_by_the_prompt_the_model_takes() -> None:
+    """2,048 positions as ids of 21 characters each (the longest int64 and a comma) fit, with room."""
+    from moedeploy.serving.generate_body import generate_body_limit
+
+    longest = json.dumps({"input_ids": [-(2**63)] * 2048, "max_tokens": 1, "stop": ["x" * 1000] * 16}).encode()
+    assert len(longest) < generate_body_limit(2048, 1) == 2048 * 64 + 2**20
+    assert generate_body_limit(2048, 4) == 4 * 2048 * 64 + 2**20
 
 
 def test_error_answers_read_as_one_line_and_busy_is_503() -> None:

@@ -131,6 +131,10 @@ def test_generate_requests_triton_would_answer_500_get_400_from_the_front(served
                        "line 1 column 2 (char 1)"})
     status, answer = post(f"{base}/{MODEL}/generate", json.dumps({"text_input": "hi", "max_tokens": 3}).encode())
     assert (status, answer["error"].split(":")[0]) == (400, f"{MODEL} sends a response per token")
+    # a body larger than any prompt of the model's 2,048 positions needs: refused unread
+    status, answer = post(f"{base}/{MODEL}/generate_stream", json.dumps({"text_input": "x" * 1_500_000}).encode())
+    assert (status, answer["error"].split(" bytes is larger")[0]) == (
+        413, f"a generate request to {MODEL} of 1,500,018")
     # a refusal of the model's own, before its first token: one JSON line, 400
     assert post(f"{base}/{MODEL}/generate_stream", b'{"text_input": "hi", "max_tokens": 100000}') == (
         400, {"error": "prompt (3 tokens) + max_tokens (100000) exceeds max_positions 2048"})

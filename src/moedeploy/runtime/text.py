@@ -91,19 +91,21 @@ class TextCodec:
         """Ids of `text`; with add_special_tokens, the tokenizer's post-processor adds its BOS
         and the like, as transformers' tokenizer(text) does.
 
-        `max_tokens`: a text certainly longer is refused (TextError) after encoding only its first
-        PREFIX_CHARS_PER_TOKEN * max_tokens characters, so a megabyte prompt costs what a prompt
-        of the model's length does (the prefix's ids are the text's first ids, give or take its
-        last word). Encoding goes through `encode_batch`, which lets other Python threads run
+        `max_tokens`: a text certainly longer is refused (TextError) after encoding only a part of
+        it: its first PREFIX_CHARS_PER_TOKEN * max_tokens characters, then 4 times as many, and
+        so on, so a megabyte prompt costs about what a prompt of the model's length does (a
+        part's ids are the text's first ids, give or take its last word). Encoding goes through `encode_batch`, which lets other Python threads run
         (`encode` holds the GIL), so a server can encode on a worker thread without stalling."""
         if not isinstance(text, str):
             raise TextError(f"a prompt must be a string, not {type(text).__name__}")
         check_unicode(text, "the prompt")
-        if max_tokens is not None and len(text) > (cut := PREFIX_CHARS_PER_TOKEN * max_tokens):
+        cut = PREFIX_CHARS_PER_TOKEN * max_tokens if max_tokens is not None else len(text)
+        while cut < len(text):  # parts 4 times longer each time: at most a third more work than the whole
             head = len(self._encode(text[:cut], add_special_tokens))
             if head > max_tokens + PREFIX_SLACK_TOKENS:
                 raise TextError(f"the prompt is longer than the model's {max_tokens} positions: its first {cut:,} "
                                 f"characters alone are {head:,} tokens")
+            cut *= 4
         return self._encode(text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import threading
@@ -44,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote
 
-from moedeploy.serving.generate_body import error_message, error_status, generate_problem
+from moedeploy.serving.generate_body import checked_generate_body, error_message, error_status
 from moedeploy.serving.specs import ServingError
 
 LOGGER = logging.getLogger("moedeploy.serving")
@@ -53,6 +52,7 @@ LOGGER = logging.getLogger("moedeploy.serving")
 REQUEST_ID_HEADER = "moedeploy-request-id"
 TRITON_FORWARD_PATTERN = f"^{REQUEST_ID_HEADER}$"
 LIMIT_FLAG = "moedeploy serve --max-request-mb"
+RETRY_AFTER = {"Retry-After": "1"}  # seconds, on a 503
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/(infer|generate|generate_stream)$")
 # RFC 9110 7.6.1: meant for one connection, never forwarded (and the body framing is redone).
 _HOP_BY_HOP = frozenset({
@@ -163,10 +163,12 @@ class HttpFront(LoopServer):
     """The HTTP proxy in front of Triton's HTTP endpoint."""
 
     def __init__(self, host: str, port: int, upstream: str, max_bytes: int, generation_models: Collection[str],
-                 cancelled: CancelledRequests) -> None:
+                 cancelled: CancelledRequests, body_limits: dict[str, int] | None = None) -> None:
+        """body_limits: a generation model's most generate-request bytes (generate_body_limit)."""
         super().__init__(host, port, upstream)
         self.max_bytes = max_bytes
         self.generation_models = frozenset(generation_models)
+        self.body_limits = body_limits or {}
         self.cancelled = cancelled
 
     async def _start(self) -> None:
@@ -193,7 +195,8 @@ class HttpFront(LoopServer):
     def _refusal(self, status: int, message: str):
         from aiohttp import web
 
-        return web.json_response({"error": message}, status=status)
+        # a busy server asks clients to come back in a second rather than at once
+        return web.json_response({"error": message}, status=status, headers=RETRY_AFTER if status == 503 else None)
 
     async def _expect(self, request):
         """`Expect: 100-continue`: refuse an announced body over the limit before the client sends
@@ -210,14 +213,14 @@ class HttpFront(LoopServer):
             request.writer.output_size = 0
         return None
 
-    async def _whole_body(self, request) -> bytearray | None:
+    async def _whole_body(self, request, max_bytes: int) -> bytearray | None:
         """A body of no stated length (chunked) or that aiohttp decompressed, read up to the limit;
         None once it passes the limit. Forwarded whole, with its length: Triton keeps the memory of
         a body it has buffered, so it must never get part of one that is refused."""
         body = bytearray()
         async for chunk in request.content.iter_any():
             body += chunk
-            if len(body) > self.max_bytes:
+            if len(body) > max_bytes:
                 return None
         return body
 
@@ -228,14 +231,19 @@ class HttpFront(LoopServer):
         size = request.content_length
         if size is not None and size > self.max_bytes:
             return self._refusal(413, too_big_message(self.max_bytes, size))
+        infer = _INFER_PATH.match(request.path)
+        model = unquote(infer[1]) if infer else None
+        limit = self.body_limits.get(model) if infer and infer[2] != "infer" else None
+        if limit is not None and size is not None and size > limit:
+            return self._refusal(413, f"a generate request to {model} of {size:,} bytes is larger than any prompt of "
+                                      f"its model's positions needs ({limit:,} bytes); send a shorter prompt")
         headers: list[tuple[str, str]] = []
         for name, value in request.headers.items():
             key = name.lower()
             if key not in _HOP_BY_HOP and key not in ("host", "expect", REQUEST_ID_HEADER):
                 headers.append((name, value))
         request_id = None
-        infer = _INFER_PATH.match(request.path)
-        if request.method == "POST" and infer and unquote(infer[1]) in self.generation_models:
+        if request.method == "POST" and infer and model in self.generation_models:
             request_id = uuid.uuid4().hex
             headers.append((REQUEST_ID_HEADER, request_id))
         body: Any = None
@@ -245,13 +253,14 @@ class HttpFront(LoopServer):
             # the request's JSON "parameters" instead, so that body is read whole (up to the limit)
             generate = request_id is not None and infer[2] != "infer"
             if generate or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
-                body = await self._whole_body(request)
+                body = await self._whole_body(request, min(self.max_bytes, limit or self.max_bytes))
                 if body is None:
-                    return self._refusal(413, too_big_message(self.max_bytes, None))
+                    return self._refusal(413, too_big_message(min(self.max_bytes, limit or self.max_bytes), None))
                 if generate:
-                    if problem := generate_problem(bytes(body), unquote(infer[1]), infer[2]):
+                    body, problem = checked_generate_body(bytes(body), unquote(infer[1]), infer[2],
+                                                          (REQUEST_ID_HEADER, request_id))
+                    if problem:
                         return self._refusal(400, problem)
-                    body = with_parameter(bytes(body), REQUEST_ID_HEADER, request_id)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
             else:  # streamed through; aiohttp stops at the stated length
@@ -292,20 +301,6 @@ class HttpFront(LoopServer):
             LOGGER.warning("http front: no answer from Triton for %s %s: %s", request.method, request.path,
                            _one_line(e))
             return self._refusal(503, f"the model server is unavailable ({_one_line(e)}); retry")
-
-
-def with_parameter(body: bytes, name: str, value: str) -> bytes:
-    """A generate request's JSON body with `name` set in its "parameters" object (Triton hands
-    those to the model as request parameters); a body that is not a JSON object passes unchanged,
-    for Triton to refuse in its own words."""
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(payload, dict) or not isinstance(payload.get("parameters", {}), dict):
-        return body
-    payload["parameters"] = {**payload.get("parameters", {}), name: value}
-    return json.dumps(payload).encode()
 
 
 def _one_line(error: BaseException) -> str:

@@ -22,35 +22,52 @@ UNAVAILABLE_PREFIXES = ("the server is busy", "the server is shutting down")
 #: request parameters only the server sets (a client's would steer cancellation or refusals)
 RESERVED_PARAMETER_PREFIX = "moedeploy"
 INT64 = (-(2**63), 2**63 - 1)
+#: body bytes a generate request may take per position of its prompt (generate_body_limit)
+BYTES_PER_POSITION = 64
+#: inputs holding one value, which Triton also takes as a one-element array
+SCALARS = {"text_input", *GENERATE_OPTIONS, *STREAM_OPTIONS}
 _INTEGERS = {name for name, dtype in (GENERATE_OPTIONS | STREAM_OPTIONS).items() if dtype == "int64"}
 _FLOATS = {name for name, dtype in (GENERATE_OPTIONS | STREAM_OPTIONS).items() if dtype == "float32"}
 
 
-def generate_problem(body: bytes, model: str, endpoint: str) -> str | None:
-    """Why this generate request is refused before Triton reads it (one line), or None."""
+def checked_generate_body(body: bytes, model: str, endpoint: str, parameter: tuple[str, str]) -> tuple[bytes, str | None]:
+    """(the body with `parameter` (name, value) set in its "parameters", None), or (body, why it
+    is refused: one line) when Triton's parser would answer it 500 or it asks for the wrong
+    endpoint. The body is parsed once: a large one holds the GIL while it is."""
     if endpoint == "generate" and model.endswith(STREAM_SUFFIX):
-        return (f"{model} sends a response per token: POST to /v2/models/{model}/generate_stream, or to "
-                f"/v2/models/{model.removesuffix(STREAM_SUFFIX)}_generate/generate for one answer")
+        return body, (f"{model} sends a response per token: POST to /v2/models/{model}/generate_stream, or to "
+                      f"/v2/models/{model.removesuffix(STREAM_SUFFIX)}_generate/generate for one answer")
     try:
         payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
-        return "the request body is not UTF-8 text"
+        return body, "the request body is not UTF-8 text"
     except ValueError as e:
-        return f"the request body is not valid JSON: {str(e).splitlines()[0]}"
+        return body, f"the request body is not valid JSON: {str(e).splitlines()[0]}"
     if not isinstance(payload, dict):
-        return "the request body must be a JSON object of input names to values"
+        return body, "the request body must be a JSON object of input names to values"
     parameters = payload.get("parameters", {})
     if not isinstance(parameters, dict):
-        return '"parameters" must be a JSON object'
+        return body, '"parameters" must be a JSON object'
     if reserved := [k for k in parameters if str(k).lower().startswith(RESERVED_PARAMETER_PREFIX)]:
-        return f"the parameter {reserved[0]!r} is the server's own; leave it out"
+        return body, f"the parameter {reserved[0]!r} is the server's own; leave it out"
     for name, value in payload.items():
         if (problem := _value_problem(name, value)) is not None:
-            return problem
-    return None
+            return body, problem
+    payload["parameters"] = {**parameters, parameter[0]: parameter[1]}
+    return json.dumps(payload).encode(), None
+
+
+def generate_body_limit(max_positions: int, batch: int) -> int:
+    """The most bytes a generate request's body needs: `batch` prompts of `max_positions` tokens,
+    as ids (at most 21 characters each) or as text (64 bytes a token: far more than a token's
+    characters, JSON-escaped), and 1 MiB for stop strings and options. A larger body cannot hold
+    a prompt the model takes, so the front refuses it unread instead of parsing it for seconds."""
+    return batch * max_positions * BYTES_PER_POSITION + 2**20
 
 
 def _value_problem(name: str, value: Any) -> str | None:
+    if name in SCALARS and isinstance(value, list) and len(value) == 1:
+        value = value[0]  # Triton takes a one-element array for a one-value input
     if name in ("text_input", "stop"):
         strings = value if name == "stop" and isinstance(value, list) else [value]
         if not all(isinstance(s, str) for s in strings):
@@ -63,17 +80,16 @@ def _value_problem(name: str, value: Any) -> str | None:
         return f"{name} must be an integer in int64's range, got {shown(value)}"
     if name in _FLOATS and (not isinstance(value, (int, float)) or isinstance(value, bool)
                             or not math.isfinite(value) or abs(value) > 3.4e38):
-        return f"{name} must be a finite number, got {shown(value)}"
+        return f"{name} must be a number within float32's range, got {shown(value)}"
     return None
 
 
 def _ids_problem(value: Any) -> str | None:
-    rows = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
-    if not all(isinstance(row, list) for row in rows):
-        return "input_ids must be a list of token ids (or a list of one such list)"
-    if len({len(row) for row in rows}) > 1:
-        return "input_ids rows have different lengths"
-    bad = [v for row in rows for v in row if not _is_int64(v)]
+    if not isinstance(value, list):
+        return "input_ids must be a list of token ids"
+    if any(isinstance(v, list) for v in value):
+        return "input_ids must be a flat list of token ids: the generate endpoint takes one sequence"
+    bad = [v for v in value if not _is_int64(v)]
     return f"input_ids must hold integer token ids, got {shown(bad[0])}" if bad else None
 
 

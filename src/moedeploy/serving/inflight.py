@@ -154,7 +154,7 @@ class InflightScheduler:
                 raise Unavailable("the server is shutting down; retry on another replica")
             free_rows = max(0, self.slots - len(self._rows) - len(self._joining))
             if len(self._waiting) >= self.max_queued + free_rows:
-                raise Unavailable(f"the server is busy: {len(self._rows)} sequences running and "
+                raise Unavailable(f"the server is busy: {len(self._rows) + len(self._joining)} sequences running and "
                                   f"{len(self._waiting)} waiting (the limits); retry later")
             self._waiting.append(sequence)
             self._cond.notify()

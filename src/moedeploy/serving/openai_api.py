@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
-from moedeploy.serving.front import LoopServer
+from moedeploy.serving.front import RETRY_AFTER, LoopServer
 from moedeploy.serving.generate_body import INT64, error_message, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -86,8 +86,9 @@ def _number(body: dict, name: str, kind: type, default: Any = None, low: float |
         return default
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise ApiError(f"{name} must be an integer, got {shown(value)}", name)
-    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
-        raise ApiError(f"{name} must be a finite number, got {shown(value)}", name)
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                          or abs(value) > 3.4e38):
+        raise ApiError(f"{name} must be a number within float32's range, got {shown(value)}", name)
     if low is not None and value < low:
         raise ApiError(f"{name} must be >= {low}, got {shown(value)}", name)
     if kind is int and not INT64[0] <= value <= INT64[1]:
@@ -249,7 +250,7 @@ class OpenAIFront(LoopServer):
                 finish = finish_reason or finish
             return web.json_response(self._whole(generation, "".join(pieces), tokens, finish))
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(e.body(), status=e.status, headers=RETRY_AFTER if e.status == 503 else None)
 
     async def _tokens(self, generation: Generation) -> AsyncIterator[tuple[str, str | None, int]]:
         """(text, finish_reason or None, tokens) per response of Triton's generate_stream: the

@@ -59,6 +59,7 @@ from moedeploy.serving import stub_guard, triton_output
 from moedeploy.serving.batching import LOGGER, BatchedModel, PerRequest, first_line
 from moedeploy.serving.decoder import DecoderShape, GenerationModel, RunnerDecoder, logits_prepare
 from moedeploy.serving.front import TRITON_FORWARD_PATTERN, CancelledRequests, GrpcFront, HttpFront
+from moedeploy.serving.generate_body import generate_body_limit
 from moedeploy.serving.inflight import InflightScheduler
 from moedeploy.serving.metrics import GenerationMetrics, MetricsFront
 from moedeploy.serving.openai_api import OpenAIFront, served_models_of
@@ -526,9 +527,11 @@ class ModelServer:
         """The user's HTTP and gRPC ports, once Triton is ready (so they too open only then)."""
         o = self.options
         max_bytes = int(o.max_request_mb * 2**20)
-        generation = [spec.name for _, spec in self.specs if spec.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX))]
+        generation = {spec.name: generate_body_limit(int(artifact.manifest["config"]["max_positions"]),
+                                                     max(1, spec.max_batch_size))
+                      for artifact, spec in self.specs if spec.name.endswith((GENERATE_SUFFIX, STREAM_SUFFIX))}
         self._fronts.append(HttpFront(o.host, o.http_port, f"http://{self.triton_http_url}", max_bytes, generation,
-                                      self.cancelled))
+                                      self.cancelled, generation))
         self._fronts[-1].start()
         self._fronts.append(GrpcFront(o.host, o.grpc_port, self.triton_grpc_url, max_bytes))
         self._fronts[-1].start()
