@@ -250,6 +250,21 @@ def test_long_paths_do_not_wrap_progress_lines(tmp_path: Path) -> None:
     assert len(error_lines(result.stderr)) == 1, result.stderr
 
 
+def test_a_bug_of_ours_is_one_line_without_debug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import moedeploy.export as export_module
+    from moedeploy.cli import app
+
+    def broken(*args, **kwargs):
+        raise KeyError("nosuch")
+
+    monkeypatch.setattr(export_module, "export", broken)
+    result = CliRunner().invoke(app, ["export", "rmsnorm", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "internal error, KeyError: 'nosuch' (a bug in moedeploy: rerun with --debug" in " ".join(result.output.split())
+
+
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = run_cli(["--debug", "export", "nosuch", "--out", "out"], tmp_path)
     assert result.returncode != 0

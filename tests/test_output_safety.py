@@ -128,6 +128,20 @@ def test_export_keeps_what_the_user_put_in_an_old_artifact(rmsnorm_artifact: Pat
     assert json.loads((out / "manifest.json").read_text())["seed"] == 7
 
 
+def test_a_file_of_the_users_inside_an_artifacts_own_folders_is_kept_too(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, out)
+    (out / "golden" / "mynote.txt").write_text("the user's note")
+    with pytest.raises(OutputRefused, match=r"it also holds golden/mynote\.txt, which moedeploy did not write"):
+        export("rmsnorm", out, seed=7)
+    assert (out / "golden" / "mynote.txt").read_text() == "the user's note"
+    # a manifest whose files list is damaged: moedeploy cannot tell its files from the user's
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "files": list(manifest["files"])}))
+    with pytest.raises(OutputRefused, match=r"manifest\.json is damaged .* cannot tell its own files from yours"):
+        export("rmsnorm", out, seed=7)
+
+
 def test_the_folders_moedeploy_writes_into_an_artifact_are_the_ones_its_commands_use() -> None:
     from moedeploy.compare.api import REPORT_DIR
     from moedeploy.export.artifact import DERIVED_DIRS

@@ -118,8 +118,14 @@ def handle_errors(fn: F) -> F:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
         except Exception as e:
-            if _state["debug"] or not isinstance(e, _user_errors()):
+            if _state["debug"]:
                 raise
+            if not isinstance(e, _user_errors()):  # a bug of ours: one line that says so, the traceback on request
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                err.print(f"[bold red]error:[/bold red] internal error, {type(e).__name__}: {escape(first)} (a bug in "
+                          "moedeploy: rerun with --debug for the traceback and report it)", highlight=False,
+                          soft_wrap=True)
+                raise typer.Exit(1) from None
             message = str(e) if not isinstance(e, OSError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
             err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
@@ -396,7 +402,7 @@ def _quantization_thresholds(max_kl_mean: float | None, min_top1: float | None) 
         raise ValueError("--max-kl-mean must be a number >= 0")
     if min_top1 is not None and not 0 <= min_top1 <= 1:
         raise ValueError("--min-top1 is a fraction of positions: choose a value from 0 to 1")
-    given = {"kl_mean": max_kl_mean, "top1": min_top1}
+    given = {"kl_mean": None if max_kl_mean is None else max_kl_mean + 0.0, "top1": min_top1}  # -0 reads as 0
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -658,7 +664,7 @@ def bench_cmd(
                   f"timed runs (GB/s: {measured})", highlight=False)
         of_quantized = " (a quantized row: of its export's weights)" if quantized else ""
         out.print(f"own MB: a backend's peak RSS above its worker's baseline before loading (Python, torch: "
-                  f"{min(baselines):.0f} MB), and that as a multiple of the weights' {roof['weight_bytes'] / 2**20:.0f} MB"
+                  f"{min(baselines):.0f} MB), and that as a multiple of the weights' {size_text(roof['weight_bytes'])}"
                   f"{of_quantized}", highlight=False)
     for line in spread_lines(report):
         out.print(escape(line), highlight=False)

@@ -29,7 +29,7 @@ from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
-from moedeploy.utils.io import atomic_write_json
+from moedeploy.utils.io import OutputRefused, atomic_write_json
 
 __all__ = ["BACKENDS", "bench", "cache_dir"]
 Progress = Callable[[str], None]
@@ -98,7 +98,7 @@ def config_of(artifact: Artifact) -> DecoderConfig:
 def export_preset(name: str, progress: Progress) -> Artifact:
     folder = preset_folder(name)
     progress(f"exporting the {name!r} decoder once into the cache {folder} (MOEDEPLOY_CACHE moves it)")
-    return export("decoder", folder, preset_name=name)
+    return cache_export(folder, preset_name=name)
 
 
 def check_sizes(batch: int, prompt_len: int, new_tokens: int, threads: int, repeat: int) -> None:
@@ -239,6 +239,17 @@ def parse_variants(quantize: list[str] | None, block_size: int, backends: list[s
     return schemes
 
 
+def cache_export(folder: Path, **options: Any) -> Artifact:
+    """`export("decoder", folder, ...)` into bench's cache, whose refusal to replace a folder
+    holding the user's files gives bench's advice (bench has no --out or --force)."""
+    try:
+        return export("decoder", folder, **options)
+    except OutputRefused as e:
+        what = str(e).split(";")[0]  # what is in the way, without export's advice (--out, --force)
+        raise OutputRefused(f"{what}; it is where bench caches this export: move what is yours out of it, or set "
+                            "MOEDEPLOY_CACHE to another folder") from None
+
+
 def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress: Progress) -> Artifact:
     """The quantized export of the preset or checkpoint whose fp32 export is `fp32`, cached beside
     it and reused only while it records this scheme and the same weights fingerprint. A stale
@@ -265,7 +276,7 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
     progress(f"exporting {target} as {scheme.name} (blocks of {scheme.block_size}, the LM head's by export's default) "
              f"into the cache {folder}")
     source = {"checkpoint": target} if is_checkpoint(target) else {"preset_name": target}
-    artifact = export("decoder", folder, **source, quantization=scheme, progress=progress)
+    artifact = cache_export(folder, **source, quantization=scheme, progress=progress)
     if artifact.manifest["config"]["source"].get("weights_sha256") != weights_sha256:
         raise ValueError(f"the weights of {target} changed while they were being exported; run bench again")
     return artifact

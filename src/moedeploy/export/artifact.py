@@ -201,12 +201,12 @@ def _quantization_problems(q: Any) -> Problems:
     for key, ok, what in [("bits", lambda v: v in (4, 8) and _is_int(v), "4 or 8"),
                           ("block_size", lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"),
                           ("symmetric", lambda v: isinstance(v, bool), "true or false"),
-                          ("mixed", lambda v: isinstance(v, bool), "true or false"),
+                          ("mixed", lambda v: isinstance(v, bool) or v is None, "true or false"),
                           ("tensors", lambda v: isinstance(v, dict) and v, "an object of tensor names to bits")]:
         if not ok(q.get(key)):
             yield f"quantization.{key} is {_shown(q, key)}, not {what}"
             return
-    if q["mixed"] and q["bits"] != 4:
+    if q.get("mixed") and q["bits"] != 4:
         yield "quantization.mixed is true, but only int4 exports are mixed"
     for name, bits in q["tensors"].items():
         if bits not in (4, 8) or not _is_int(bits):
@@ -220,6 +220,36 @@ def _quantization_problems(q: Any) -> Problems:
             yield f"quantization.block_sizes names {name!r}, which quantization.tensors does not list"
         elif not _is_int(block) or block < 16 or block & (block - 1):
             yield f"quantization.block_sizes[{name!r}] is {block!r}, not a power of two >= 16"
+
+
+#: DequantizeLinear codes' ONNX type -> (bits, symmetric: signed codes, no zero point)
+CODE_FORMATS = {onnx.TensorProto.INT8: (8, True), onnx.TensorProto.UINT8: (8, False),
+                onnx.TensorProto.INT4: (4, True), onnx.TensorProto.UINT4: (4, False)}
+
+
+def graph_formats(model: onnx.ModelProto) -> set[tuple[int, int, bool]]:
+    """The (bits, block size, symmetric) formats a graph's DequantizeLinear nodes read their
+    weight codes in (only quantized exports have any)."""
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    formats = set()
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input and types.get(node.input[0]) in CODE_FORMATS:
+            block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+            formats.add((*CODE_FORMATS[types[node.input[0]]], block))
+    return {(bits, block, symmetric) for bits, symmetric, block in formats}
+
+
+def manifest_formats_listed(q: dict | None) -> set[tuple[int, int, bool]]:
+    """The (bits, block size, symmetric) formats a (schema-checked) quantization section lists."""
+    if not q:
+        return set()
+    blocks = q.get("block_sizes") or {}
+    return {(bits, blocks.get(name, q["block_size"]), q["symmetric"]) for name, bits in q["tensors"].items()}
+
+
+def _formats_text(formats: set[tuple[int, int, bool]]) -> str:
+    return ", ".join(f"int{b} in blocks of {k}{'' if sym else ' (asymmetric)'}" for b, k, sym in sorted(formats)) \
+        or "no quantized weight"
 
 
 def section_digest(section: Any) -> str:
@@ -474,8 +504,13 @@ class Artifact:
         if problem := next(_external_data_problems(model, self.manifest["files"]), None):
             raise ArtifactError(f"{self.path}: {problem}; re-export the artifact")
         digest = {p.key: p.value for p in model.metadata_props}.get(QUANTIZATION_DIGEST_KEY)
-        if digest is not None and ("quantization" not in self.manifest
-                                   or section_digest(self.manifest["quantization"]) != digest):
+        if digest is None:  # a float artifact, or a quantized one from before the digest: its formats against the graph's
+            stored, listed = graph_formats(model), manifest_formats_listed(self.manifest.get("quantization"))
+            if stored != listed:
+                said = f"lists {_formats_text(listed)}" if listed else "has no quantization section"
+                raise ArtifactError(f"{self.path}: {MANIFEST} {said}, but {MODEL_FILE} stores {_formats_text(stored)} "
+                                    "(the manifest was edited); re-export the artifact")
+        elif ("quantization" not in self.manifest or section_digest(self.manifest["quantization"]) != digest):
             what = "lost the quantization section" if "quantization" not in self.manifest else \
                 "holds a quantization section other than the one"
             raise ArtifactError(f"{self.path}: {MANIFEST} {what} {MODEL_FILE} was exported with (the manifest was "

@@ -190,17 +190,28 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
     the folders moedeploy's commands write into an artifact (DERIVED_DIRS). Replacing the
     artifact would delete them, so an export refuses to."""
     files = manifest.get("files")
-    ours = {MANIFEST, *DERIVED_DIRS, *(PurePosixPath(rel).parts[0] for rel in files if isinstance(rel, str)
-                                        and PurePosixPath(rel).parts)} if isinstance(files, dict) else {MANIFEST}
+    listed = {rel for rel in files if isinstance(rel, str) and PurePosixPath(rel).parts} if isinstance(files, dict) else set()
+    folders = {PurePosixPath(rel).parts[0] for rel in listed if len(PurePosixPath(rel).parts) > 1}
+    ours = {MANIFEST, *DERIVED_DIRS, *(PurePosixPath(rel).parts[0] for rel in listed)}
+    foreign = []
     try:
-        return sorted(entry.name for entry in Path(path).iterdir() if entry.name not in ours)
+        for entry in sorted(Path(path).iterdir()):
+            if entry.name not in ours:
+                foreign.append(entry.name)
+            elif entry.name in folders and entry.is_dir() and not entry.is_symlink():  # golden/, tokenizer/: file by file
+                foreign += [rel for f in sorted(entry.rglob("*")) if f.is_file() and
+                            (rel := f.relative_to(path).as_posix()) not in listed]
     except OSError:
         return []
+    return foreign
 
 
 def check_artifact_out(out: str | Path, force: bool) -> None:
     """`check_replaceable` for an export's --out, naming what in an old artifact is the user's."""
     manifest = _artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
+    if manifest is not None and not force and not isinstance(manifest.get("files"), dict):
+        raise OutputRefused(f"{out} holds an artifact whose manifest.json is damaged (its files list), so moedeploy "
+                            "cannot tell its own files from yours; choose another --out, or pass --force to replace it")
     if manifest is not None and not force and (foreign := foreign_entries(Path(out), manifest)):
         names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise OutputRefused(f"{out} is an artifact, but it also holds {names}, which moedeploy did not write and a "

@@ -167,21 +167,26 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
     counts = {"linear": 0, "experts": 0}
     formats: dict[str, QuantScheme] = {}
     first = next(iter(graph))
+    targets = []  # (initializer, how, names, layout, shape) of every weight to quantize
     for name, (how, names) in list(recipes.items()):
         value = graph.initializers[name]
         layout = quantized_target(how, names, source, value)
-        if layout is None:
-            continue
-        shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
+        if layout is not None:
+            shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
+            targets.append((name, how, names, layout, shape))
+    for name, how, names, layout, shape in targets:
+        value = graph.initializers[name]
         tensor_scheme = scheme_for(names[0], scheme, mixed, shape[-1], head_block_size)
         codes_type = CODE_TYPES[(tensor_scheme.bits, tensor_scheme.signed)]
         formats.update(dict.fromkeys(names, tensor_scheme))
         if shape[-1] % tensor_scheme.block_size:
-            flag = "--head-block-size" if names[0].endswith(LM_HEAD) and head_block_size is not None else "--block-size"
-            fits = [b for b in (16, 32, 64, 128, 256, 512) if shape[-1] % b == 0]
-            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides it"
-            raise QuantizeError(f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of {flag} "
-                                f"{tensor_scheme.block_size}; {advice}")
+            head = names[0].endswith(LM_HEAD) and head_block_size is not None
+            # the sizes that divide every weight the flag sets, so the advice works for the next one too
+            dims = {t[4][-1] for t in targets if t[2][0].endswith(LM_HEAD) == head or not head_block_size}
+            fits = [b for b in (16, 32, 64, 128, 256, 512) if all(d % b == 0 for d in dims)]
+            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them all"
+            raise QuantizeError(f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of "
+                                f"{'--head-block-size' if head else '--block-size'} {tensor_scheme.block_size}; {advice}")
         blocks = [*shape[:-1], shape[-1] // tensor_scheme.block_size]
         parts = []
         layout_parts = [("codes", codes_type, shape), ("scale", value.dtype, blocks)]
