@@ -174,8 +174,11 @@ def test_all_writes_only_into_a_new_empty_or_earlier_run_folder(rmsnorm_artifact
     (interrupted / "summary.json").write_text(json.dumps({"results": [], "versions": {}}))
     (interrupted / "index.html").write_text("<html></html>")
     check_run_folder(interrupted)
+    (interrupted / "rmsnorm" / "golden" / "mine.json").write_text("{}")
+    with pytest.raises(OutputRefused, match=r"already holds rmsnorm/golden/mine\.json, which `moedeploy all` did not"):
+        check_run_folder(interrupted)
     (interrupted / "notes.txt").write_text("mine")
-    with pytest.raises(OutputRefused):
+    with pytest.raises(OutputRefused, match=r"already holds notes\.txt, rmsnorm/golden/mine\.json, which"):
         check_run_folder(interrupted)
 
 

@@ -108,24 +108,30 @@ SUMMARY = "summary.json"
 INDEX = "index.html"
 
 
-def is_run_folder(path: Path) -> bool:
-    """A folder `run_all` wrote: only its summary, its index and artifacts (an interrupted run
-    has artifacts but no summary yet, and may be run again)."""
-    from moedeploy.export.exporter import is_artifact_folder
+def strangers_in_run_folder(path: Path) -> list[str]:
+    """What in `path` `run_all` did not write: anything besides its summary, its index and
+    artifacts (an interrupted run has artifacts but no summary yet, and may be run again), and
+    inside an artifact anything it did not write (export.exporter.foreign_entries)."""
+    from moedeploy.export.exporter import artifact_manifest, foreign_entries
 
-    for entry in path.iterdir():
+    strangers = []
+    for entry in sorted(path.iterdir()):
         if entry.name == SUMMARY:
             try:
                 summary = json.loads(entry.read_text())
             except (OSError, ValueError):
-                return False
+                summary = None
             if not (isinstance(summary, dict) and isinstance(summary.get("results"), list)):
-                return False
+                strangers.append(entry.name)
         elif entry.name == INDEX or entry.name.startswith("."):  # index.html, temp files of our writes
             continue
-        elif not (entry.is_dir() and not entry.is_symlink() and is_artifact_folder(entry)):
-            return False
-    return True
+        elif not entry.is_dir() or entry.is_symlink() or (manifest := artifact_manifest(entry)) is None:
+            strangers.append(entry.name)
+        elif not isinstance(manifest.get("files"), dict):
+            strangers.append(f"{entry.name}/manifest.json (damaged)")
+        else:
+            strangers += [f"{entry.name}/{name}" for name in foreign_entries(entry, manifest)]
+    return strangers
 
 
 def check_run_folder(out: Path, force: bool = False) -> None:
@@ -134,9 +140,10 @@ def check_run_folder(out: Path, force: bool = False) -> None:
         return
     if not out.is_dir():
         raise OutputRefused(f"output path {out} exists and is not a folder; choose another --out")
-    if any(out.iterdir()) and not is_run_folder(out):
+    if strangers := strangers_in_run_folder(out):
+        names = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
         raise OutputRefused(
-            f"{out} already holds files that `moedeploy all` did not write; choose another --out, "
+            f"{out} already holds {names}, which `moedeploy all` did not write; choose another --out, "
             "or pass --force to write the artifacts into it (folders named like a target are replaced)"
         )
 

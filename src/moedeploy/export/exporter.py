@@ -172,11 +172,12 @@ def is_artifact_folder(path: Path) -> bool:
     """Whether `path` is an artifact moedeploy wrote (its manifest names a schema and a kind) and
     holds nothing else (`foreign_entries`), so export may replace it. Anything else in the way
     is the user's, and is refused."""
-    manifest = _artifact_manifest(path)
+    manifest = artifact_manifest(path)
     return manifest is not None and not foreign_entries(path, manifest)
 
 
-def _artifact_manifest(path: Path) -> dict | None:
+def artifact_manifest(path: Path) -> dict | None:
+    """The manifest of a folder moedeploy wrote as an artifact (a schema and a kind), else None."""
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -208,7 +209,7 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
 
 def check_artifact_out(out: str | Path, force: bool) -> None:
     """`check_replaceable` for an export's --out, naming what in an old artifact is the user's."""
-    manifest = _artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
+    manifest = artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
     if manifest is not None and not force and not isinstance(manifest.get("files"), dict):
         raise OutputRefused(f"{out} holds an artifact whose manifest.json is damaged (its files list), so moedeploy "
                             "cannot tell its own files from yours; choose another --out, or pass --force to replace it")
