@@ -177,3 +177,8 @@ def test_error_answers_read_as_one_line_and_busy_is_503() -> None:
     assert error_status(400, "prompt (3 tokens) + max_tokens (9) exceeds max_positions 8") == 400
     assert error_status(400, "the server is shutting down; retry on another replica") == 503
     assert error_message(b"plain words\nsecond") == "plain words"
+
+
+def test_only_empty_stop_strings_hold_nothing_back() -> None:
+    matcher = StopStrings(["", ""])
+    assert (matcher.push("abc"), matcher.flush(), matcher.stopped) == ("abc", "", False)

@@ -18,7 +18,7 @@ from moedeploy.export.exporter import library_versions
 from moedeploy.runtime.ort import SessionError
 from moedeploy.runtime.runners import DECODER_ONLY
 from moedeploy.runtime.tensorrt import tensorrt_available
-from moedeploy.utils.io import OutputRefused, atomic_write_json, atomic_write_text
+from moedeploy.utils.io import OutputRefused, atomic_write_json, atomic_write_text, few_names
 
 Progress = Callable[[str], None]
 
@@ -141,9 +141,8 @@ def check_run_folder(out: Path, force: bool = False) -> None:
     if not out.is_dir():
         raise OutputRefused(f"output path {out} exists and is not a folder; choose another --out")
     if strangers := strangers_in_run_folder(out):
-        names = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
         raise OutputRefused(
-            f"{out} already holds {names}, which `moedeploy all` did not write; choose another --out, "
+            f"{out} already holds {few_names(strangers)}, which `moedeploy all` did not write; choose another --out, "
             "or pass --force to write the artifacts into it (folders named like a target are replaced)"
         )
 

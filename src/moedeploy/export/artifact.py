@@ -234,9 +234,9 @@ def graph_formats(model: onnx.ModelProto) -> set[tuple[int, int, bool]]:
     formats = set()
     for node in model.graph.node:
         if node.op_type == "DequantizeLinear" and node.input and types.get(node.input[0]) in CODE_FORMATS:
-            block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-            formats.add((*CODE_FORMATS[types[node.input[0]]], block))
-    return {(bits, block, symmetric) for bits, symmetric, block in formats}
+            bits, symmetric = CODE_FORMATS[types[node.input[0]]]
+            formats.add((bits, next((a.i for a in node.attribute if a.name == "block_size"), 0), symmetric))
+    return formats
 
 
 def manifest_formats_listed(q: dict | None) -> set[tuple[int, int, bool]]:

@@ -77,6 +77,7 @@ from moedeploy.utils.io import (
     atomic_directory,
     atomic_write_json,
     check_replaceable,
+    few_names,
     require_free_space,
 )
 from moedeploy.utils.progress import size_text
@@ -210,13 +211,15 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
 def check_artifact_out(out: str | Path, force: bool) -> None:
     """`check_replaceable` for an export's --out, naming what in an old artifact is the user's."""
     manifest = artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
-    if manifest is not None and not force and not isinstance(manifest.get("files"), dict):
-        raise OutputRefused(f"{out} holds an artifact whose manifest.json is damaged (its files list), so moedeploy "
-                            "cannot tell its own files from yours; choose another --out, or pass --force to replace it")
-    if manifest is not None and not force and (foreign := foreign_entries(Path(out), manifest)):
-        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise OutputRefused(f"{out} is an artifact, but it also holds {names}, which moedeploy did not write and a "
-                            "new export would delete; move it out, choose another --out, or pass --force")
+    if manifest is not None and not force:
+        if not isinstance(manifest.get("files"), dict):
+            raise OutputRefused(f"{out} holds an artifact whose manifest.json is damaged (its files list), so "
+                                "moedeploy cannot tell its own files from yours; choose another --out, or pass "
+                                "--force to replace it")
+        if foreign := foreign_entries(Path(out), manifest):
+            raise OutputRefused(f"{out} is an artifact, but it also holds {few_names(foreign)}, which moedeploy did "
+                                "not write and a new export would delete; move it out, choose another --out, or "
+                                "pass --force")
     check_replaceable(out, is_artifact_folder, force)
 
 

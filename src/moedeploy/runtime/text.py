@@ -94,8 +94,9 @@ class TextCodec:
         `max_tokens`: a text certainly longer is refused (TextError) after encoding only a part of
         it: its first PREFIX_CHARS_PER_TOKEN * max_tokens characters, then 4 times as many, and
         so on, so a megabyte prompt costs about what a prompt of the model's length does (a
-        part's ids are the text's first ids, give or take its last word). Encoding goes through `encode_batch`, which lets other Python threads run
-        (`encode` holds the GIL), so a server can encode on a worker thread without stalling."""
+        part's ids are the text's first ids, give or take its last word). Encoding goes through
+        `encode_batch`, which lets other Python threads run (`encode` holds the GIL), so a server
+        can encode on a worker thread without stalling."""
         if not isinstance(text, str):
             raise TextError(f"a prompt must be a string, not {type(text).__name__}")
         check_unicode(text, "the prompt")
@@ -258,7 +259,7 @@ class StopStrings:
             self.stopped, self.held = True, ""
             return text[:min(hits)]
         # hold back the longest tail that is a proper prefix of some stop string
-        keep = max(m.feed(piece) for m in self._matchers)
+        keep = max((m.feed(piece) for m in self._matchers), default=0)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 

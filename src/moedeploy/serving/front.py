@@ -17,8 +17,8 @@ last token.
   request's body is checked first (serving.generate_body: what Triton's own parser would answer
   500 gets 400), and its refusal before the first token comes back as one JSON line, 503 when
   the server is busy. Every other status, header and body passes through unchanged. An
-  inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton forwards to the model as a request parameter
-  (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
+  inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton
+  forwards to the model as a request parameter (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
   the id goes into the JSON body's "parameters" instead); when its client disconnects before
   the answer (or, streaming, before the last token), the id is marked in `CancelledRequests`,
   which the generation loop (running in this same process, as PyTriton's callables do) checks
@@ -253,12 +253,12 @@ class HttpFront(LoopServer):
             # the request's JSON "parameters" instead, so that body is read whole (up to the limit)
             generate = request_id is not None and infer[2] != "infer"
             if generate or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
-                body = await self._whole_body(request, min(self.max_bytes, limit or self.max_bytes))
+                cap = min(self.max_bytes, limit or self.max_bytes)
+                body = await self._whole_body(request, cap)
                 if body is None:
-                    return self._refusal(413, too_big_message(min(self.max_bytes, limit or self.max_bytes), None))
+                    return self._refusal(413, too_big_message(cap, None))
                 if generate:
-                    body, problem = checked_generate_body(bytes(body), unquote(infer[1]), infer[2],
-                                                          (REQUEST_ID_HEADER, request_id))
+                    body, problem = checked_generate_body(bytes(body), model, infer[2], (REQUEST_ID_HEADER, request_id))
                     if problem:
                         return self._refusal(400, problem)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]

@@ -22,6 +22,7 @@ UNAVAILABLE_PREFIXES = ("the server is busy", "the server is shutting down")
 #: request parameters only the server sets (a client's would steer cancellation or refusals)
 RESERVED_PARAMETER_PREFIX = "moedeploy"
 INT64 = (-(2**63), 2**63 - 1)
+FLOAT32_MAX = 3.4e38  # float32's largest finite value, near enough: the options' dtype
 #: body bytes a generate request may take per position of its prompt (generate_body_limit)
 BYTES_PER_POSITION = 64
 #: inputs holding one value, which Triton also takes as a one-element array
@@ -79,7 +80,7 @@ def _value_problem(name: str, value: Any) -> str | None:
     if name in _INTEGERS and not _is_int64(value):
         return f"{name} must be an integer in int64's range, got {shown(value)}"
     if name in _FLOATS and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                            or not math.isfinite(value) or abs(value) > 3.4e38):
+                            or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
         return f"{name} must be a number within float32's range, got {shown(value)}"
     return None
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
 from moedeploy.serving.front import RETRY_AFTER, LoopServer
-from moedeploy.serving.generate_body import INT64, error_message, shown
+from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_STOP_CHARS,
@@ -87,7 +87,7 @@ def _number(body: dict, name: str, kind: type, default: Any = None, low: float |
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise ApiError(f"{name} must be an integer, got {shown(value)}", name)
     if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                          or abs(value) > 3.4e38):
+                          or abs(value) > FLOAT32_MAX):
         raise ApiError(f"{name} must be a number within float32's range, got {shown(value)}", name)
     if low is not None and value < low:
         raise ApiError(f"{name} must be >= {low}, got {shown(value)}", name)
@@ -105,12 +105,24 @@ def _unsupported(body: dict) -> str | None:
     return None
 
 
-def _checked_text(text: str, field: str) -> str:
+def _checked_text(text: str, field: str) -> None:
     try:
         check_unicode(text, field)
     except TextError as e:
         raise ApiError(str(e), field) from None
-    return text
+
+
+def served_model(name: str, models: dict[str, ServedModel]) -> ServedModel:
+    """The model a request names, or OpenAI's 404 `model_not_found`."""
+    if name not in models:
+        raise ApiError(f"the model {name!r} does not exist; served: {', '.join(models)}", "model", 404,
+                       "model_not_found")
+    return models[name]
+
+
+def model_object(model: ServedModel) -> dict[str, Any]:
+    """A model as /v1/models lists it."""
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "moedeploy"}
 
 
 def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Generation:
@@ -120,10 +132,7 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     name = body.get("model")
     if not isinstance(name, str):
         raise ApiError("model is required: one of " + ", ".join(models), "model")
-    if name not in models:
-        raise ApiError(f"the model {name!r} does not exist; served: {', '.join(models)}", "model", 404,
-                       "model_not_found")
-    model = models[name]
+    model = served_model(name, models)
     for field in ("n", "best_of"):
         if (value := _number(body, field, int)) is not None and value != 1:
             raise ApiError(f"{field} must be 1: this server makes one choice per request", field)
@@ -197,7 +206,7 @@ class OpenAIFront(LoopServer):
         from aiohttp import web
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        app = web.Application(client_max_size=self.max_bytes, middlewares=[_openai_errors_middleware()])
+        app = web.Application(client_max_size=self.max_bytes, middlewares=[_openai_errors_middleware(self.max_bytes)])
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
@@ -210,20 +219,16 @@ class OpenAIFront(LoopServer):
     async def _list_models(self, request):
         from aiohttp import web
 
-        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "moedeploy"}
-                for m in self.models.values()]
+        data = [model_object(m) for m in self.models.values()]
         return web.json_response({"object": "list", "data": data})
 
     async def _model(self, request):
         from aiohttp import web
 
-        name = request.match_info["model"]
-        if name not in self.models:
-            error = ApiError(f"the model {name!r} does not exist; served: {', '.join(self.models)}", "model", 404,
-                             "model_not_found")
-            return web.json_response(error.body(), status=404)
-        m = self.models[name]
-        return web.json_response({"id": m.name, "object": "model", "created": m.created, "owned_by": "moedeploy"})
+        try:
+            return web.json_response(model_object(served_model(request.match_info["model"], self.models)))
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
 
     async def _completions(self, request):
         return await self._generate(request, chat=False)
@@ -330,7 +335,7 @@ class OpenAIFront(LoopServer):
         return response
 
 
-def _openai_errors_middleware():
+def _openai_errors_middleware(max_bytes: int):
     from aiohttp import web
 
     @web.middleware
@@ -344,7 +349,7 @@ def _openai_errors_middleware():
                 raise
             message = {404: f"no such endpoint: {request.method} {request.path}",
                        405: f"{request.path} does not take {request.method}",
-                       413: f"the request body is over this server's limit of {request.app._client_max_size:,} bytes "
+                       413: f"the request body is over this server's limit of {max_bytes:,} bytes "
                             "(moedeploy serve --max-request-mb)"}.get(e.status, e.text or e.reason)
             return web.json_response(ApiError(message, status=e.status).body(), status=e.status)
 

@@ -268,8 +268,9 @@ class StreamModel(InFlight):
             if problem := request_problem(request, []):
                 raise RequestError(problem)
             feed = {name: np.asarray(array) for name, array in request.items()}
-            # on a worker thread: a long text's encoding must not hold up the other streams' tokens
-            ids = await asyncio.to_thread(prompt_ids, feed, self.shape, self.codec)
+            # a text on a worker thread: a long one's encoding must not hold up the other streams' tokens
+            ids = (await asyncio.to_thread(prompt_ids, feed, self.shape, self.codec) if STREAM_TEXT_INPUT in feed
+                   else prompt_ids(feed, self.shape, self.codec))
             new = max_tokens_of(feed, ids.shape[1], self.shape)
             sampling = sampling_of(feed)
             stops = stop_strings_of(feed, self.codec)

@@ -98,6 +98,11 @@ def atomic_directory(
         raise
 
 
+def few_names(names: list[str], shown: int = 3) -> str:
+    """"a, b, c and 4 more": what an error names of a longer list."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class OutputRefused(ValueError):
     """An output path moedeploy will not replace: it holds something moedeploy did not write."""
 
