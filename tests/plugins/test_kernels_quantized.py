@@ -14,7 +14,7 @@ if importlib.util.find_spec("triton") is None:  # not importorskip: see tests/co
 
 from moedeploy.export.quantize import dequantized
 from moedeploy.models.blockquant import PackedWeight, QuantScheme
-from moedeploy.plugins.kernels import moe
+from moedeploy.plugins.kernels import TileConfig, moe
 from moedeploy.plugins.kernels.moe_fused import moe_fused
 from moedeploy.plugins.moe import ExpertActivation, Routing, moe_reference
 
@@ -39,7 +39,9 @@ def _quantized(stacks: list[torch.Tensor], scheme: QuantScheme, dtype: torch.dty
     return packed, [dequantized(w.to(dtype), scheme) for w in stacks]
 
 
-SCHEMES = [(8, True, 32), (4, True, 32), (8, False, 16), (4, False, 16)]
+# the grouped kernel multiplies int8 codes in tl.dot (dequant.codes_chunk) and dequantizes
+# int4 tiles; uint4 in blocks of 32 too (zero points packed across rows, a tile of two blocks)
+SCHEMES = [(8, True, 32), (4, True, 32), (8, False, 16), (4, False, 16), (4, False, 32)]
 SHAPES = [(1, 2, 1, 4, 2), (5, 3, 2, 3, 2)]  # n, H and I in blocks, e, k
 # block 128 spans two of the grouped kernels' 64-wide K tiles (one scale per column per tile):
 # the small shape only, the interpreter is slow on the large one
@@ -90,15 +92,18 @@ def test_quantized_experts_with_biases_routing_and_activations(run: str, activat
 
 
 @pytest.mark.parametrize("run", list(RUNS))
-@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 16, True), QuantScheme(8, 16, False), QuantScheme(4, 16, False)],
-                         ids=["float", "int4", "uint8", "uint4"])
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, 16, True), QuantScheme(8, 16, False), QuantScheme(4, 16, False),
+                                    QuantScheme(4, 32, True), QuantScheme(4, 32, False)],
+                         ids=["float", "int4", "uint8", "uint4", "int4-32", "uint4-32"])
 def test_interleaved_gate_up_stack_reads_gate_from_even_rows_and_up_from_odd(run: str, scheme: QuantScheme | None) -> None:
     """A streamed export stores gate and up as one (E, 2I, H) stack, rows alternating gate, up
     (moe::MoENBits takes it as it is): `interleaved=True` gives the experts of the separate
     stacks, with biases and gpt-oss's clamped SwiGLU. Zero points of the fused stack are
-    indexed by its own rows: H = 48 is 3 blocks a row, so 4-bit zero points share bytes across rows."""
-    x, logits, (w_gate, w_up, w_down), biases = _case(3, 48, 32, 4, seed=11, bias=True)
-    fused = torch.stack([w_gate, w_up], dim=2).reshape(4, 64, 48)  # (E, I, 2, H): row 2r gate, 2r + 1 up
+    indexed by its own rows: H is 3 blocks a row, so 4-bit zero points share bytes across rows."""
+    block = 16 if scheme is None else scheme.block_size
+    h = 3 * block
+    x, logits, (w_gate, w_up, w_down), biases = _case(3, h, 32, 4, seed=11, bias=True)
+    fused = torch.stack([w_gate, w_up], dim=2).reshape(4, 64, h)  # (E, I, 2, H): row 2r gate, 2r + 1 up
     act = ExpertActivation("swiglu", 1.702, 1.0, 7.0)
     if scheme is None:
         weights, reference = [fused, w_down], [w_gate, w_up, w_down]
@@ -113,6 +118,29 @@ def test_interleaved_gate_up_stack_reads_gate_from_even_rows_and_up_from_odd(run
     with pytest.raises(ValueError, match="interleaved gate/up weights"):
         RUNS[run](dev[0], dev[1], None, weights[0].to(DEVICE), weights[1].to(DEVICE), 2, activation="relu",
                   interleaved=True)
+
+
+def test_codes_chunk_is_one_block_or_64_and_at_least_16_along_k_for_tl_dot() -> None:
+    """The K chunk the grouped kernel multiplies int8 codes by: inside one block, at most 64,
+    at least the 16 tl.dot needs; int4 is dequantized in tiles (0)."""
+    from moedeploy.plugins.kernels.dequant import codes_chunk
+
+    assert [codes_chunk(8, b) for b in (8, 16, 32, 64, 128, 256)] == [0, 16, 32, 64, 64, 64]
+    assert [codes_chunk(4, b) for b in (16, 32, 64)] == [0, 0, 0]
+    assert codes_chunk(0, 32) == 0 and codes_chunk(8, 48) == 0  # float weights; a block that is no power of two
+
+
+@pytest.mark.parametrize("codes_in_dot", [True, False])
+def test_int8_codes_in_dot_and_dequantized_tiles_agree_with_the_reference(codes_in_dot: bool) -> None:
+    """Both ways the grouped kernel takes int8 experts (TileConfig.codes_in_dot) against the eager
+    MoE on the dequantized weights, signed and unsigned, a block of 256 taken in 64-wide chunks."""
+    for symmetric, block in ((True, 256), (False, 32)):
+        x, logits, stacks, _ = _case(3, 256, 256, 4, seed=block)
+        packed, reference = _quantized(stacks, QuantScheme(8, block, symmetric), torch.float32)
+        expected = moe_reference(x, logits, *reference, 2, True)
+        actual = moe(x.to(DEVICE), logits.to(DEVICE), *packed, 2, True,
+                     config=TileConfig(codes_in_dot=codes_in_dot)).cpu()
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

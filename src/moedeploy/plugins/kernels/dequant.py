@@ -92,3 +92,46 @@ def load_weight_t(W, S, Z, rows, n_mask, k0, K, BITS: tl.constexpr, QBLOCK: tl.c
                 zero = (tl.load(Z + index // 2, mask=n_mask, other=0).to(tl.int32) >> ((index % 2) * 4)) & 15
         w = tl.where(mask, ((code - zero).to(tl.float32) * scale).to(dtype).to(tl.float32), 0.0)
     return w
+
+
+
+def codes_chunk(bits: int, block: int) -> int:
+    """The K chunk the grouped kernels multiply int8 codes by at once (`dot_codes`), or 0 where
+    they dequantize tiles instead (`load_weight_t`): int4, and blocks under 16. A chunk lies
+    inside one quantization block (so one scale per column covers it), gives tl.dot at least 16
+    along K, and is at most 64, so a block of 128 or 256 is taken in chunks.
+
+    int4 stays on dequantized tiles because it measured slower the other way. On an H100 at
+    Mixtral's layer size (benchmarks/moe_kernel_nbits.py, session 19), one token's MoE took
+    1,078-1,189 us with int4 codes in tl.dot (their nibbles split and re-interleaved, or two dots
+    over the low and high nibbles) against 611-615 us on dequantized tiles; int8 codes in tl.dot
+    took 420 us against 441 (and 647 against 698 at 4 tokens, 919 against 965 at 16)."""
+    chunk = min(block, 64)
+    if bits != 8 or chunk & (chunk - 1) or block % chunk or chunk < 16:
+        return 0
+    return chunk
+
+
+@triton.jit
+def dot_codes(a_rows, a_mask, W, S, Z, rows, n_mask, k0, K, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+              CHUNK: tl.constexpr, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """sum over k in [k0, k0 + CHUNK) of A[m, k] * W[rows[n], k], fp32 (BM, BN), for the int8
+    codes of a row-major (R, K) weight, the chunk inside one quantization block (`codes_chunk`).
+
+    Why not dequantize the tile (`load_weight_t`): codes minus their zero point are integers of
+    at most 9 bits, exact in fp16, bf16 and fp32, so they go into tl.dot as they are and the
+    block's scale multiplies the chunk's sums, one multiply per output instead of per weight.
+    The sums differ from `load_weight_t`'s only by rounding: the weights are not rounded to
+    dtype before the product (at most half an ulp of dtype each).
+    a_rows: (BM, 1) pointers to the activation rows (element k at a_rows + k), a_mask (BM, 1);
+    rows, n_mask: (1, BN)."""
+    index = rows * (K // QBLOCK) + k0 // QBLOCK  # (1, BN): the block of each column
+    scale = tl.load(S + index, mask=n_mask, other=0.0).to(tl.float32)
+    ks = k0 + tl.arange(0, CHUNK)[:, None]  # (CHUNK, 1)
+    code = tl.load(W + rows * K + ks, mask=(ks < K) & n_mask, other=0).to(tl.int32)
+    if SIGNED:  # two's complement, stored as int8 or uint8
+        code = ((code & 255) ^ 128) - 128
+    else:
+        code = (code & 255) - tl.load(Z + index, mask=n_mask, other=0).to(tl.int32)
+    a = tl.load(a_rows + (k0 + tl.arange(0, CHUNK))[None, :], mask=a_mask, other=0.0).to(dtype)
+    return tl.dot(a, code.to(dtype), input_precision=PRECISION) * scale

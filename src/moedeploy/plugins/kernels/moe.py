@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moedeploy.models.blockquant import PackedWeight
 from moedeploy.plugins.kernels._launch import check_device
-from moedeploy.plugins.kernels.dequant import load_weight_t
+from moedeploy.plugins.kernels.dequant import codes_chunk, dot_codes, load_weight_t
 from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
 ACTIVATION_IDS = {"swiglu": 0, "relu": 1, "gelu": 2}
@@ -211,7 +211,7 @@ def gate_up_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
     LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, QCHUNK: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -228,15 +228,26 @@ def gate_up_kernel(
     dtype = HBUF.dtype.element_ty
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_valid = ks < H
-        a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        wu = load_weight_t(WU, SU, ZU, up_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
-        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
-        if ACT == 0:
-            wg = load_weight_t(WG, SG, ZG, gate_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
-            acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+    if QCHUNK > 0:  # int8 codes straight into tl.dot, scaled per block (dequant.dot_codes)
+        a_rows = X + tokens[:, None] * stride_x
+        for k0 in range(0, H, QCHUNK):
+            acc_up += dot_codes(a_rows, valid[:, None], WU, SU, ZU, up_rows, n_valid[None, :], k0, H, QBLOCK, SIGNED,
+                                QCHUNK, dtype, PRECISION)
+            if ACT == 0:
+                acc_gate += dot_codes(a_rows, valid[:, None], WG, SG, ZG, gate_rows, n_valid[None, :], k0, H, QBLOCK,
+                                      SIGNED, QCHUNK, dtype, PRECISION)
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_valid = ks < H
+            a = tl.load(X + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
+            wu = load_weight_t(WU, SU, ZU, up_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N,
+                               dtype).to(dtype)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+            if ACT == 0:
+                wg = load_weight_t(WG, SG, ZG, gate_rows, n_valid[None, :], k0, H, BITS, QBLOCK, SIGNED, BLOCK_K,
+                                   BLOCK_N, dtype).to(dtype)
+                acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
     if HAS_BIAS:
         b_off = expert.to(tl.int64) * stride_be + n_cols
         acc_up += tl.load(BU + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
@@ -258,7 +269,7 @@ def down_kernel(
     n_slots, H, I, E, stride_h, stride_be, stride_o,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr,
+    BITS: tl.constexpr, QBLOCK: tl.constexpr, SIGNED: tl.constexpr, QCHUNK: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     expert = _tile_expert(ENDS, E, row0, BLOCK_E)
@@ -272,12 +283,20 @@ def down_kernel(
     w_rows = expert.to(tl.int64) * H + n_cols[None, :]  # (1, BN) rows of the (E * H, I) stack
     dtype = HBUF.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_valid = ks < I
-        a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = load_weight_t(WD, SD, ZD, w_rows, n_valid[None, :], k0, I, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N, dtype).to(dtype)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if QCHUNK > 0:
+        a_rows = HBUF + rows[:, None].to(tl.int64) * stride_h
+        for k0 in range(0, I, QCHUNK):
+            acc += dot_codes(a_rows, valid[:, None], WD, SD, ZD, w_rows, n_valid[None, :], k0, I, QBLOCK, SIGNED,
+                             QCHUNK, dtype, PRECISION)
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_valid = ks < I
+            a = tl.load(HBUF + rows[:, None].to(tl.int64) * stride_h + ks[None, :],
+                        mask=valid[:, None] & k_valid[None, :], other=0.0)
+            w = load_weight_t(WD, SD, ZD, w_rows, n_valid[None, :], k0, I, BITS, QBLOCK, SIGNED, BLOCK_K, BLOCK_N,
+                              dtype).to(dtype)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(BD + expert.to(tl.int64) * stride_be + n_cols, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded like eager's linear
@@ -299,12 +318,16 @@ def combine_kernel(OUT, Y, H, stride_o, stride_y, TOP_K: tl.constexpr, BLOCK_H: 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes of the grouped GEMMs. tl.dot needs every dim >= 16."""
+    """Tile sizes of the grouped GEMMs. tl.dot needs every dim >= 16. `codes_in_dot`: int8
+    experts' codes go into tl.dot and their scales multiply the sums (`dequant.dot_codes`) where
+    the block allows it; False dequantizes every tile, as int4 experts always are (what
+    `dequant.codes_chunk` says why; kept to compare against)."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
+    codes_in_dot: bool = True
 
 
 def default_config(n_tokens: int, top_k: int, n_experts: int) -> TileConfig:
@@ -493,6 +516,7 @@ def moe(
     cfg = config or default_config(n, top_k, e)
     x, router_logits = x.contiguous(), router_logits.contiguous()
     stacks, quant = expert_weights(w_gate, w_up, w_down, dtype)
+    quant["QCHUNK"] = codes_chunk(quant["BITS"], quant["QBLOCK"]) if cfg.codes_in_dot else 0
     has_bias = any(b is not None for b in (b_gate, b_up, b_down))
     b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down, interleaved)
     precision = "ieee" if dtype == torch.float32 else "tf32"
