@@ -5,9 +5,10 @@ each token count and weight format it reports the fused kernel's and the grouped
 time, the bytes of expert weights a call must read (each taken expert's gate, up and down,
 with scales and zero points; fp16 weights 2 bytes each), the bandwidth that implies, and the
 largest difference from the eager MoE on the dequantized weights (the kernels' contract).
-The grouped pipeline runs int8/int4 experts both ways, in the same run: codes into tl.dot with
-the scales on the sums (the default), and every tile dequantized first (`codes_in_dot=False`).
-`--sweep` also times a few tile shapes of the default way at 1 and 16 tokens.
+The grouped pipeline runs each format three ways in the same run: its default for the token
+count (`default_config`), the experts as matrix-vector products per routed slot
+(`TileConfig(gemv=True)`, `moe_gemv`), and, for int8/int4, every tile dequantized before
+`tl.dot` (`codes_in_dot=False`). `--sweep` also times a few shapes of the gemv path at 1 token.
 Needs a CUDA GPU (Triton compiles the kernels):
 
     python benchmarks/moe_kernel_nbits.py [--tokens 1 4 16 64] [--hidden 4096 --inter 14336 --experts 8]
@@ -53,7 +54,7 @@ def main() -> None:
         raise SystemExit("moe_kernel_nbits: needs a CUDA GPU (Triton compiles the kernels)")
     import triton.testing
 
-    from moedeploy.plugins.kernels.moe import default_config, moe
+    from moedeploy.plugins.kernels.moe import TileConfig, default_config, moe
     from moedeploy.plugins.kernels.moe_fused import moe_fused
 
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
@@ -68,44 +69,44 @@ def main() -> None:
         formats[f"int{bits}"] = ([PackedWeight.from_weight(w, scheme) for w in stacks],
                                  [dequantized(w, scheme) for w in stacks])
     print(f"GPU: {torch.cuda.get_device_name()}; H={h} I={i} E={e} top-{k}, fp16 activations, block {args.block_size}")
-    print(f"{'tokens':>6} {'weights':>7} {'fused us':>9} {'grouped us':>10} {'tiles dq us':>11} {'MB read':>8} "
-          f"{'GB/s':>6} {'max |diff|':>10}")
+    gemv = TileConfig(block_n=32, block_k=128, gemv=True)
+    print(f"{'tokens':>6} {'weights':>7} {'fused us':>9} {'default us':>10} {'gemv us':>9} {'tiles dq us':>11} "
+          f"{'MB read':>8} {'GB/s best':>9} {'max |diff|':>10}")
     rows, sweep = [], []
     for n in args.tokens:
         x = torch.randn(n, h, generator=g, device="cuda").to(dtype)
         logits = torch.randn(n, e, generator=g, device="cuda").to(dtype)
         taken = int(torch.topk(logits.float(), k, dim=-1).indices.unique().numel())
-        default = default_config(n, k, e)
-        tiles = dataclasses.replace(default, codes_in_dot=False)
+        tiles = dataclasses.replace(default_config(n, k, e), codes_in_dot=False, gemv=False)
         for name, (weights, reference) in formats.items():
             expected = moe_reference(x, logits, *reference, k, True).float()
-            outs = {"grouped": moe(x, logits, *weights, k, True).float()}
+            runs = {"default": lambda w=weights: moe(x, logits, *w, k, True),  # noqa: B023
+                    "gemv": lambda w=weights: moe(x, logits, *w, k, True, config=gemv)}  # noqa: B023
             if name != "fp16":
-                outs["tiles"] = moe(x, logits, *weights, k, True, config=tiles).float()
+                runs["tiles"] = lambda w=weights: moe(x, logits, *w, k, True, config=tiles)  # noqa: B023
             if not args.no_fused:
-                outs["fused"] = moe_fused(x, logits, *weights, k, True).float()
-            diff = max((out - expected).abs().max().item() for out in outs.values())
-            time_us = lambda fn: triton.testing.do_bench(fn) * 1e3  # noqa: E731
-            grouped_us = time_us(lambda: moe(x, logits, *weights, k, True))  # noqa: B023
-            tiles_us = time_us(lambda: moe(x, logits, *weights, k, True, config=tiles)) if name != "fp16" else None  # noqa: B023
-            fused_us = None if args.no_fused else time_us(lambda: moe_fused(x, logits, *weights, k, True))  # noqa: B023
+                runs["fused"] = lambda w=weights: moe_fused(x, logits, *w, k, True)  # noqa: B023
+            diff = max((run().float() - expected).abs().max().item() for run in runs.values())
+            us = {key: triton.testing.do_bench(run) * 1e3 for key, run in runs.items()}
             read = sum(_stack_bytes(w, taken) for w in weights)
-            row = {"tokens": n, "weights": name, "fused_us": fused_us, "grouped_us": grouped_us,
-                   "tiles_dequantized_us": tiles_us, "mb_read": read / 1e6, "grouped_gb_s": read / grouped_us / 1e3,
-                   "max_abs_diff": diff}
+            best = min(us[key] for key in ("default", "gemv", "tiles") if key in us)
+            row = {"tokens": n, "weights": name, "fused_us": us.get("fused"), "default_us": us["default"],
+                   "gemv_us": us["gemv"], "tiles_dequantized_us": us.get("tiles"), "mb_read": read / 1e6,
+                   "best_gb_s": read / best / 1e3, "max_abs_diff": diff}
             rows.append(row)
             show = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            print(f"{n:>6} {name:>7} {show(fused_us):>9} {grouped_us:>10.1f} {show(tiles_us):>11} {row['mb_read']:>8.1f} "
-                  f"{row['grouped_gb_s']:>6.0f} {diff:>10.2e}", flush=True)
-            if args.sweep and name != "fp16" and n in (1, 16):
-                for block_n, warps in ((32, 4), (64, 2), (64, 8), (128, 4), (128, 8)):
-                    cfg = dataclasses.replace(default, block_n=block_n, num_warps=warps)
+            print(f"{n:>6} {name:>7} {show(us.get('fused')):>9} {us['default']:>10.1f} {us['gemv']:>9.1f} "
+                  f"{show(us.get('tiles')):>11} {row['mb_read']:>8.1f} {row['best_gb_s']:>9.0f} {diff:>10.2e}", flush=True)
+            if args.sweep and n == 1:
+                for block_n, block_k, warps in ((16, 128, 4), (64, 128, 4), (32, 256, 4), (32, 256, 8), (16, 256, 2),
+                                                (64, 256, 8)):
+                    cfg = TileConfig(block_n=block_n, block_k=block_k, num_warps=warps, gemv=True)
                     err = (moe(x, logits, *weights, k, True, config=cfg).float() - expected).abs().max().item()
-                    us = time_us(lambda: moe(x, logits, *weights, k, True, config=cfg))  # noqa: B023
-                    sweep.append({"tokens": n, "weights": name, "block_n": block_n, "num_warps": warps, "us": us,
-                                  "max_abs_diff": err})
-                    print(f"       sweep {name} tokens={n} block_n={block_n} warps={warps}: {us:.1f} us, "
-                          f"max |diff| {err:.2e}", flush=True)
+                    t = triton.testing.do_bench(lambda: moe(x, logits, *weights, k, True, config=cfg)) * 1e3  # noqa: B023
+                    sweep.append({"tokens": n, "weights": name, "block_n": block_n, "block_k": block_k,
+                                  "num_warps": warps, "us": t, "max_abs_diff": err})
+                    print(f"       gemv {name} tokens={n} block_n={block_n} block_k={block_k} warps={warps}: "
+                          f"{t:.1f} us, max |diff| {err:.2e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "sweep": sweep}, f, indent=2)

@@ -119,8 +119,11 @@ def test_moe_expert_with_no_tokens() -> None:
     torch.testing.assert_close(moe(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True).cpu(), expected, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("config", [TileConfig(16, 16, 16, 1), TileConfig(32, 32, 16, 2), TileConfig(64, 64, 32, 4)])
+@pytest.mark.parametrize("config", [TileConfig(16, 16, 16, 1), TileConfig(32, 32, 16, 2), TileConfig(64, 64, 32, 4),
+                                    TileConfig(block_n=32, block_k=32, gemv=True)],
+                         ids=["16x16x16", "32x32x16", "64x64x32", "gemv"])
 def test_moe_tile_configs_agree(config: TileConfig) -> None:
+    """H = 56 and I = 72 are no multiple of any tile: every K loop ends in a masked tile."""
     x, logits, wg, wu, wd, *_ = _moe_case(40, 56, 72, 6, torch.float32, seed=11, bias=False)
     expected = moe_reference(x, logits, wg, wu, wd, 2, True)
     actual = moe(*(t.to(DEVICE) for t in (x, logits, wg, wu, wd)), 2, True, config=config).cpu()
@@ -154,6 +157,9 @@ def test_default_config_grows_tiles_with_rows_per_expert() -> None:
     decode, prefill = default_config(1, 2, 8), default_config(4096, 2, 8)
     assert decode.block_m == 16 and prefill.block_m == 64
     assert all(v >= 16 for v in (decode.block_m, decode.block_n, decode.block_k))
+    # int4 experts at a row per expert or fewer: matrix-vector products per slot (faster on an H100)
+    assert default_config(4, 2, 8, bits=4).gemv and not default_config(5, 2, 8, bits=4).gemv
+    assert not default_config(1, 2, 8, bits=8).gemv and not decode.gemv
 
 
 # The single-kernel MoE that TensorRT's AOT plugin launches (one program per token and

@@ -4,6 +4,7 @@ feed its moe::MoE node. On CPU through Triton's interpreter (compiled on CUDA wh
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -20,7 +21,9 @@ from moedeploy.plugins.moe import ExpertActivation, Routing, moe_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
-RUNS = {"grouped": moe, "fused": moe_fused}
+# "gemv": the grouped pipeline's experts as one matrix-vector product per routed slot (moe_gemv),
+# with a K step of 64 values: several blocks of 16 or 32 a step, and H = 3 blocks leaves a step half masked
+RUNS = {"grouped": moe, "fused": moe_fused, "gemv": functools.partial(moe, config=TileConfig(block_n=32, block_k=64, gemv=True))}
 
 
 def _case(n: int, h: int, i: int, e: int, seed: int, bias: bool = False):

@@ -318,21 +318,31 @@ def combine_kernel(OUT, Y, H, stride_o, stride_y, TOP_K: tl.constexpr, BLOCK_H: 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes of the grouped GEMMs. tl.dot needs every dim >= 16. `codes_in_dot`: int8
+    """Tile sizes of the grouped GEMMs. tl.dot needs every dim >= 16. `gemv`: the experts run as
+    matrix-vector products per routed slot (`moe_gemv`), for a few tokens. `codes_in_dot`: int8
     experts' codes go into tl.dot and their scales multiply the sums (`dequant.dot_codes`) where
-    the block allows it; False dequantizes every tile, as int4 experts always are (what
-    `dequant.codes_chunk` says why; kept to compare against)."""
+    the block allows it; False dequantizes every tile, as int4 experts' tiles always are
+    (`dequant.codes_chunk` says why; kept to compare against)."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     codes_in_dot: bool = True
+    gemv: bool = False  # one program per slot, no row tiles (moe_gemv); block_m unused then
 
 
-def default_config(n_tokens: int, top_k: int, n_experts: int) -> TileConfig:
-    """Small M tiles when each expert sees few rows (decode), larger ones for prefill."""
+def default_config(n_tokens: int, top_k: int, n_experts: int, bits: int = 0) -> TileConfig:
+    """Small M tiles when each expert sees few rows (decode), larger ones for prefill; int4
+    experts (`bits`) at a row per expert or fewer as matrix-vector products (`moe_gemv`).
+
+    Measured on an H100 at Mixtral's layer size (benchmarks/moe_kernel_nbits.py, session 19):
+    int4 experts took 257 us on the gemv path against 619 in row tiles for one token, 569 against
+    987 for four, but 1,814 against 1,335 for sixteen; fp16 and int8 experts were slower on it
+    at every token count (one token: 466 against 325 us, 553 against 418)."""
     rows_per_expert = n_tokens * top_k / max(n_experts, 1)
+    if bits == 4 and rows_per_expert <= 1:
+        return TileConfig(block_n=32, block_k=128, gemv=True)
     if rows_per_expert <= 16:
         return TileConfig(16, 64, 64, 4)
     if rows_per_expert <= 64:
@@ -513,19 +523,58 @@ def moe(
     if n == 0:
         return y
     top_k = routing.top_k
-    cfg = config or default_config(n, top_k, e)
     x, router_logits = x.contiguous(), router_logits.contiguous()
     stacks, quant = expert_weights(w_gate, w_up, w_down, dtype)
+    cfg = config or default_config(n, top_k, e, quant["BITS"])
     quant["QCHUNK"] = codes_chunk(quant["BITS"], quant["QBLOCK"]) if cfg.codes_in_dot else 0
     has_bias = any(b is not None for b in (b_gate, b_up, b_down))
     b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down, interleaved)
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    block_e = triton.next_power_of_2(e)
-    n_slots = n * top_k
-    scan_block = min(triton.next_power_of_2(n_slots), 1024)
-
     weights, ids = _route(router_logits, routing, dense_score_bias(score_bias, e, device))
+    if cfg.gemv and triton.next_power_of_2(quant["QBLOCK"]) == quant["QBLOCK"]:
+        slot_out = _experts_gemv(x, ids, weights, stacks, quant, (b_gate, b_up, b_down), has_bias, activation, top_k,
+                                 cfg, interleaved, i)
+    else:
+        slot_out = _experts_grouped(x, ids, weights, stacks, quant, (b_gate, b_up, b_down), has_bias, activation, top_k,
+                                    cfg, interleaved, i, e, precision)
+    block_h = min(triton.next_power_of_2(h), 1024)
+    combine_kernel[(n, triton.cdiv(h, block_h))](slot_out, y, h, slot_out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h)
+    return y
 
+
+def _experts_gemv(x, ids, weights, stacks, quant, biases, has_bias: bool, activation: ExpertActivation, top_k: int,
+                  cfg: TileConfig, interleaved: bool, i: int) -> torch.Tensor:
+    """Each slot's weighted expert output (N * k, H) fp32, by `moe_gemv`'s kernels."""
+    # imported here: moe_gemv's kernels use this module's swiglu and interleaved_rows
+    from moedeploy.plugins.kernels import moe_gemv
+
+    n_slots, h = ids.numel(), x.shape[1]
+    b_gate, b_up, b_down = biases
+    bits = {name: quant[name] for name in ("BITS", "QBLOCK", "SIGNED")}
+    block_k = moe_gemv.gemv_block_k(cfg.block_k, quant["QBLOCK"])
+    hidden = torch.empty(n_slots, i, dtype=x.dtype, device=x.device)
+    moe_gemv.gate_up_gemv_kernel[(n_slots, triton.cdiv(i, cfg.block_n))](
+        x, ids, *stacks[:6], b_gate, b_up, hidden, h, i, x.stride(0), b_up.stride(0), hidden.stride(0),
+        TOP_K=top_k, **activation_params(activation), HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        INTERLEAVED=interleaved, num_warps=cfg.num_warps, **bits,
+    )
+    slot_out = torch.empty(n_slots, h, dtype=torch.float32, device=x.device)
+    moe_gemv.down_gemv_kernel[(n_slots, triton.cdiv(h, cfg.block_n))](
+        hidden, ids, *stacks[6:], b_down, weights, slot_out, h, i, hidden.stride(0), b_down.stride(0), slot_out.stride(0),
+        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, **bits,
+    )
+    return slot_out
+
+
+def _experts_grouped(x, ids, weights, stacks, quant, biases, has_bias: bool, activation: ExpertActivation, top_k: int,
+                     cfg: TileConfig, interleaved: bool, i: int, e: int, precision: str) -> torch.Tensor:
+    """Each slot's weighted expert output (N * k, H) fp32, by the grouped GEMMs over tiles of
+    rows sorted by expert (the module doc's count, align, scatter, gate_up, down)."""
+    n_slots, h = ids.numel(), x.shape[1]
+    device, dtype = x.device, x.dtype
+    b_gate, b_up, b_down = biases
+    block_e = triton.next_power_of_2(e)
+    scan_block = min(triton.next_power_of_2(n_slots), 1024)
     counts = torch.empty(e, dtype=torch.int32, device=device)
     count_kernel[(e,)](ids, counts, n_slots, BLOCK=scan_block)
     starts = torch.empty(e, dtype=torch.int32, device=device)
@@ -551,6 +600,4 @@ def moe(
         HAS_BIAS=has_bias, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, num_warps=cfg.num_warps, **quant,
     )
-    block_h = min(triton.next_power_of_2(h), 1024)
-    combine_kernel[(n, triton.cdiv(h, block_h))](slot_out, y, h, slot_out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h)
-    return y
+    return slot_out
