@@ -152,6 +152,22 @@ def swiglu(gate, up, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexp
 
 
 @triton.jit
+def expert_hidden(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, CLAMP: tl.constexpr,
+                  LIMIT: tl.constexpr, dtype: tl.constexpr):
+    """An expert's hidden activation from its fp32 linears (biases added), each linear rounded
+    to dtype first as eager rounds it: ACT 0 `swiglu`, 1 relu, 2 gelu (erf); `gate` unused but for
+    swiglu. The result is fp32 holding dtype-rounded inputs; the caller rounds it when it stores."""
+    up = up.to(dtype).to(tl.float32)
+    if ACT == 0:
+        hidden = swiglu(gate.to(dtype).to(tl.float32), up, ALPHA, BETA, CLAMP, LIMIT, dtype)
+    elif ACT == 1:
+        hidden = tl.maximum(up, 0.0)
+    else:
+        hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+    return hidden
+
+
+@triton.jit
 def count_kernel(IDS, COUNTS, n_slots, BLOCK: tl.constexpr):
     expert = tl.program_id(0)
     count = 0
@@ -253,13 +269,7 @@ def gate_up_kernel(
         acc_up += tl.load(BU + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
         if ACT == 0:
             acc_gate += tl.load(BG + b_off, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    up = acc_up.to(dtype).to(tl.float32)
-    if ACT == 0:
-        hidden = swiglu(acc_gate.to(dtype).to(tl.float32), up, ALPHA, BETA, CLAMP, LIMIT, dtype)
-    elif ACT == 1:
-        hidden = tl.maximum(up, 0.0)
-    else:
-        hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+    hidden = expert_hidden(acc_gate, acc_up, ACT, ALPHA, BETA, CLAMP, LIMIT, dtype)
     tl.store(HBUF + rows[:, None].to(tl.int64) * stride_h + n_cols[None, :], hidden.to(dtype), mask=valid[:, None] & n_valid[None, :])
 
 

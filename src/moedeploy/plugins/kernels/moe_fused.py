@@ -3,9 +3,9 @@
 Grid (N, cdiv(H, BLOCK_H)): a program owns one token and one tile of output features. It
 routes its token with the grouped pipeline's `route_token` (every routing variant: softmax,
 sigmoid, score_bias, group-limited by either group score, sparsemixer, renormalisation,
-scaling) and computes its experts' SwiGLU with the same `swiglu` (alpha, beta, clamp), then for each of
-its k experts streams W_gate/W_up in (BLOCK_I x BLOCK_K) tiles to build the hidden vector
-tile by tile and immediately folds it into the W_down tile of its outputs. Every expert
+scaling) and computes its experts' activation with the same `expert_hidden` (SwiGLU's alpha,
+beta, clamp; relu; gelu), then for each of its k experts streams W_gate/W_up in (BLOCK_I x
+BLOCK_K) tiles to build the hidden vector tile by tile and immediately folds it into the W_down tile of its outputs. Every expert
 weight it touches is read once per (token, output tile): the bandwidth-bound shape of a
 decode step, where N is small. Prefill-sized N is better served by the grouped pipeline in
 `moe.py`, which reuses each weight tile across the tokens routed to it.
@@ -29,12 +29,12 @@ from moedeploy.plugins.kernels.moe import (
     as_routing,
     dense_biases,
     dense_score_bias,
+    expert_hidden,
     expert_weights,
     interleaved_rows,
     prepare,
     route_token,
     routing_params,
-    swiglu,
 )
 from moedeploy.plugins.moe import ExpertActivation, Routing, as_activation
 
@@ -85,14 +85,10 @@ def fused_moe_program(
                 if ACT == 0:
                     w_gate = load_weight(WG, SG, ZG, gate_rows, ks[None, :], w_mask, H, BITS, QBLOCK, SIGNED, dtype)
                     gate += tl.sum(w_gate * x[None, :], axis=1)
-            up = (up + tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            up += tl.load(BU + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)
             if ACT == 0:
-                gate = (gate + tl.load(BG + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-                hidden = swiglu(gate, up, ALPHA, BETA, CLAMP, LIMIT, dtype)
-            elif ACT == 1:
-                hidden = tl.maximum(up, 0.0)
-            else:
-                hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+                gate += tl.load(BG + expert * I + i_cols, mask=i_valid, other=0.0).to(tl.float32)
+            hidden = expert_hidden(gate, up, ACT, ALPHA, BETA, CLAMP, LIMIT, dtype)
             hidden = tl.where(i_valid, hidden.to(dtype).to(tl.float32), 0.0)
             d_rows = expert * H + h_cols[:, None]  # (BH, 1) rows of the (E * H, I) down stack
             w_down = load_weight(WD, SD, ZD, d_rows, i_cols[None, :], h_valid[:, None] & i_valid[None, :], I, BITS, QBLOCK, SIGNED, dtype)

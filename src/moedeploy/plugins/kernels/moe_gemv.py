@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moedeploy.plugins.kernels.moe import interleaved_rows, swiglu
+from moedeploy.plugins.kernels.moe import expert_hidden, interleaved_rows
 
 
 def gemv_block_k(block_k: int, qblock: int) -> int:
@@ -102,13 +102,7 @@ def gate_up_gemv_kernel(
         acc_up += tl.load(BU + expert * stride_be + cols, mask=n_valid, other=0.0).to(tl.float32)
         if ACT == 0:
             acc_gate += tl.load(BG + expert * stride_be + cols, mask=n_valid, other=0.0).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    if ACT == 0:
-        hidden = swiglu(acc_gate.to(dtype).to(tl.float32), up, ALPHA, BETA, CLAMP, LIMIT, dtype)
-    elif ACT == 1:
-        hidden = tl.maximum(up, 0.0)
-    else:
-        hidden = 0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))
+    hidden = expert_hidden(acc_gate, acc_up, ACT, ALPHA, BETA, CLAMP, LIMIT, dtype)
     tl.store(HBUF + slot * stride_h + cols, hidden.to(dtype), mask=n_valid)
 
 
