@@ -49,4 +49,6 @@ done
 
 echo "== 3. benchmarks"
 python benchmarks/moe_op.py --json "$out/moe_op.json"
+# the grouped MoE kernels at Mixtral's layer size: fp16, int8 and int4 experts, each path
+python benchmarks/moe_kernel_nbits.py --tokens 1 4 16 --no-fused --json "$out/moe_kernel_nbits.json"
 echo "gpu_check: all steps passed; results under $out"
