@@ -21,9 +21,13 @@ from moedeploy.plugins.moe import ExpertActivation, Routing, moe_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
-# "gemv": the grouped pipeline's experts as one matrix-vector product per routed slot (moe_gemv),
-# with a K step of 64 values: several blocks of 16 or 32 a step, and H = 3 blocks leaves a step half masked
-RUNS = {"grouped": moe, "fused": moe_fused, "gemv": functools.partial(moe, config=TileConfig(block_n=32, block_k=64, gemv=True))}
+# Each path named, not left to default_config (which sends int4 at a row per expert or fewer to
+# gemv): "grouped" the row tiles of the grouped GEMMs (int8 codes in tl.dot, int4 tiles
+# dequantized); "gemv" the grouped pipeline's experts as one matrix-vector product per routed
+# slot (moe_gemv), a K step of 64 values: several blocks of 16 or 32 a step, and H = 3 blocks
+# leaves a step half masked
+RUNS = {"grouped": functools.partial(moe, config=TileConfig(16, 64, 64, 4)), "fused": moe_fused,
+        "gemv": functools.partial(moe, config=TileConfig(block_n=32, block_k=64, gemv=True))}
 
 
 def _case(n: int, h: int, i: int, e: int, seed: int, bias: bool = False):
@@ -136,9 +140,10 @@ def test_codes_chunk_is_one_block_or_64_and_at_least_16_along_k_for_tl_dot() -> 
 @pytest.mark.parametrize("codes_in_dot", [True, False])
 def test_int8_codes_in_dot_and_dequantized_tiles_agree_with_the_reference(codes_in_dot: bool) -> None:
     """Both ways the grouped kernel takes int8 experts (TileConfig.codes_in_dot) against the eager
-    MoE on the dequantized weights, signed and unsigned, a block of 256 taken in 64-wide chunks."""
+    MoE on the dequantized weights, signed and unsigned; blocks of 256 (taken in 64-wide chunks, or
+    wider than a 64-wide tile) two to a gate/up row, so a tile past the first block reads the second's scale."""
     for symmetric, block in ((True, 256), (False, 32)):
-        x, logits, stacks, _ = _case(3, 256, 256, 4, seed=block)
+        x, logits, stacks, _ = _case(3, 512, 256, 4, seed=block)
         packed, reference = _quantized(stacks, QuantScheme(8, block, symmetric), torch.float32)
         expected = moe_reference(x, logits, *reference, 2, True)
         actual = moe(x.to(DEVICE), logits.to(DEVICE), *packed, 2, True,

@@ -131,7 +131,8 @@ def dot_codes(a_rows, a_mask, W, S, Z, rows, n_mask, k0, K, QBLOCK: tl.constexpr
     code = tl.load(W + rows * K + ks, mask=(ks < K) & n_mask, other=0).to(tl.int32)
     if SIGNED:  # two's complement, stored as int8 or uint8
         code = ((code & 255) ^ 128) - 128
-    else:
-        code = (code & 255) - tl.load(Z + index, mask=n_mask, other=0).to(tl.int32)
-    a = tl.load(a_rows + (k0 + tl.arange(0, CHUNK))[None, :], mask=a_mask, other=0.0).to(dtype)
+    else:  # zero points are bytes, unsigned (& 255 whether they are stored as int8 or uint8)
+        code = (code & 255) - (tl.load(Z + index, mask=n_mask, other=0).to(tl.int32) & 255)
+    ks_row = k0 + tl.arange(0, CHUNK)[None, :]  # (1, CHUNK)
+    a = tl.load(a_rows + ks_row, mask=a_mask & (ks_row < K), other=0.0).to(dtype)
     return tl.dot(a, code.to(dtype), input_precision=PRECISION) * scale

@@ -57,7 +57,7 @@ def gemv_step(a_row, W, S, Z, rows, n_valid, k0, K, BITS: tl.constexpr, QBLOCK: 
             if SIGNED:
                 code = ((code & 255) ^ 128) - 128
             else:
-                code = (code & 255) - tl.load(Z + index, mask=index_mask, other=0).to(tl.int32)[:, None, :]
+                code = (code & 255) - (tl.load(Z + index, mask=index_mask, other=0).to(tl.int32) & 255)[:, None, :]
             a = tl.load(a_row + ks, mask=block_valid[:, None, None], other=0.0).to(tl.float32)
             sums = tl.sum(a * code.to(tl.float32), axis=1)  # (NB, BN)
         else:
