@@ -99,6 +99,18 @@ def test_export_refuses_a_user_folder_before_any_work(tmp_path: Path) -> None:
     assert sorted(p.name for p in mine.iterdir()) == ["important.txt"]
 
 
+@pytest.mark.parametrize("out", ["checkpoint", "."])
+def test_export_never_replaces_the_checkpoint_it_reads_even_with_force(tmp_path: Path, out: str) -> None:
+    """--force replaces any folder, but not the checkpoint folder itself or one that holds it."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(OutputRefused, match="delete the checkpoint it reads"):
+        export("decoder", tmp_path / out, checkpoint=checkpoint, force=True)
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_export_replaces_its_own_artifact(rmsnorm_artifact: Path, tmp_path: Path) -> None:
     out = tmp_path / "art"
     shutil.copytree(rmsnorm_artifact, out)

@@ -154,6 +154,8 @@ def export(
         if quantization is None:
             raise ValueError("--head-block-size applies with --quantize int8|int4 only")
         parse_scheme(quantization.name, head_block_size, quantization.symmetric, flag="--head-block-size")
+    if checkpoint is not None:
+        check_out_spares(out, checkpoint)
     check_artifact_out(out, force)
     if target == DECODER:
         return export_decoder(
@@ -206,6 +208,16 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
     except OSError:
         return []
     return foreign
+
+
+def check_out_spares(out: str | Path, checkpoint: str | Path) -> None:
+    """Refuse an --out that is the checkpoint folder or holds it: replacing --out (which --force
+    allows for any folder) would delete the weights the export reads, --force or not."""
+    out_path, source = Path(out).resolve(), Path(checkpoint).resolve()
+    if out_path == source or out_path in source.parents:
+        where = "is the checkpoint folder" if out_path == source else f"holds the checkpoint folder {checkpoint}"
+        raise OutputRefused(f"--out {out} {where}; an export replaces its --out and would delete the checkpoint it "
+                            "reads: choose an --out outside the checkpoint")
 
 
 def check_artifact_out(out: str | Path, force: bool) -> None:
