@@ -19,7 +19,7 @@ import pytest
 from moedeploy.compare.suite import check_run_folder
 from moedeploy.export import export
 from moedeploy.serving.repository import write_repository
-from moedeploy.utils.io import OutputRefused, atomic_directory, check_replaceable
+from moedeploy.utils.io import TEMP_MARKER, OutputRefused, atomic_directory, check_replaceable
 
 
 def _user_folder(path: Path) -> Path:
@@ -242,12 +242,18 @@ def test_sweeping_spares_live_writers_and_other_outputs(tmp_path: Path) -> None:
     live = tmp_path / f".art.{os.getppid()}.abc123.tmp"  # our parent: alive
     other = tmp_path / f".other.{dead}.abc123.tmp"  # another output's
     users_file = tmp_path / f".art.{dead}.abc123.old"  # a file, not a folder we make
-    for folder in (stale, live, other):
+    users_folder = tmp_path / f".art.{dead}.backup.tmp"  # named alike, but not made by moedeploy
+    for folder in (stale, live, other, users_folder):
         folder.mkdir()
+    for folder in (stale, live, other):
+        (folder / TEMP_MARKER).touch()
+    (users_folder / "thesis.txt").write_text("years of work")
     users_file.write_text("x")
     _write_one(tmp_path / "art")
     assert not stale.exists()
     assert live.is_dir() and other.is_dir() and users_file.is_file()
+    assert (users_folder / "thesis.txt").read_text() == "years of work"
+    assert TEMP_MARKER not in {p.name for p in (tmp_path / "art").iterdir()}  # the marker stays out of the output
 
 
 # --- disk full, file modes ----------------------------------------------------------------------

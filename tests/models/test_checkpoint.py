@@ -351,6 +351,66 @@ def test_tied_checkpoint_with_stored_lm_head_loads(tmp_path: Path) -> None:
     _assert_matches_hf(MoEDecoder.from_pretrained(tmp_path), hf, 50)
 
 
+def test_tied_checkpoint_with_a_different_stored_lm_head_is_refused(tmp_path: Path) -> None:
+    """transformers keeps such a file's lm_head, against config.json: which one is meant is the user's call."""
+    hf = tiny_mixtral(seed=2, **CONFIGS["mqa-top1-tied"])
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    state["lm_head.weight"][7, 3] += 1.0
+    save_file(state, str(tmp_path / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path)
+    msg = _load_error(tmp_path)
+    assert "tie_word_embeddings" in msg and "lm_head.weight" in msg and "differs" in msg
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(hf_folder: Path) -> None:
+    """A stray second file (an old shard) holding a tensor again: which copy is meant is unknown."""
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({name: -tensors[name]}, str(hf_folder / "zz-old.safetensors"))
+    msg = _load_error(hf_folder)
+    assert name in msg and "model.safetensors" in msg and "zz-old.safetensors" in msg
+
+
+def test_rope_scaling_beside_different_rope_parameters_is_refused(hf_folder: Path) -> None:
+    config = json.loads((hf_folder / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "default"  # what transformers 5 writes
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    assert "rope_parameters and the older rope_scaling" in _load_error(hf_folder)
+    config["rope_scaling"] = config["rope_parameters"]  # the same: nothing to choose between
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    MoEDecoder.from_pretrained(hf_folder)
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
+def test_partial_rotary_factor_is_ignored_where_transformers_ignores_it(where: str, tmp_path: Path) -> None:
+    """Mixtral's rotary embedding rotates the whole head whatever partial_rotary_factor says: so does ours."""
+    hf = tiny_mixtral(seed=4, **CONFIGS["gqa"])
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if where == "top level":
+        config["partial_rotary_factor"] = 0.5
+    else:
+        config["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    _assert_matches_hf(MoEDecoder.from_pretrained(tmp_path), reloaded, CONFIGS["gqa"]["vocab_size"])
+
+
+def test_rope_theta_defaults_to_each_familys_transformers_default() -> None:
+    """A config.json with no rope_theta anywhere: each family's default as transformers 5 has it."""
+    import transformers
+
+    from moedeploy.models.families import FAMILIES
+    from moedeploy.models.families.base import rope
+
+    for model_type in FAMILIES:
+        expected = transformers.AutoConfig.for_model(model_type).__class__.default_theta
+        assert rope({"model_type": model_type})[0] == expected, model_type
+
+
 @pytest.mark.parametrize("name", ["gqa", "square"])
 def test_hf_fused_transposed_layout_is_rejected(name: str, tmp_path: Path) -> None:
     # Expert matrices stored (E, in, out) instead of transformers' (E, out, in): shapes cannot

@@ -179,8 +179,10 @@ class CheckpointWeights:
                 self._parts, self._shapes = _hf_parts(_read_headers(path), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree
                 raise CheckpointError(f"{path}: {e}") from None
-        if self.config.tie_embeddings:
-            # torch's state_dict() and some exporters keep the tied copy; the embedding is the truth.
+        if self.config.tie_embeddings and "lm_head.weight" in self._parts:
+            # torch's state_dict() and some exporters keep the tied copy: the same values, dropped.
+            # A different one is not a copy, and which of the two the model means is not ours to guess.
+            self._check_tied_copy()
             self._parts.pop("lm_head.weight", None)
             self._shapes.pop("lm_head.weight", None)
         with torch.device("meta"):
@@ -189,6 +191,22 @@ class CheckpointWeights:
         if self.config.tie_embeddings:
             expected.pop("lm_head.weight", None)
         _check_shapes(expected, self._shapes, path)
+
+    def _check_tied_copy(self, rows: int = 4096) -> None:
+        """config.json ties the LM head to the embeddings: a stored lm_head.weight must equal them
+        (compared a block of rows at a time, so memory stays a block's)."""
+        head, embedding = self._parts["lm_head.weight"], self._parts.get("embed.weight")
+        if embedding is None or head.derived or embedding.derived or \
+                self._shapes["lm_head.weight"] != self._shapes.get("embed.weight"):
+            return  # a shape mismatch is _check_shapes' to name
+        (head_file, head_key), (emb_file, emb_key) = head.files[0], embedding.files[0]
+        for start in range(0, self._shapes["lm_head.weight"][0], rows):
+            block = (slice(start, start + rows),)
+            if not torch.equal(_read(head_file, head_key, block), _read(emb_file, emb_key, block)):
+                raise CheckpointError(
+                    f"{self.path / 'config.json'} ties the LM head to the embeddings (tie_word_embeddings: true), "
+                    f"but {head_file.name} holds an lm_head weight ({head_key}) that differs from them; set "
+                    "tie_word_embeddings to false to use it, or delete it to tie")
 
     def names(self) -> list[str]:
         """Our tensor names in `MoEDecoder.state_dict()` order (a tied lm_head included)."""
@@ -257,10 +275,16 @@ def _read_headers(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+        # without an index nothing says which copy is meant (transformers reads model.safetensors
+        # alone): a tensor in two files, a stray old shard say, is refused rather than picked
+        if twice := sorted(name for name in shapes if name in found):
+            which = f"{twice[0]!r}" + (f" and {len(twice) - 1} more tensors are" if len(twice) > 1 else " is")
+            raise CheckpointError(f"{which} in both {found[twice[0]][0].name} and {file.name}; remove the file that is "
+                                  "not part of the checkpoint (or add a model.safetensors.index.json naming the shards)")
+        found |= {name: (file, shape) for name, shape in shapes.items()}
     return found
 
 

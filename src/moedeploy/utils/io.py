@@ -74,7 +74,7 @@ def atomic_directory(
     parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_temp(path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent))
+        tmp = _marked_temp(path, ".tmp")
     except BaseException:
         _remove_empty(created)
         raise
@@ -84,8 +84,9 @@ def atomic_directory(
         old = None
         if path.exists():
             check_replaceable(path, owned, force)  # it may have changed while we worked
-            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".old", dir=parent))
+            old = _marked_temp(path, ".old")
             os.replace(path, old / "x")
+        (tmp / TEMP_MARKER).unlink()  # not part of the output
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -136,15 +137,28 @@ def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = N
     )
 
 
+#: The file inside each temp folder `atomic_directory` makes: what tells the sweep of a killed
+#: writer's leftovers from a user's folder that happens to be named alike
+TEMP_MARKER = ".moedeploy-temp"
+
+
 def _temp_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}."
+
+
+def _marked_temp(path: Path, suffix: str) -> Path:
+    """A new temp folder beside `path`, named for it and this process, holding TEMP_MARKER."""
+    folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=suffix, dir=path.parent))
+    (folder / TEMP_MARKER).touch()
+    return folder
 
 
 def sweep_stale_temp(path: str | Path) -> list[Path]:
     """Remove temp folders beside `path` that an interrupted write of `path` left behind.
 
-    Only folders named as `atomic_directory` names them, for this very `path`, whose writer
-    process no longer runs: a concurrent writer's work in progress is never touched.
+    Only folders named as `atomic_directory` names them, for this very `path`, that hold its
+    TEMP_MARKER and whose writer process no longer runs: a concurrent writer's work in progress
+    is never touched, nor a folder of the user's that happens to match the name.
     """
     path = Path(path)
     pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)$")
@@ -152,7 +166,8 @@ def sweep_stale_temp(path: str | Path) -> list[Path]:
     with contextlib.suppress(OSError):
         for entry in path.parent.iterdir():
             match = pattern.match(entry.name)
-            if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match.group(1))):
+            if (match and entry.is_dir() and not entry.is_symlink() and (entry / TEMP_MARKER).is_file()
+                    and not _process_alive(int(match.group(1)))):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
     return removed

@@ -109,17 +109,35 @@ def refuse(option: str, value: Any, why: str) -> UnsupportedOption:
     return UnsupportedOption(f"{option}={value!r} is not supported: {why}")
 
 
+#: rope_theta where config.json gives none: each family's default in transformers 5 (its config
+#: class's default_theta); 10000 for the others
+DEFAULT_ROPE_THETA = {"mixtral": 1e6, "phimoe": 1e6, "minimax_m2": 5e6, "gpt_oss": 150000.0}
+#: the families whose transformers rotary embedding applies partial_rotary_factor; the others'
+#: rotate the whole head whatever config.json says
+PARTIAL_ROTARY_FAMILIES = ("glm4_moe", "minimax_m2")
+
+
 def rope(hf: dict[str, Any], scalings: tuple[str, ...] = ()) -> tuple[float, float, dict[str, Any]]:
     """(rope_theta, partial_rotary_factor, YaRN fields of DecoderConfig) from rope_parameters
-    (transformers 5) or the legacy top-level fields. A RoPE type other than the default, or a
-    scaling the family does not list in `scalings`, is refused."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    (transformers 5) or the legacy rope_scaling and top-level fields, read as transformers 5 reads
+    them. A RoPE type other than the default, or a scaling the family does not list in
+    `scalings`, is refused; so is a config.json whose rope_parameters and rope_scaling disagree
+    (transformers would take rope_scaling and drop rope_parameters, its rope_theta with it)."""
+    legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
+    if legacy and params and legacy != params:
+        raise UnsupportedOption(
+            "config.json has both rope_parameters and the older rope_scaling, and they differ (transformers 5 would "
+            "use rope_scaling and ignore rope_parameters, its rope_theta too); put the scaling into rope_parameters "
+            "and delete rope_scaling")
+    params = params or legacy or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", None, *scalings):
         allowed = " and ".join(("the default RoPE", *scalings))
         raise refuse("rope_type", kind, f"only {allowed} is implemented for this family")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0))))
+    factor = 1.0
+    if hf.get("model_type") in PARTIAL_ROTARY_FAMILIES:
+        factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     return theta, factor, yarn_fields(hf, params) if kind == "yarn" else {}
 
 
