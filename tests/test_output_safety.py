@@ -154,6 +154,21 @@ def test_a_file_of_the_users_inside_an_artifacts_own_folders_is_kept_too(rmsnorm
         export("rmsnorm", out, seed=7)
 
 
+def test_compare_refuses_before_any_work_to_replace_a_report_folder_holding_user_files(
+        rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    """compare rewrites report/ whole: a file of the user's there is named and kept, and nothing runs."""
+    from moedeploy.compare.api import compare
+
+    art = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, art)
+    compare(art, iterations=1)
+    assert (art / "report" / "report.json").is_file()
+    (art / "report" / "my_notes.md").write_text("mine")
+    with pytest.raises(OutputRefused, match=r"my_notes\.md, which compare did not write"):
+        compare(art, iterations=1, progress=lambda step: pytest.fail(f"work started: {step}"))
+    assert (art / "report" / "my_notes.md").read_text() == "mine"
+
+
 def test_the_folders_moedeploy_writes_into_an_artifact_are_the_ones_its_commands_use() -> None:
     from moedeploy.compare.api import REPORT_DIR
     from moedeploy.export.artifact import DERIVED_DIRS

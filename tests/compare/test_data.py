@@ -188,6 +188,8 @@ def test_zero_tolerance_fails_because_onnx_runtime_is_not_bit_exact(artifacts, t
         assert stats["passed"] is (not differs), output
 
 
-def test_negative_tolerances_are_rejected(artifacts):
-    with pytest.raises(ValueError, match="atol"):
-        compare(artifacts.block("moe"), atol=-1e-3)
+@pytest.mark.parametrize("tolerance", [{"atol": -1e-3}, {"atol": float("nan")}, {"rtol": float("inf")}])
+def test_negative_or_not_finite_tolerances_are_rejected(artifacts, tolerance):
+    """NaN would fail every output, infinity pass any: neither is a tolerance."""
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        compare(artifacts.block("moe"), **tolerance)

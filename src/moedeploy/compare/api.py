@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,13 @@ from moedeploy.runtime.runners import (
     lowering_text,
     make_runner,
 )
-from moedeploy.utils.io import atomic_directory, atomic_write_json, atomic_write_text
+from moedeploy.utils.io import (
+    OutputRefused,
+    atomic_directory,
+    atomic_write_json,
+    atomic_write_text,
+    few_names,
+)
 
 REPORT_DIR = "report"
 RUN_RESULTS = "run_results.json"
@@ -192,8 +199,10 @@ def compare(
     if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in (*DECODER_ONLY, INFLIGHT)]):
         raise ValueError(f"--backend {decoder_only[0]} lowers a decoder's attention or residual norms; "
                          f"{artifact.path} holds a {artifact.kind!r}: compare it with ort, ort-contrib or trt")
-    if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
-        raise ValueError("--atol and --rtol must be >= 0")
+    if any(t is not None and not (math.isfinite(t) and t >= 0) for t in (atol, rtol)):
+        raise ValueError(f"--atol and --rtol must be finite numbers >= 0; got {atol} and {rtol} (NaN fails every "
+                         "output, infinity passes any)")
+    check_report_folder(artifact.path / REPORT_DIR)  # before the minutes of work, not after
     if quantization_thresholds and not (artifact.kind == "decoder" and artifact.manifest.get("quantization")):
         raise ValueError(f"--max-kl-mean and --min-top1 judge a quantized decoder against its float model; "
                          f"{artifact.path} is not quantized (compare it without them)")
@@ -276,7 +285,7 @@ def compare(
 
     progress(f"writing the report to {artifact.path / REPORT_DIR}")
     # report/ is the artifact's own subfolder, replaced on every run; anything else there is refused
-    with atomic_directory(artifact.path / REPORT_DIR, owned=lambda p: (p / "report.json").is_file()) as tmp, \
+    with atomic_directory(artifact.path / REPORT_DIR, owned=report_folder_is_ours) as tmp, \
             polygraphy_silenced():
         kept = saved_iterations(run_results, RUN_RESULTS_BUDGET)
         report["run_results_iterations"] = kept
@@ -286,6 +295,29 @@ def compare(
         atomic_write_text(tmp / "report.md", render_markdown(report))
         atomic_write_text(tmp / "report.html", render_html(report, _values(results_by_runner, reference.name)))
     return report
+
+
+#: Everything compare writes into <artifact>/report/
+REPORT_FILES = (RUN_RESULTS, ACCURACY, "report.json", "report.md", "report.html")
+
+
+def report_folder_is_ours(folder: Path) -> bool:
+    """A report folder compare wrote and nobody added to: report.json, and only REPORT_FILES."""
+    return (folder / "report.json").is_file() and all(entry.name in REPORT_FILES for entry in folder.iterdir())
+
+
+def check_report_folder(folder: Path) -> None:
+    """compare replaces report/ whole on every run: refuse, before any work, when it holds
+    anything compare did not write, which replacing would delete."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not folder.is_dir() or folder.is_symlink():
+        raise OutputRefused(f"{folder} is not the report folder compare writes; move it away: compare writes its "
+                            f"report there")
+    if any(folder.iterdir()) and not report_folder_is_ours(folder):
+        strangers = sorted(e.name for e in folder.iterdir() if e.name not in REPORT_FILES) or ["no report.json"]
+        raise OutputRefused(f"{folder} holds {few_names(strangers)}, which compare did not write; compare replaces "
+                            f"{REPORT_DIR}/ whole on every run: move them out of it first")
 
 
 def saved_iterations(run_results, budget: int) -> int:
