@@ -288,3 +288,20 @@ def test_layered_decoder_drops_a_layers_weights_even_when_its_forward_raises(che
     with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
         layered(_ids())
     assert all(p.is_meta for p in layered.parameters())
+
+
+@pytest.mark.parametrize(("value", "dtype", "message"), [
+    (float("nan"), "fp32", "1 NaN and 0 infinite"),
+    (float("inf"), "fp32", "0 NaN and 1 infinite"),
+    (1e5, "fp16", "past its range, ±65504 for fp16"),  # finite in the checkpoint, infinite once cast
+])
+def test_a_weight_that_is_not_finite_is_named_and_nothing_is_written(value, dtype, message, tmp_path) -> None:
+    folder = tmp_path / "ckpt"
+    model = tiny_mixtral(seed=6, **SHAPE)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[2, 3, 4] = value
+    model.save_pretrained(folder)
+    with pytest.raises(ValueError, match=message) as refused:
+        export("decoder", tmp_path / "art", checkpoint=folder, dtype=dtype)
+    assert "weight layers.1.ffn.w_down " in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

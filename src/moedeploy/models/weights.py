@@ -118,13 +118,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def fingerprint(
-    source: WeightSource, dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None
+    source: WeightSource, dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None,
+    inspect: Callable[[str, torch.Tensor], None] | None = None,
 ) -> str:
     """sha256 over every tensor's name and bytes in `dtype`, in state-dict order.
 
     Streamed one expert at a time, and equal to `fingerprint(ModuleWeights(m), dtype)` of the
     model loaded whole: it proves a rebuilt reference holds the weights an artifact was exported from.
-    `progress` hears how far it got every few seconds.
+    `progress` hears how far it got every few seconds; `inspect(name, piece)` sees every piece
+    hashed (the one pass over all the weights an export makes before writing: `require_finite`).
     """
     report = throttled(progress or (lambda _: None))
     digest = hashlib.sha256()
@@ -132,9 +134,22 @@ def fingerprint(
     for i, name in enumerate(names, 1):
         digest.update(name.encode())
         for piece in chunks(source, name, dtype):
+            if inspect is not None:
+                inspect(name, piece)
             digest.update(tensor_bytes(piece))
         report(f"fingerprinting the weights: {i} of {len(names)} tensors")
     return digest.hexdigest()
+
+
+def require_finite(name: str, piece: torch.Tensor) -> None:
+    """Refuse a weight holding NaN or infinity: every output of the model would be NaN, and a
+    comparison would blame the first layer it reaches instead of the weight."""
+    if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+        nan, inf = int(torch.isnan(piece).sum()), int(torch.isinf(piece).sum())
+        wide = (f" (in {str(piece.dtype).removeprefix('torch.')} an infinity can be a value past its range, ±65504 "
+                "for fp16: export with --dtype fp32 or bf16)" if piece.dtype == torch.float16 and inf else "")
+        raise ValueError(f"weight {name} holds {nan} NaN and {inf} infinite values{wide}; a model with them computes "
+                         "NaN: fix the checkpoint")
 
 
 #: The modules whose weights `layered_decoder` loads just before their forward and drops after.
