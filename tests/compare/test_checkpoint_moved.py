@@ -140,3 +140,23 @@ def test_the_up_front_reference_is_handed_over_not_kept():
     assert gone() is None  # the loader kept no reference: the runner's deactivation frees it
     loader()
     assert len(built) == 2
+
+
+@pytest.mark.parametrize("moved_too", [False, True])
+def test_an_edited_config_json_is_named_not_blamed_on_a_layer(moved, tmp_path, moved_too):
+    """The fingerprint covers the weights only: a config.json edited since export (here the norm
+    epsilon) is refused naming the field, whether the checkpoint is where it was or passed anew."""
+    artifact, _, new = moved
+    checkpoint = tmp_path / "mixtral"
+    shutil.copytree(new, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["config"]["norm_eps"] = 0.3
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    folder = fresh_copy(artifact, tmp_path / "artifact")
+    if not moved_too:  # the manifest records this copy as the checkpoint's place
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["config"]["source"]["checkpoint"] = str(checkpoint)
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"norm_eps: 1e-0\d at export, 0\.3 now"):
+        compare(folder, checkpoint=checkpoint if moved_too else None)
+    assert not (folder / "report").exists()

@@ -28,7 +28,7 @@ from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
-from moedeploy.export.reference import eager_decoder, load_reference, unquantized
+from moedeploy.export.reference import check_same_config, eager_decoder, load_reference, unquantized
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
@@ -130,6 +130,7 @@ def _verified_checkpoint_reference(artifact: Artifact, checkpoint: Path, expecte
         raise ArtifactError(f"--checkpoint {checkpoint} is not a folder")
     dtype = parse_dtype(artifact.dtype)
     weights = CheckpointWeights(checkpoint)
+    check_same_config(artifact, weights.config, checkpoint)
     if fingerprint(weights, dtype) != expected:
         raise ArtifactError(
             f"--checkpoint {checkpoint} holds other weights than {artifact.path} was exported from "

@@ -8,6 +8,7 @@ pure function of both) or the checkpoint folder, so a 500 MB model is not stored
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from torch import nn
 from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype
 from moedeploy.export.quantize import reference_weights
 from moedeploy.models.checkpoint import CheckpointWeights
+from moedeploy.models.config import DecoderConfig
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, layered_decoder
 
 REFERENCE_FILE = "reference.safetensors"
@@ -88,6 +90,7 @@ def load_reference(artifact: Artifact, dequantized: bool = True) -> nn.Module:
             )
         if checkpoint is not None:
             weights: WeightSource = CheckpointWeights(checkpoint)
+            check_same_config(artifact, weights.config, checkpoint)
             decoder = None
         else:
             decoder = build_decoder(source.get("preset"), None, artifact.manifest["seed"], dtype)
@@ -110,3 +113,18 @@ def load_reference(artifact: Artifact, dequantized: bool = True) -> nn.Module:
         raise ArtifactError(f"{artifact.path} has no {REFERENCE_FILE}; re-export it")
     module.load_state_dict(load_file(str(weights)))
     return module.eval().to(dtype)
+
+
+def check_same_config(artifact: Artifact, config: DecoderConfig, checkpoint: str | Path) -> None:
+    """The checkpoint's config.json must still describe the model the artifact was exported
+    from: the weights fingerprint covers the weights only, and an eager reference built on an
+    edited config (another norm epsilon, RoPE theta, routing) fails compare at the first layer
+    it touches, blaming the artifact instead of the edit."""
+    recorded = DecoderConfig.from_manifest(artifact.manifest["config"])
+    if changed := [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(recorded, f.name)]:
+        name = changed[0]
+        raise ArtifactError(
+            f"the config.json of checkpoint {checkpoint} no longer describes the model {artifact.path} was exported "
+            f"from ({name}: {getattr(recorded, name)!r} at export, {getattr(config, name)!r} now"
+            + (f"; {len(changed) - 1} more fields differ" if len(changed) > 1 else "")
+            + "); restore it, or re-export the artifact")
