@@ -240,6 +240,12 @@ def test_error_wrong_model_type(hf_folder: Path) -> None:
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
         ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types='chunked_attention'"),
+        ({"num_attention_heads": 4.0}, "num_attention_heads is 4.0, not an integer"),
+        ({"num_attention_heads": True}, "num_attention_heads is True, not an integer"),
+        ({"hidden_size": "32"}, "hidden_size is '32', not an integer"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, not a finite number >= 0"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps is 'x'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta is -5.0, not a finite number > 0"),
     ],
 )
 def test_error_unsupported_hf_config(change: dict, message: str, hf_folder: Path) -> None:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families import Family, UnsupportedOption, family_for
-from moedeploy.models.families.base import Derived
+from moedeploy.models.families.base import Derived, checked_field_types
 from moedeploy.utils.io import atomic_directory, atomic_write_json, read_json_object
 
 FORMAT = "moedeploy"
@@ -174,7 +174,7 @@ class CheckpointWeights:
                 family = family_for(raw_config.get("model_type"))
             except UnsupportedOption as e:
                 raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-            self.config = _parse(lambda: family.config(raw_config), path, family.title)
+            self.config = _parse(lambda: family.config(checked_field_types(raw_config)), path, family.title)
             try:
                 self._parts, self._shapes = _hf_parts(_read_headers(path), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree

@@ -105,6 +105,33 @@ class Family:
     derive: DeriveTensors | None = None  # tensors that need more than a rename
 
 
+#: config.json fields that must be integers (when present and not null), in Hugging Face's names
+INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
+    "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
+    "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step", "rotary_dim",
+)
+#: config.json fields that must be finite numbers >= 0 (when present and not null)
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor", "router_jitter_noise")
+
+
+def checked_field_types(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` itself, once its numeric fields have the types transformers gives them: a "32" or a
+    4.0 for a head count otherwise fails deep inside with a message naming no field, and a
+    negative or NaN epsilon or theta exports a model that computes NaN."""
+    for key in INT_FIELDS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UnsupportedOption(f"{key} is {value!r}, not an integer; fix it in config.json")
+    for key in NUMBER_FIELDS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise UnsupportedOption(f"{key} is {value!r}, not a finite number >= 0; fix it in config.json")
+    return hf
+
+
 def refuse(option: str, value: Any, why: str) -> UnsupportedOption:
     return UnsupportedOption(f"{option}={value!r} is not supported: {why}")
 
@@ -134,7 +161,10 @@ def rope(hf: dict[str, Any], scalings: tuple[str, ...] = ()) -> tuple[float, flo
     if kind not in ("default", None, *scalings):
         allowed = " and ".join(("the default RoPE", *scalings))
         raise refuse("rope_type", kind, f"only {allowed} is implemented for this family")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0))))
+    theta = params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0)))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise UnsupportedOption(f"rope_theta is {theta!r}, not a finite number > 0; fix it in config.json")
+    theta = float(theta)
     factor = 1.0
     if hf.get("model_type") in PARTIAL_ROTARY_FAMILIES:
         factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
