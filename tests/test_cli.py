@@ -235,6 +235,20 @@ def test_user_error_is_one_line_and_leaves_nothing(error_runs, name: str) -> Non
         assert not os.path.lexists(out)
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["export", "rmsnorm", "--seed", "99999999999999999999", "--out", "out"], "'--seed': Input should be less than or equal to 4294967295"),
+    (["all", "--seed", "-1", "--out", "out"], "'--seed': Input should be greater than or equal to 0"),
+    (["compare", "art", "--iterations", "1000000000000"], "'--iterations': Input should be less than or equal to 1000"),
+])
+def test_option_values_out_of_range_are_usage_errors(args: list[str], message: str, tmp_path: Path) -> None:
+    """A seed past 32 bits overflowed deep inside, a trillion iterations ran out of memory: both
+    are refused as they are parsed, one line and exit 2 (a usage error), nothing written."""
+    result = run_in_process(args, tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(error_lines(result.stderr)) == 1 and message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_errors_that_need_no_work_print_only_the_error_line(error_runs) -> None:
     """Argument errors fail before any work starts, so not even a progress line is printed."""
     for name in ("unknown-block", "invalid-dtype", "out-under-a-file", "out-is-a-file", "out-in-proc"):

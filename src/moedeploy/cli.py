@@ -63,6 +63,11 @@ def _click_exceptions() -> Any:
     return exceptions
 
 
+#: NumPy's legacy seeds are 32-bit, and a seed's job needs no more
+MAX_SEED = 2**32 - 1
+#: compare keeps every iteration's outputs of every backend in memory
+MAX_ITERATIONS = 1000
+
 app = typer.Typer(
     name="moedeploy",
     cls=_OneLineUsageErrors,
@@ -248,7 +253,7 @@ def export_cmd(
     dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
     fold_bn: bool = typer.Option(True, "--fold-bn/--no-fold-bn", help="BatchNorm blocks: fold the frozen EMA stats into Linear / scale+shift."),
     calibration_batches: int = typer.Option(8, "--calibration-batches", help="BatchNorm blocks: train-mode batches that update the EMA stats first."),
-    seed: int = typer.Option(0, "--seed", help="Seed for random weights and golden inputs."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for random weights and golden inputs."),
     max_seq_len: int = typer.Option(None, "--max-seq-len", help="Decoder: positions (cache + new tokens) the TensorRT profile covers; default min(max_positions, 4096).", show_default=False),
     force: bool = typer.Option(False, "--force", help="Replace --out even when it is a folder moedeploy did not write."),
     golden: bool = typer.Option(True, "--golden/--no-golden", help="Decoder: run eager PyTorch on the golden inputs and store its outputs (--no-golden skips that pass over the weights; `compare` still runs eager)."),
@@ -417,8 +422,8 @@ def compare_cmd(
                                 "together on the in-flight batching row cache, each against eager PyTorch run whole)."),
     atol: float = typer.Option(None, "--atol", help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
     rtol: float = typer.Option(None, "--rtol", help="Relative tolerance for every output (default: the manifest's, by dtype)."),
-    iterations: int = typer.Option(4, "--iterations", help="Seeded random inputs; the first uses each dynamic dim's opt size."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the input data."),
+    iterations: int = typer.Option(4, "--iterations", min=1, max=MAX_ITERATIONS, help="Seeded random inputs; the first uses each dynamic dim's opt size."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for the input data."),
     layerwise: bool = typer.Option(False, "--layerwise", help="Localise the first divergent layer even when outputs pass."),
     checkpoint: Path = typer.Option(
         None, "--checkpoint",
@@ -466,8 +471,8 @@ def all_cmd(
     backend: str = typer.Option(None, "--backend", help="Backends to compare (default: ort, plus trt when TensorRT is installed)."),
     dtype: str = typer.Option("fp32", "--dtype", help="Graph precision: fp32, fp16 or bf16."),
     preset_name: str = typer.Option("tiny", "--preset", help="Decoder preset: tiny or small."),
-    iterations: int = typer.Option(3, "--iterations", help="Seeded random inputs per comparison."),
-    seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs."),
+    iterations: int = typer.Option(3, "--iterations", min=1, max=MAX_ITERATIONS, help="Seeded random inputs per comparison."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for weights and inputs."),
     force: bool = typer.Option(False, "--force", help="Write into --out even when it holds files moedeploy did not write."),
 ) -> None:
     """Export and compare every block and the decoder.
