@@ -327,6 +327,13 @@ def test_error_unknown_tensor(hf_folder: Path) -> None:
     assert "unexpected tensors" in _load_error(hf_folder)
 
 
+def test_unknown_tensors_in_a_stray_file_name_the_file(hf_folder: Path) -> None:
+    """A second weight file with other names (an adapter, a consolidated copy): the error says which file."""
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2)}, str(hf_folder / "consolidated.safetensors"))
+    msg = _load_error(hf_folder)
+    assert "unexpected tensors" in msg and "(in consolidated.safetensors)" in msg and "wq.weight" in msg
+
+
 def test_error_corrupt_safetensors(hf_folder: Path) -> None:
     (hf_folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
     assert "not a readable safetensors file" in _load_error(hf_folder)

@@ -342,7 +342,9 @@ def _hf_parts(
             else:
                 unknown.append(name)
     if unknown:
-        raise CheckpointError(f"unexpected tensors for a {family.title} checkpoint: {_few(unknown)}")
+        files = sorted({headers[name][0].name for name in unknown})
+        where = f" (in {_few(files)})" if len({file for file, _ in headers.values()}) > 1 else ""
+        raise CheckpointError(f"unexpected tensors for a {family.title} checkpoint{where}: {_few(unknown)}")
     for (layer, w), experts in per_expert.items():
         missing = sorted(set(range(config.n_experts)) - set(experts))
         if missing or len(experts) != config.n_experts:
