@@ -147,6 +147,14 @@ def test_a_file_of_the_users_inside_an_artifacts_own_folders_is_kept_too(rmsnorm
     with pytest.raises(OutputRefused, match=r"it also holds golden/mynote\.txt, which moedeploy did not write"):
         export("rmsnorm", out, seed=7)
     assert (out / "golden" / "mynote.txt").read_text() == "the user's note"
+    (out / "golden" / "mynote.txt").unlink()
+    # compare's report/: its own files are replaced with the artifact, anything else is the user's
+    (out / "report").mkdir()
+    (out / "report" / "report.json").write_text("{}")
+    (out / "report" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused, match=r"it also holds report/notes\.txt, which moedeploy did not write"):
+        export("rmsnorm", out, seed=7)
+    assert (out / "report" / "notes.txt").read_text() == "mine"
     # a manifest whose files list is damaged: moedeploy cannot tell its files from the user's
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "files": list(manifest["files"])}))
@@ -176,6 +184,10 @@ def test_the_folders_moedeploy_writes_into_an_artifact_are_the_ones_its_commands
     from moedeploy.runtime.tensorrt import ENGINES_DIR
 
     assert set(DERIVED_DIRS) == {REPORT_DIR, CACHE_DIR, ENGINES_DIR}
+    from moedeploy.compare.api import ACCURACY, RUN_RESULTS
+    from moedeploy.export.artifact import REPORT_FILES
+
+    assert {RUN_RESULTS, ACCURACY} <= set(REPORT_FILES)  # what compare saves is what a re-export may replace
 
 
 def test_triton_repo_replaces_only_its_own_model_folders(rmsnorm_artifact: Path, tmp_path: Path) -> None:

@@ -25,7 +25,14 @@ from moedeploy.compare.layerwise import localize
 from moedeploy.compare.metrics import error_stats
 from moedeploy.compare.quantization import quantization_accuracy
 from moedeploy.compare.report import render_html, render_markdown
-from moedeploy.export.artifact import Artifact, ArtifactError, parse_dtype, quiet_polygraphy
+from moedeploy.export.artifact import (
+    REPORT_DIR,
+    REPORT_FILES,
+    Artifact,
+    ArtifactError,
+    parse_dtype,
+    quiet_polygraphy,
+)
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
 from moedeploy.export.reference import check_same_config, eager_decoder, load_reference, unquantized
@@ -47,7 +54,6 @@ from moedeploy.utils.io import (
     few_names,
 )
 
-REPORT_DIR = "report"
 RUN_RESULTS = "run_results.json"
 #: run_results.json keeps the first iterations whose outputs (all runners) fit in this many
 #: bytes: every iteration of a small model, not hundreds of MB of logits of a large one.
@@ -298,8 +304,6 @@ def compare(
     return report
 
 
-#: Everything compare writes into <artifact>/report/
-REPORT_FILES = (RUN_RESULTS, ACCURACY, "report.json", "report.md", "report.html")
 
 
 def report_folder_is_ours(folder: Path) -> bool:

@@ -38,6 +38,10 @@ QUANTIZATION_DIGEST_KEY = "moedeploy.quantization_sha256"
 #: what moedeploy's commands write into an artifact beside its listed files (compare's report/,
 #: ONNX Runtime's lowered-session cache/, TensorRT's engines/); a test holds these to their modules
 DERIVED_DIRS = ("report", "cache", "engines")
+REPORT_DIR = DERIVED_DIRS[0]
+#: everything compare writes into report/, which it replaces whole (compare/api.py): anything
+#: else there is the user's, kept by compare and by a re-export alike
+REPORT_FILES = ("run_results.json", "accuracy.json", "report.json", "report.md", "report.html")
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = MODEL_FILE + ".data"
 GOLDEN_INPUTS = "golden/inputs.json"

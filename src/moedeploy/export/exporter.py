@@ -28,6 +28,8 @@ from moedeploy.export.artifact import (
     MODEL_DATA_FILE,
     MODEL_FILE,
     QUANTIZATION_DIGEST_KEY,
+    REPORT_DIR,
+    REPORT_FILES,
     SCHEMA_VERSION,
     Artifact,
     io_spec,
@@ -205,6 +207,8 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
             elif entry.name in folders and entry.is_dir() and not entry.is_symlink():  # golden/, tokenizer/: file by file
                 foreign += [rel for f in sorted(entry.rglob("*")) if f.is_file() and
                             (rel := f.relative_to(path).as_posix()) not in listed]
+            elif entry.name == REPORT_DIR and entry.is_dir() and not entry.is_symlink():  # compare's files alone
+                foreign += [f"{REPORT_DIR}/{e.name}" for e in sorted(entry.iterdir()) if e.name not in REPORT_FILES]
     except OSError:
         return []
     return foreign
