@@ -27,11 +27,11 @@ from moedeploy.compare.quantization import quantization_accuracy
 from moedeploy.compare.report import render_html, render_markdown
 from moedeploy.export.artifact import (
     REPORT_DIR,
-    REPORT_FILES,
     Artifact,
     ArtifactError,
     parse_dtype,
     quiet_polygraphy,
+    report_strangers,
 )
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.export.exporter import library_versions
@@ -308,7 +308,7 @@ def compare(
 
 def report_folder_is_ours(folder: Path) -> bool:
     """A report folder compare wrote and nobody added to: report.json, and only REPORT_FILES."""
-    return (folder / "report.json").is_file() and all(entry.name in REPORT_FILES for entry in folder.iterdir())
+    return (folder / "report.json").is_file() and not report_strangers(folder)
 
 
 def check_report_folder(folder: Path) -> None:
@@ -320,7 +320,7 @@ def check_report_folder(folder: Path) -> None:
         raise OutputRefused(f"{folder} is not the report folder compare writes; move it away: compare writes its "
                             f"report there")
     if any(folder.iterdir()) and not report_folder_is_ours(folder):
-        strangers = sorted(e.name for e in folder.iterdir() if e.name not in REPORT_FILES) or ["no report.json"]
+        strangers = report_strangers(folder) or ["no report.json"]
         raise OutputRefused(f"{folder} holds {few_names(strangers)}, which compare did not write; compare replaces "
                             f"{REPORT_DIR}/ whole on every run: move them out of it first")
 

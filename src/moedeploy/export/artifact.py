@@ -42,6 +42,11 @@ REPORT_DIR = DERIVED_DIRS[0]
 #: everything compare writes into report/, which it replaces whole (compare/api.py): anything
 #: else there is the user's, kept by compare and by a re-export alike
 REPORT_FILES = ("run_results.json", "accuracy.json", "report.json", "report.md", "report.html")
+
+
+def report_strangers(folder: Path) -> list[str]:
+    """The names in a report/ folder that compare did not write (compare and export keep them)."""
+    return [e.name for e in sorted(folder.iterdir()) if e.name not in REPORT_FILES]
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = MODEL_FILE + ".data"
 GOLDEN_INPUTS = "golden/inputs.json"

@@ -29,11 +29,11 @@ from moedeploy.export.artifact import (
     MODEL_FILE,
     QUANTIZATION_DIGEST_KEY,
     REPORT_DIR,
-    REPORT_FILES,
     SCHEMA_VERSION,
     Artifact,
     io_spec,
     parse_dtype,
+    report_strangers,
     save_golden,
     save_model,
     section_digest,
@@ -208,7 +208,7 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
                 foreign += [rel for f in sorted(entry.rglob("*")) if f.is_file() and
                             (rel := f.relative_to(path).as_posix()) not in listed]
             elif entry.name == REPORT_DIR and entry.is_dir() and not entry.is_symlink():  # compare's files alone
-                foreign += [f"{REPORT_DIR}/{e.name}" for e in sorted(entry.iterdir()) if e.name not in REPORT_FILES]
+                foreign += [f"{REPORT_DIR}/{name}" for name in report_strangers(entry)]
     except OSError:
         return []
     return foreign

@@ -541,7 +541,7 @@ def moe(
     b_gate, b_up, b_down = dense_biases(w_up, b_gate, b_up, b_down, interleaved)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     weights, ids = _route(router_logits, routing, dense_score_bias(score_bias, e, device))
-    if cfg.gemv and triton.next_power_of_2(quant["QBLOCK"]) == quant["QBLOCK"]:
+    if cfg.gemv:
         slot_out = _experts_gemv(x, ids, weights, stacks, quant, (b_gate, b_up, b_down), has_bias, activation, top_k,
                                  cfg, interleaved, i)
     else:
