@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 
 from moedeploy.export.artifact import MANIFEST, Artifact, sha256
 from moedeploy.export.preflight import check_tensorrt, support_matrix
-from tests.export.artifacts import ArtifactStore
+from tests.export.artifacts import ArtifactStore, rewrite_manifest
 
 DERIVED = shutil.ignore_patterns("cache", "report", "engines")  # what other tests add to a shared artifact
 
@@ -30,7 +30,7 @@ def _replace_model(artifact: Artifact, model: onnx.ModelProto) -> None:
     onnx.save(model, str(artifact.model_path))
     manifest = json.loads((artifact.path / MANIFEST).read_text())
     manifest["files"]["model.onnx"] = sha256(artifact.model_path)
-    (artifact.path / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_manifest(artifact.path, manifest)
 
 
 def test_support_matrix_is_the_published_one() -> None:

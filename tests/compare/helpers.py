@@ -18,6 +18,7 @@ import onnx
 from onnx import numpy_helper
 
 from moedeploy.export.artifact import Artifact
+from tests.export.artifacts import rewrite_manifest
 
 SCOPE_KEY = "pkg.torch.onnx.name_scopes"
 # A cross-section of the blocks: custom ops (RMSNorm, MoE), a folded BatchNorm, attention.
@@ -46,7 +47,7 @@ def rehash_model(folder: Path) -> None:
     manifest_file = folder / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["files"]["model.onnx"] = file_sha256(folder / "model.onnx")
-    manifest_file.write_text(json.dumps(manifest, indent=2))
+    rewrite_manifest(folder, manifest)
 
 
 def edit_initializer(folder: Path, name: str, edit: Callable[[np.ndarray], np.ndarray]) -> None:

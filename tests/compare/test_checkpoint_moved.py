@@ -23,6 +23,7 @@ from moedeploy.export.artifact import MANIFEST, Artifact, ArtifactError
 from moedeploy.export.decoder import DecoderWithPast, past_names
 from moedeploy.models import DecoderConfig, MoEDecoder
 from tests.compare.helpers import assert_one_error_line, fresh_copy, run_cli
+from tests.export.artifacts import rewrite_manifest
 
 CONFIG = DecoderConfig(
     vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=3, top_k=2,
@@ -97,7 +98,7 @@ def test_an_artifact_without_a_fingerprint_cannot_take_a_checkpoint(moved, tmp_p
     folder = fresh_copy(artifact, tmp_path / "artifact")
     manifest = json.loads((folder / MANIFEST).read_text())
     del manifest["config"]["source"]["weights_sha256"]
-    (folder / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_manifest(folder, manifest)
     with pytest.raises(ArtifactError, match="no weights fingerprint"):
         compare(folder, checkpoint=new)
     assert not (folder / "report").exists()
@@ -156,7 +157,7 @@ def test_an_edited_config_json_is_named_not_blamed_on_a_layer(moved, tmp_path, m
     if not moved_too:  # the manifest records this copy as the checkpoint's place
         manifest = json.loads((folder / MANIFEST).read_text())
         manifest["config"]["source"]["checkpoint"] = str(checkpoint)
-        (folder / MANIFEST).write_text(json.dumps(manifest))
+        rewrite_manifest(folder, manifest)
     with pytest.raises(ArtifactError, match=r"norm_eps: 1e-0\d at export, 0\.3 now"):
         compare(folder, checkpoint=checkpoint if moved_too else None)
     assert not (folder / "report").exists()

@@ -12,6 +12,7 @@ from moedeploy.compare.data import ArtifactDataLoader
 from moedeploy.export.artifact import Artifact
 from moedeploy.models import DecoderConfig
 from tests.compare.helpers import fresh_copy
+from tests.export.artifacts import rewrite_manifest
 
 # Per design: blocks are judged at (1e-5, 1e-5) in fp32 and (1e-2, 1e-2) in fp16, the
 # decoder at (1e-4, 1e-4) in fp32.
@@ -157,7 +158,7 @@ def test_block_tolerances_by_dtype(artifacts, tmp_path, dtype, expected):
     manifest_file = block / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     del manifest["tolerances"]
-    manifest_file.write_text(json.dumps(manifest))
+    rewrite_manifest(block, manifest)
     assert resolve_tolerances(Artifact.load(block), None, None) == {"y": expected}
 
 

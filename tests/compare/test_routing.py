@@ -22,6 +22,7 @@ from moedeploy.compare.report import routing_note
 from moedeploy.export.artifact import MANIFEST, Artifact, sha256
 from moedeploy.plugins.moe import Routing
 from tests.compare.helpers import fresh_copy
+from tests.export.artifacts import rewrite_manifest
 
 
 def test_routing_flips_by_hand() -> None:
@@ -68,7 +69,7 @@ def test_a_broken_router_is_not_called_a_near_tie(artifacts, tmp_path) -> None:
     onnx.save(model, str(artifact.model_path))
     manifest = json.loads((artifact.path / MANIFEST).read_text())
     manifest["files"]["model.onnx"] = sha256(artifact.model_path)
-    (artifact.path / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_manifest(artifact.path, manifest)
 
     report = compare(artifact.path, iterations=1)
     assert report["passed"] is False and report["first_divergent_module"] == "layers.1.ffn"

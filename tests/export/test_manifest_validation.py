@@ -20,7 +20,7 @@ from onnx import numpy_helper
 
 from moedeploy.export.artifact import MANIFEST, Artifact, ArtifactError
 from moedeploy.runtime.ort import create_session
-from tests.export.artifacts import plain_session
+from tests.export.artifacts import plain_session, rewrite_manifest
 
 Edit = Callable[[dict[str, Any], Path], None]
 
@@ -40,7 +40,7 @@ def tampered(artifact: Artifact, tmp_path: Path, edit: Edit) -> Path:
     folder = copy_artifact(artifact, tmp_path / "artifact")
     manifest = json.loads((folder / MANIFEST).read_text())
     edit(manifest, folder)
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    rewrite_manifest(folder, manifest)  # sealed: these tests are of the schema, test_manifest_seal of the seal
     return folder
 
 

@@ -303,7 +303,7 @@ def _without_digest(artifact: Artifact, folder: Path) -> Path:
     import json
     import shutil
 
-    from moedeploy.export.artifact import QUANTIZATION_DIGEST_KEY, sha256
+    from moedeploy.export.artifact import MANIFEST_DIGEST_KEY, QUANTIZATION_DIGEST_KEY, sha256
 
     shutil.copytree(artifact.path, folder, ignore=shutil.ignore_patterns("report", "cache"))
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -315,6 +315,7 @@ def _without_digest(artifact: Artifact, folder: Path) -> Path:
     onnx.save_model(model, str(folder / "model.onnx"))
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["model.onnx"] = sha256(folder / "model.onnx")
+    del manifest[MANIFEST_DIGEST_KEY]  # nor was the manifest sealed then
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 import moedeploy.runtime.ort as ort_module
 from moedeploy.export.artifact import MANIFEST, Artifact
 from moedeploy.runtime.ort import CACHE_DIR, create_session
-from tests.export.artifacts import plain_session
+from tests.export.artifacts import plain_session, rewrite_manifest
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -155,4 +155,4 @@ def save_externally(folder: Path, scale: float) -> None:
                     all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"].update({rel: digest(folder / rel) for rel in ("model.onnx", "model.onnx.data")})
-    (folder / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_manifest(folder, manifest)

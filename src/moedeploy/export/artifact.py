@@ -35,6 +35,8 @@ from moedeploy.models.config import DecoderConfig
 MANIFEST = "manifest.json"
 #: model.onnx's metadata key for the sha256 of the manifest's "quantization" section (section_digest)
 QUANTIZATION_DIGEST_KEY = "moedeploy.quantization_sha256"
+#: the manifest's own key for the sha256 of everything else in it (`sealed`, `seal_problem`)
+MANIFEST_DIGEST_KEY = "manifest_sha256"
 #: what moedeploy's commands write into an artifact beside its listed files (compare's report/,
 #: ONNX Runtime's lowered-session cache/, TensorRT's engines/); a test holds these to their modules
 DERIVED_DIRS = ("report", "cache", "engines")
@@ -269,6 +271,31 @@ def section_digest(section: Any) -> str:
     return hashlib.sha256(json.dumps(section, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with the digest of the rest of it under MANIFEST_DIGEST_KEY, as export writes it.
+
+    The files' hashes live in the manifest, so nothing covered the manifest itself: tolerances
+    raised by hand to 1e9 made compare PASS anything, and a shortened outputs list paired the
+    wrong tensors. The digest is not a signature (whoever edits the file can recompute it); it
+    makes an edit by hand, or by a tool that does not know the artifact, refused at load instead
+    of trusted. compare's --atol/--rtol are the way to judge with other tolerances.
+    """
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST_KEY}
+    return {**body, MANIFEST_DIGEST_KEY: section_digest(body)}
+
+
+def seal_problem(manifest: dict[str, Any]) -> str | None:
+    """Why the manifest's contents are not what export sealed, or None. An artifact written before
+    the seal has no digest and is read as before."""
+    if MANIFEST_DIGEST_KEY not in manifest:
+        return None
+    if sealed(manifest)[MANIFEST_DIGEST_KEY] != manifest[MANIFEST_DIGEST_KEY]:
+        return (f"was edited after export (its {MANIFEST_DIGEST_KEY} does not match its contents), so its "
+                "tolerances, inputs and outputs cannot be trusted; re-export the artifact (compare's --atol and "
+                "--rtol judge with other tolerances)")
+    return None
+
+
 def _shown(m: dict[str, Any], key: str) -> str:
     return repr(m[key]) if key in m else "missing"
 
@@ -462,6 +489,10 @@ class Artifact:
         artifact.check_files()
         if verify:
             artifact.verify()
+        # last: an edit the checks above name more precisely (a quantization section, a file's
+        # hash) is reported in their words
+        if problem := seal_problem(manifest):
+            raise ArtifactError(f"{manifest_file} {problem}")
         return artifact
 
     def resolve_inside(self, rel: str) -> Path | None:

@@ -36,6 +36,7 @@ from moedeploy.export.artifact import (
     report_strangers,
     save_golden,
     save_model,
+    sealed,
     section_digest,
     sha256,
     to_numpy,
@@ -478,7 +479,7 @@ def _write_artifact(
         files += save_golden(tmp, golden_in, golden_out)
         progress("hashing the artifact's files")
         manifest["files"] = {rel: sha256(tmp / rel) for rel in files}
-        atomic_write_json(tmp / MANIFEST, manifest)
+        atomic_write_json(tmp / MANIFEST, sealed(manifest))
     return Artifact.load(out)
 
 

@@ -1,0 +1,74 @@
+"""manifest.json is sealed: export records the sha256 of its contents in it, and a load refuses a
+manifest whose contents changed since. Before, the files' hashes (kept in the manifest) covered
+every file but the manifest: tolerances raised by hand to 1e9 made compare PASS a wrong graph,
+and a shortened outputs list failed inside compare with a zip() error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moedeploy.compare.api import compare
+from moedeploy.export.artifact import MANIFEST, Artifact, ArtifactError
+from tests.compare.helpers import assert_one_error_line, run_cli
+
+
+def _copy(artifact: Artifact, dest: Path) -> Path:
+    shutil.copytree(artifact.path, dest, ignore=shutil.ignore_patterns("cache", "report", "engines"))
+    return dest
+
+
+def _canonical_sha256(manifest: dict) -> str:
+    """The seal by its definition: sha256 of the rest of the manifest as sorted, compact JSON."""
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_an_export_seals_its_manifest(store) -> None:
+    manifest = json.loads((store.block("moe").path / MANIFEST).read_text())
+    assert manifest["manifest_sha256"] == _canonical_sha256(manifest)
+
+
+def test_a_tolerance_raised_by_hand_is_refused_not_passed(store, tmp_path) -> None:
+    folder = _copy(store.block("moe"), tmp_path / "moe")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for tolerance in manifest["tolerances"].values():
+        tolerance["atol"] = 1e9
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    with pytest.raises(ArtifactError, match=r"manifest\.json was edited after export .*re-export the artifact"):
+        Artifact.load(folder)
+    assert_one_error_line(run_cli("compare", folder), str(folder / MANIFEST), "edited after export", "--atol")
+    assert not (folder / "report").exists()
+
+
+def test_a_shortened_outputs_list_is_refused_at_load(store, tmp_path) -> None:
+    folder = _copy(store.decoder(), tmp_path / "decoder")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert len(manifest["outputs"]) > 1
+    manifest["outputs"] = manifest["outputs"][:1]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="edited after export"):
+        compare(folder, iterations=1)
+    assert not (folder / "report").exists()
+
+
+def test_reformatting_the_json_is_not_an_edit(store, tmp_path) -> None:
+    """An editor that re-indents the file or reorders its keys changes no value: still loads."""
+    folder = _copy(store.block("moe"), tmp_path / "moe")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    reordered = dict(reversed(list(manifest.items())))
+    (folder / MANIFEST).write_text(json.dumps(reordered, indent=7))
+    assert Artifact.load(folder).manifest["tolerances"] == manifest["tolerances"]
+
+
+def test_an_artifact_from_before_the_seal_still_loads(store, tmp_path) -> None:
+    folder = _copy(store.block("moe"), tmp_path / "moe")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    del manifest["manifest_sha256"]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert Artifact.load(folder).manifest == manifest
