@@ -239,6 +239,11 @@ def test_user_error_is_one_line_and_leaves_nothing(error_runs, name: str) -> Non
     (["export", "rmsnorm", "--seed", "99999999999999999999", "--out", "out"], "'--seed': Input should be less than or equal to 4294967295"),
     (["all", "--seed", "-1", "--out", "out"], "'--seed': Input should be greater than or equal to 0"),
     (["compare", "art", "--iterations", "1000000000000"], "'--iterations': Input should be less than or equal to 1000"),
+    # click's float ranges let NaN through: a NaN tolerance failed every output, an infinite one passed any
+    (["compare", "art", "--atol", "nan"], "'--atol': nan is not a finite number >= 0"),
+    (["compare", "art", "--rtol", "inf"], "'--rtol': inf is not a finite number >= 0"),
+    (["compare", "art", "--atol", "-1e-3"], "'--atol': -0.001 is not a finite number >= 0"),
+    (["compare", "art", "--min-top1", "nan"], "'--min-top1': nan is not a fraction of positions from 0 to 1"),
 ])
 def test_option_values_out_of_range_are_usage_errors(args: list[str], message: str, tmp_path: Path) -> None:
     """A seed past 32 bits overflowed deep inside, a trillion iterations ran out of memory: both

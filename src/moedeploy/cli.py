@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -67,6 +68,20 @@ def _click_exceptions() -> Any:
 MAX_SEED = 2**32 - 1
 #: compare keeps every iteration's outputs of every backend in memory
 MAX_ITERATIONS = 1000
+
+
+def number_in(low: float, high: float = math.inf, what: str = "a finite number") -> Callable[[float | None], float | None]:
+    """A typer callback that refuses, as the options are parsed (exit 2, like typer's own range
+    checks), a float outside [low, high] or NaN: click's ranges let NaN through (no comparison with
+    it is true), and a NaN tolerance fails every output while an infinite one passes any."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and not (low <= value <= high and math.isfinite(value)):
+            bound = f"from {low:g} to {high:g}" if math.isfinite(high) else f">= {low:g}"
+            raise typer.BadParameter(f"{value} is not {what} {bound}")
+        return None if value is None else value + 0.0  # -0.0 reads as 0
+
+    return check
 
 app = typer.Typer(
     name="moedeploy",
@@ -402,12 +417,8 @@ def _print_report(report: dict) -> None:
 
 
 def _quantization_thresholds(max_kl_mean: float | None, min_top1: float | None) -> dict[str, float]:
-    """compare's --max-kl-mean / --min-top1, checked: overrides of the defaults by bit width."""
-    if max_kl_mean is not None and not max_kl_mean >= 0:  # NaN too: no KL is <= NaN
-        raise ValueError("--max-kl-mean must be a number >= 0")
-    if min_top1 is not None and not 0 <= min_top1 <= 1:
-        raise ValueError("--min-top1 is a fraction of positions: choose a value from 0 to 1")
-    given = {"kl_mean": None if max_kl_mean is None else max_kl_mean + 0.0, "top1": min_top1}  # -0 reads as 0
+    """compare's --max-kl-mean / --min-top1 (checked as parsed): overrides of the defaults by bit width."""
+    given = {"kl_mean": max_kl_mean, "top1": min_top1}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -420,8 +431,8 @@ def compare_cmd(
                                 "decoder's attention on GroupQueryAttention), ort-skipnorm (residual + RMSNorm on "
                                 "SkipSimplifiedLayerNormalization), trt, ort-inflight (a decoder's sequences of different lengths decoded "
                                 "together on the in-flight batching row cache, each against eager PyTorch run whole)."),
-    atol: float = typer.Option(None, "--atol", help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
-    rtol: float = typer.Option(None, "--rtol", help="Relative tolerance for every output (default: the manifest's, by dtype)."),
+    atol: float = typer.Option(None, "--atol", callback=number_in(0), help="Absolute tolerance for every output (default: the manifest's, by dtype)."),
+    rtol: float = typer.Option(None, "--rtol", callback=number_in(0), help="Relative tolerance for every output (default: the manifest's, by dtype)."),
     iterations: int = typer.Option(4, "--iterations", min=1, max=MAX_ITERATIONS, help="Seeded random inputs; the first uses each dynamic dim's opt size."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for the input data."),
     layerwise: bool = typer.Option(False, "--layerwise", help="Localise the first divergent layer even when outputs pass."),
@@ -430,9 +441,9 @@ def compare_cmd(
         help="Decoder exported from a checkpoint: the checkpoint's folder, if it moved since export "
         "(refused unless its weights match the manifest's fingerprint).",
     ),
-    max_kl_mean: float = typer.Option(None, "--max-kl-mean", help="Quantized decoder: the most mean KL divergence "
+    max_kl_mean: float = typer.Option(None, "--max-kl-mean", callback=number_in(0), help="Quantized decoder: the most mean KL divergence "
                                       "from the unquantized model that passes (default 0.01 for int8, 0.15 for int4)."),
-    min_top1: float = typer.Option(None, "--min-top1", help="Quantized decoder: the least top-1 agreement with the "
+    min_top1: float = typer.Option(None, "--min-top1", callback=number_in(0, 1, "a fraction of positions"), help="Quantized decoder: the least top-1 agreement with the "
                                    "unquantized model that passes (default 0.8 for int8, 0.25 for int4)."),
 ) -> None:
     """Compare an artifact's backends with eager PyTorch.

@@ -746,10 +746,10 @@ def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
     assert result.exit_code == 1 and "FAIL" in result.output  # no quantization is that exact
     assert "KL mean <= 0 and top-1 >= 0.8" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["compare", path, "--min-top1", "2"])
-    assert result.exit_code != 0 and "--min-top1 is a fraction of positions" in result.output
+    assert result.exit_code == 2 and "'--min-top1': 2.0 is not a fraction of positions from 0 to 1" in result.output
     assert "Traceback" not in result.output
     result = CliRunner().invoke(app, ["compare", path, "--max-kl-mean", "nan"])
-    assert result.exit_code == 1 and "--max-kl-mean must be a number >= 0" in result.output
+    assert result.exit_code == 2 and "'--max-kl-mean': nan is not a finite number >= 0" in result.output
     fp32 = export("decoder", Path(path).parent / "fp32-thresholds", preset_name="tiny", golden=False)
     result = CliRunner().invoke(app, ["compare", str(fp32.path), "--max-kl-mean", "0.5"])
     assert result.exit_code == 1 and "is not quantized (compare it without them)" in " ".join(result.output.split())
