@@ -252,6 +252,54 @@ def test_sigterm_mid_write_removes_the_temp_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def _replace_then(monkeypatch: pytest.MonkeyPatch, when: str, then) -> None:
+    """os.replace as atomic_directory calls it, with `then()` run right after the rename whose
+    source (`when="moved aside"`: the old output, into its temp folder) or before the one whose
+    destination is the output (`when="into place"`)."""
+    real = os.replace
+
+    def replace(src, dst) -> None:
+        if when == "into place" and Path(src).name.endswith(".tmp"):
+            then()
+        real(src, dst)
+        if when == "moved aside" and Path(dst).name == "x":
+            then()
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_ctrl_c_between_the_renames_waits_until_the_new_output_is_in_place(tmp_path: Path, monkeypatch) -> None:
+    """Before, a Ctrl-C just after the old output was moved aside deleted the new one and left
+    the old one in a temp folder that the next write sweeps: neither was at --out."""
+    out = tmp_path / "art"
+    with atomic_directory(out) as tmp:
+        (tmp / "v.txt").write_text("old")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, as in a shell
+    try:
+        _replace_then(monkeypatch, "moved aside", lambda: signal.raise_signal(signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt), atomic_directory(out, force=True) as tmp:
+            (tmp / "v.txt").write_text("new")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (out / "v.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temp folder holds the old output
+
+
+def test_a_failed_last_rename_puts_the_old_output_back(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "art"
+    with atomic_directory(out) as tmp:
+        (tmp / "v.txt").write_text("old")
+
+    def fail() -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    _replace_then(monkeypatch, "into place", fail)
+    with pytest.raises(OSError, match="Input/output error"), atomic_directory(out, force=True) as tmp:
+        (tmp / "v.txt").write_text("new")
+    assert (out / "v.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
 def test_a_killed_writers_temp_folder_is_swept_by_the_next_write(tmp_path: Path) -> None:
     out = tmp_path / "art"
     writer = _start_writer(out, "unhandled")

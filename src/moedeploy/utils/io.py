@@ -8,7 +8,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -81,15 +83,10 @@ def atomic_directory(
     try:
         yield tmp
         normalise_modes(tmp)
-        old = None
-        if path.exists():
-            check_replaceable(path, owned, force)  # it may have changed while we worked
-            old = _marked_temp(path, ".old")
-            os.replace(path, old / "x")
-        (tmp / TEMP_MARKER).unlink()  # not part of the output
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with signals_deferred():  # see _swap_into_place
+            old = _swap_into_place(tmp, path, owned, force)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
@@ -97,6 +94,52 @@ def atomic_directory(
             raise OSError(errno.ENOSPC, f"no space left on the device while writing {path}; free space "
                                         "or choose another --out") from None
         raise
+
+
+def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None, force: bool) -> Path | None:
+    """Put the finished `tmp` at `path`; an existing `path` goes into a marked temp folder, which
+    is returned for the caller to delete. Run with Ctrl-C and SIGTERM held (`signals_deferred`):
+    cut between the two renames, the previous output sat in a temp folder the next write sweeps,
+    and `path` was gone. A failed second rename puts the previous output back."""
+    old = None
+    if path.exists():
+        check_replaceable(path, owned, force)  # it may have changed while we worked
+        old = _marked_temp(path, ".old")
+        os.replace(path, old / "x")
+    try:
+        (tmp / TEMP_MARKER).unlink()  # not part of the output
+        os.replace(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.replace(old / "x", path)
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    return old
+
+
+@contextlib.contextmanager
+def signals_deferred(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold these signals' Python handlers until the block ends, then deliver what came, in order.
+
+    For a few system calls that must not be cut between (`_swap_into_place`, and deleting the
+    output it replaced, so an interrupted write leaves no copy of it behind). Only the main
+    thread can set handlers; elsewhere, and for a signal whose handler is not Python's (None),
+    nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = {n: h for n in signals if (h := signal.getsignal(n)) is not None}
+    for n in held:
+        signal.signal(n, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for n, handler in held.items():
+            signal.signal(n, handler)
+        for n in caught:
+            signal.raise_signal(n)
 
 
 def few_names(names: list[str], shown: int = 3) -> str:
