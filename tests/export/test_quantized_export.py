@@ -398,7 +398,8 @@ def test_a_checkpoint_with_a_nan_weight_is_refused_in_one_line_and_nothing_is_wr
     result = CliRunner().invoke(app, ["export", "decoder", "--checkpoint", str(tmp_path / "ckpt"), "--quantize", "int4",
                                       "--no-golden", "--out", str(out)])
     assert result.exit_code == 1, result.output
-    assert "weight layers.1.attn.wo.weight holds 1 NaN and 0 infinite values" in result.output
+    assert "weight layers.1.attn.wo.weight (stored as model.layers.1.self_attn.o_proj.weight, in model.safetensors) " \
+        "holds 1 NaN and 0 infinite values" in " ".join(result.output.split())
     assert "Traceback" not in result.output and not out.exists()
 
 

@@ -293,6 +293,8 @@ def test_error_wrong_shape(hf_folder: Path) -> None:
     assert (
         "shape mismatch" in msg and "layers.0.attn.wk.weight (8, 32)" in msg and "(16, 32)" in msg
     )
+    # and by the checkpoint's own name, which the user knows
+    assert "(expected (16, 32); stored as model.layers.0.self_attn.k_proj.weight, in model.safetensors)" in msg
 
 
 def test_error_missing_expert(hf_folder: Path) -> None:
@@ -436,3 +438,22 @@ def test_hf_fused_transposed_layout_is_rejected(name: str, tmp_path: Path) -> No
     hf.config.save_pretrained(tmp_path)
     msg = _load_error(tmp_path)
     assert "gate_up_proj" in msg or "shape mismatch" in msg
+
+
+def test_a_nan_in_a_fused_expert_stack_is_named_as_the_checkpoint_stores_it(tmp_path: Path) -> None:
+    """Our w_up is rows I..2I-1 of every expert of transformers 5's fused gate_up_proj: a NaN in
+    expert 1's up half is named by the checkpoint's tensor, the expert and those rows."""
+    from moedeploy.models.checkpoint import CheckpointWeights
+    from moedeploy.models.weights import fingerprint, finite_check
+
+    hf = tiny_mixtral(seed=3, **CONFIGS["gqa"])
+    inter = hf.config.intermediate_size
+    with torch.no_grad():
+        hf.model.layers[1].mlp.experts.gate_up_proj[1, inter + 3, 2] = float("nan")
+    _write_fused(hf, tmp_path / "ckpt")
+    weights = CheckpointWeights(tmp_path / "ckpt")
+    with pytest.raises(ValueError) as refused:
+        fingerprint(weights, inspect=finite_check(weights))
+    assert str(refused.value).startswith(
+        f"weight layers.1.ffn.w_up (stored as model.layers.1.mlp.experts.gate_up_proj, expert 1, rows {inter} to "
+        f"{2 * inter - 1} of each expert, in model.safetensors) holds 1 NaN and 0 infinite values")

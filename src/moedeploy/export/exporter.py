@@ -73,7 +73,7 @@ from moedeploy.export.streaming import (
 from moedeploy.export.tokenizer_files import copy_tokenizer
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
-from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, require_finite
+from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, finite_check
 from moedeploy.plugins import moe
 from moedeploy.utils.io import (
     OutputRefused,
@@ -345,7 +345,7 @@ def export_decoder(
 
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())
-    source["weights_sha256"] = fingerprint(weights, torch_dtype, progress, inspect=require_finite)
+    source["weights_sha256"] = fingerprint(weights, torch_dtype, progress, inspect=finite_check(weights))
     quantized: dict[str, Any] | None = None
     if quantization is not None:
         progress(f"quantizing the Linear and expert weights to {quantization.name} in blocks of {quantization.block_size}"

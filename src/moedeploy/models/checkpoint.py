@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families import Family, UnsupportedOption, family_for
 from moedeploy.models.families.base import Derived, checked_field_types
-from moedeploy.utils.io import atomic_directory, atomic_write_json, read_json_object
+from moedeploy.utils.io import atomic_directory, atomic_write_json, few_names, read_json_object
 
 FORMAT = "moedeploy"
 WEIGHTS_FILE = "model.safetensors"
@@ -190,7 +190,7 @@ class CheckpointWeights:
         self._order = list(expected)  # state_dict order: what the weights fingerprint hashes
         if self.config.tie_embeddings:
             expected.pop("lm_head.weight", None)
-        _check_shapes(expected, self._shapes, path)
+        _check_shapes(expected, self._shapes, path, self.stored_as)
 
     def _check_tied_copy(self, rows: int = 4096) -> None:
         """config.json ties the LM head to the embeddings: a stored lm_head.weight must equal them
@@ -252,6 +252,18 @@ class CheckpointWeights:
             return self.tensor(name)[index]
         (file, key), = part.files
         return _read(file, key, index)
+
+    def stored_as(self, name: str, expert: int | None = None) -> str:
+        """Where the checkpoint keeps our tensor `name` (expert `expert` of it), in its own tensor
+        and file names: what a message about it names, since the user knows those, not ours."""
+        part = self._parts[self._alias(name)]
+        files = part.files[expert:expert + 1] if part.per_expert and expert is not None else part.files
+        where = few_names([key for _, key in files])
+        if expert is not None and not part.per_expert:
+            where += f", expert {expert}"
+        if part.rows:
+            where += f", rows {part.rows[0]} to {part.rows[1] - 1} of each expert"
+        return f"{where}, in {few_names(sorted({file.name for file, _ in files}))}"
 
     def _alias(self, name: str) -> str:
         return "embed.weight" if name == "lm_head.weight" and self.config.tie_embeddings else name
@@ -363,11 +375,16 @@ def _hf_parts(
     return parts, shapes
 
 
-def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], path: Path) -> None:
+def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], path: Path,
+                  stored_as: Callable[[str], str] | None = None) -> None:
+    """`stored_as(name)`: the checkpoint's own names for one of ours, shown beside it."""
+    def stored(k: str) -> str:
+        return f"; stored as {stored_as(k)}" if stored_as is not None else ""
+
     missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
+    unexpected = [f"{k} ({stored(k).removeprefix('; ')})" if stored_as else k for k in sorted(set(found) - set(expected))]
     wrong = [
-        f"{k} {found[k]} (expected {expected[k]})"
+        f"{k} {found[k]} (expected {expected[k]}{stored(k)})"
         for k in sorted(set(expected) & set(found))
         if found[k] != expected[k]
     ]

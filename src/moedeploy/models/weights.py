@@ -8,6 +8,7 @@ checkpoint folder (`CheckpointWeights`) and an in-memory model (`ModuleWeights`)
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -141,15 +142,33 @@ def fingerprint(
     return digest.hexdigest()
 
 
-def require_finite(name: str, piece: torch.Tensor) -> None:
+def require_finite(name: str, piece: torch.Tensor, stored_as: Callable[[], str] | None = None) -> None:
     """Refuse a weight holding NaN or infinity: every output of the model would be NaN, and a
-    comparison would blame the first layer it reaches instead of the weight."""
+    comparison would blame the first layer it reaches instead of the weight. `stored_as()`:
+    where the source keeps it, in its own names (asked only when the weight is refused)."""
     if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
         nan, inf = int(torch.isnan(piece).sum()), int(torch.isinf(piece).sum())
         wide = (f" (in {str(piece.dtype).removeprefix('torch.')} an infinity can be a value past its range, ±65504 "
                 "for fp16: export with --dtype fp32 or bf16)" if piece.dtype == torch.float16 and inf else "")
-        raise ValueError(f"weight {name} holds {nan} NaN and {inf} infinite values{wide}; a model with them computes "
-                         "NaN: fix the checkpoint")
+        where = f" (stored as {stored_as()})" if stored_as is not None else ""
+        raise ValueError(f"weight {name}{where} holds {nan} NaN and {inf} infinite values{wide}; a model with them "
+                         "computes NaN: fix the checkpoint")
+
+
+def finite_check(source: WeightSource) -> Callable[[str, torch.Tensor], None]:
+    """`require_finite` for `fingerprint`'s pass over the source's pieces, naming the tensor as the
+    source stores it where the source can say (a checkpoint's `stored_as`): its own tensor name,
+    file and expert, not only ours. Pieces of an expert tensor come one expert at a time, in order."""
+    where = getattr(source, "stored_as", None)
+    seen: collections.Counter[str] = collections.Counter()
+
+    def inspect(name: str, piece: torch.Tensor) -> None:
+        index = seen[name]
+        seen[name] += 1
+        expert = index if is_expert_tensor(source, name) else None
+        require_finite(name, piece, None if where is None else lambda: where(name, expert))
+
+    return inspect
 
 
 #: The modules whose weights `layered_decoder` loads just before their forward and drops after.
