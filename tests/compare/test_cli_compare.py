@@ -65,8 +65,13 @@ def test_unknown_backend_is_one_error_line(block):
     assert not (block / "report").exists()
 
 
-def test_negative_tolerance_is_one_error_line(block):
-    assert_one_error_line(run_cli("compare", block, "--atol", "-1"), "--atol")
+def test_negative_tolerance_is_one_usage_error_line(block):
+    """Refused as the options are parsed: exit 2, as typer's own range checks."""
+    result = run_cli("compare", block, "--atol", "-1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: Invalid value for '--atol': -1.0 is not a finite number >= 0 (see `moedeploy compare --help`)"]
+    assert not (block / "report").exists()
 
 
 def test_trt_backend_without_an_engine_is_one_error_line(block):
