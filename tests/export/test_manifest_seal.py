@@ -66,9 +66,39 @@ def test_reformatting_the_json_is_not_an_edit(store, tmp_path) -> None:
     assert Artifact.load(folder).manifest["tolerances"] == manifest["tolerances"]
 
 
-def test_an_artifact_from_before_the_seal_still_loads(store, tmp_path) -> None:
+def test_deleting_the_seal_does_not_undo_it(store, tmp_path) -> None:
+    """Before, a manifest without the key read as one from before the seal: delete it, raise the
+    tolerances, and compare passed anything again."""
     folder = _copy(store.block("moe"), tmp_path / "moe")
     manifest = json.loads((folder / MANIFEST).read_text())
     del manifest["manifest_sha256"]
+    manifest["tolerances"]["y"]["atol"] = 1e9
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    assert Artifact.load(folder).manifest == manifest
+    with pytest.raises(ArtifactError, match=r"manifest\.json has no manifest_sha256: it was edited, or written by a "
+                                            r"moedeploy from before manifests were sealed"):
+        Artifact.load(folder)
+
+
+def test_an_edited_file_hash_is_called_an_edit_of_the_manifest(store, tmp_path) -> None:
+    """Not blamed on model.onnx, which is untouched."""
+    folder = _copy(store.block("moe"), tmp_path / "moe")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["model.onnx"] = "0" * 64
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="edited after export"):
+        Artifact.load(folder)
+
+
+def test_an_export_does_not_trust_an_edited_manifest_with_what_it_may_delete(store, tmp_path) -> None:
+    """A files list edited to claim the user's file made a re-export delete it."""
+    from moedeploy.export import export
+    from moedeploy.utils.io import OutputRefused
+
+    folder = _copy(store.block("rmsnorm"), tmp_path / "rmsnorm")
+    (folder / "notes.txt").write_text("mine")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["notes.txt"] = "0" * 64
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(OutputRefused, match=r"manifest\.json was edited after export or predates sealed manifests"):
+        export("rmsnorm", folder)
+    assert (folder / "notes.txt").read_text() == "mine"

@@ -21,6 +21,7 @@ from moedeploy.export.artifact import MODEL_DATA_FILE, Artifact
 from moedeploy.models.blockquant import QuantScheme, quantize
 from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.ort import create_session
+from tests.export.artifacts import rewrite_manifest
 
 from ..models.helpers import tiny_mixtral
 from ..onnx_helpers import external_initializer_bytes
@@ -244,7 +245,7 @@ def _edited(artifact: Artifact, folder: Path, edit) -> Path:
     shutil.copytree(artifact.path, folder, ignore=shutil.ignore_patterns("report", "cache"))
     manifest = json.loads((folder / "manifest.json").read_text())
     edit(manifest)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(folder, manifest)  # sealed again: what is tested is the quantization section's own check
     return folder
 
 
@@ -303,7 +304,7 @@ def _without_digest(artifact: Artifact, folder: Path) -> Path:
     import json
     import shutil
 
-    from moedeploy.export.artifact import MANIFEST_DIGEST_KEY, QUANTIZATION_DIGEST_KEY, sha256
+    from moedeploy.export.artifact import QUANTIZATION_DIGEST_KEY, sha256
 
     shutil.copytree(artifact.path, folder, ignore=shutil.ignore_patterns("report", "cache"))
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -315,8 +316,7 @@ def _without_digest(artifact: Artifact, folder: Path) -> Path:
     onnx.save_model(model, str(folder / "model.onnx"))
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["model.onnx"] = sha256(folder / "model.onnx")
-    del manifest[MANIFEST_DIGEST_KEY]  # nor was the manifest sealed then
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(folder, manifest)
     return folder
 
 

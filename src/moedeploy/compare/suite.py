@@ -112,6 +112,7 @@ def strangers_in_run_folder(path: Path) -> list[str]:
     """What in `path` `run_all` did not write: anything besides its summary, its index and
     artifacts (an interrupted run has artifacts but no summary yet, and may be run again), and
     inside an artifact anything it did not write (export.exporter.foreign_entries)."""
+    from moedeploy.export.artifact import seal_problem
     from moedeploy.export.exporter import artifact_manifest, foreign_entries
 
     strangers = []
@@ -127,8 +128,8 @@ def strangers_in_run_folder(path: Path) -> list[str]:
             continue
         elif not entry.is_dir() or entry.is_symlink() or (manifest := artifact_manifest(entry)) is None:
             strangers.append(entry.name)
-        elif not isinstance(manifest.get("files"), dict):
-            strangers.append(f"{entry.name}/manifest.json (damaged)")
+        elif not isinstance(manifest.get("files"), dict) or seal_problem(manifest):
+            strangers.append(f"{entry.name}/manifest.json (damaged or edited)")
         else:
             strangers += [f"{entry.name}/{name}" for name in foreign_entries(entry, manifest)]
     return strangers

@@ -285,10 +285,11 @@ def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def seal_problem(manifest: dict[str, Any]) -> str | None:
-    """Why the manifest's contents are not what export sealed, or None. An artifact written before
-    the seal has no digest and is read as before."""
+    """Why the manifest's contents are not what export sealed, or None. A manifest without the seal
+    is refused too: taking it as one from before the seal would let deleting the key undo it."""
     if MANIFEST_DIGEST_KEY not in manifest:
-        return None
+        return (f"has no {MANIFEST_DIGEST_KEY}: it was edited, or written by a moedeploy from before manifests "
+                "were sealed, so its tolerances, inputs and outputs cannot be trusted; re-export the artifact")
     if sealed(manifest)[MANIFEST_DIGEST_KEY] != manifest[MANIFEST_DIGEST_KEY]:
         return (f"was edited after export (its {MANIFEST_DIGEST_KEY} does not match its contents), so its "
                 "tolerances, inputs and outputs cannot be trusted; re-export the artifact (compare's --atol and "
@@ -485,14 +486,13 @@ class Artifact:
             raise ArtifactError(f"{manifest_file} is not readable JSON: {e}") from None
         if problem := first_manifest_problem(manifest):
             raise ArtifactError(f"{manifest_file}: {problem}; re-export the artifact")
+        # before the files: an edited hash would otherwise be blamed on the file it names
+        if problem := seal_problem(manifest):
+            raise ArtifactError(f"{manifest_file} {problem}")
         artifact.manifest = manifest
         artifact.check_files()
         if verify:
             artifact.verify()
-        # last: an edit the checks above name more precisely (a quantization section, a file's
-        # hash) is reported in their words
-        if problem := seal_problem(manifest):
-            raise ArtifactError(f"{manifest_file} {problem}")
         return artifact
 
     def resolve_inside(self, rel: str) -> Path | None:

@@ -36,6 +36,7 @@ from moedeploy.export.artifact import (
     report_strangers,
     save_golden,
     save_model,
+    seal_problem,
     sealed,
     section_digest,
     sha256,
@@ -179,7 +180,7 @@ def is_artifact_folder(path: Path) -> bool:
     holds nothing else (`foreign_entries`), so export may replace it. Anything else in the way
     is the user's, and is refused."""
     manifest = artifact_manifest(path)
-    return manifest is not None and not foreign_entries(path, manifest)
+    return manifest is not None and seal_problem(manifest) is None and not foreign_entries(path, manifest)
 
 
 def artifact_manifest(path: Path) -> dict | None:
@@ -229,10 +230,11 @@ def check_artifact_out(out: str | Path, force: bool) -> None:
     """`check_replaceable` for an export's --out, naming what in an old artifact is the user's."""
     manifest = artifact_manifest(Path(out)) if Path(out).is_dir() and not Path(out).is_symlink() else None
     if manifest is not None and not force:
-        if not isinstance(manifest.get("files"), dict):
-            raise OutputRefused(f"{out} holds an artifact whose manifest.json is damaged (its files list), so "
-                                "moedeploy cannot tell its own files from yours; choose another --out, or pass "
-                                "--force to replace it")
+        if not isinstance(manifest.get("files"), dict) or seal_problem(manifest):
+            damage = "is damaged (its files list)" if not isinstance(manifest.get("files"), dict) else \
+                "was edited after export or predates sealed manifests"
+            raise OutputRefused(f"{out} holds an artifact whose manifest.json {damage}, so moedeploy cannot tell "
+                                "its own files from yours; choose another --out, or pass --force to replace it")
         if foreign := foreign_entries(Path(out), manifest):
             raise OutputRefused(f"{out} is an artifact, but it also holds {few_names(foreign)}, which moedeploy did "
                                 "not write and a new export would delete; move it out, choose another --out, or "
