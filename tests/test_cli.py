@@ -244,6 +244,10 @@ def test_user_error_is_one_line_and_leaves_nothing(error_runs, name: str) -> Non
     (["compare", "art", "--rtol", "inf"], "'--rtol': inf is not a finite number >= 0"),
     (["compare", "art", "--atol", "-1e-3"], "'--atol': -0.001 is not a finite number >= 0"),
     (["compare", "art", "--min-top1", "nan"], "'--min-top1': nan is not a fraction of positions from 0 to 1"),
+    # one new token is the prefill's: no decode step was timed, and bench reported 0.0 tokens/s as measured
+    (["bench", "tiny", "--new-tokens", "1"], "'--new-tokens': Input should be greater than or equal to 2"),
+    (["bench", "tiny", "--threads", "2147483648"], "'--threads': Input should be less than or equal to 1024"),
+    (["bench", "tiny", "--repeat", "0"], "'--repeat': Input should be greater than or equal to 1"),
 ])
 def test_option_values_out_of_range_are_usage_errors(args: list[str], message: str, tmp_path: Path) -> None:
     """A seed past 32 bits overflowed deep inside, a trillion iterations ran out of memory: both

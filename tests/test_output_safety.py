@@ -162,6 +162,29 @@ def test_a_file_of_the_users_inside_an_artifacts_own_folders_is_kept_too(rmsnorm
         export("rmsnorm", out, seed=7)
 
 
+def test_bench_json_never_replaces_a_link_a_pipe_or_an_artifacts_file(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    """--json is written by rename: it turned a symlink or a FIFO into a regular file, and took
+    an artifact's manifest.json for a place to put a benchmark."""
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    art = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, art)
+    manifest = (art / "manifest.json").read_bytes()
+    (tmp_path / "notes.json").write_text("mine")
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.json")
+    os.mkfifo(tmp_path / "pipe.json")
+    for target, message in ((tmp_path / "link.json", "exists and is not a regular file"),
+                            (tmp_path / "pipe.json", "exists and is not a regular file"),
+                            (art / "manifest.json", f"is inside the artifact {art}"),
+                            (art / "golden" / "inputs.json", f"is inside the artifact {art}")):
+        result = CliRunner().invoke(app, ["bench", "tiny", "--backend", "ort", "--json", str(target)])
+        assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "pipe.json").is_fifo()
+    assert (art / "manifest.json").read_bytes() == manifest and (tmp_path / "notes.json").read_text() == "mine"
+
+
 def test_compare_refuses_before_any_work_to_replace_a_report_folder_holding_user_files(
         rmsnorm_artifact: Path, tmp_path: Path) -> None:
     """compare rewrites report/ whole: a file of the user's there is named and kept, and nothing runs."""

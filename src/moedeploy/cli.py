@@ -68,6 +68,10 @@ def _click_exceptions() -> Any:
 MAX_SEED = 2**32 - 1
 #: compare keeps every iteration's outputs of every backend in memory
 MAX_ITERATIONS = 1000
+#: bench's sizes: torch and ONNX Runtime take a thread count as a C int; a batch past a few
+#: thousand rows of a KV cache is an allocation error, not a benchmark
+MAX_THREADS = 1024
+MAX_BENCH_BATCH = 4096
 
 
 def number_in(low: float, high: float = math.inf, what: str = "a finite number") -> Callable[[float | None], float | None]:
@@ -160,11 +164,12 @@ def _root(
     _state["debug"] = debug
 
 
-def check_writable(path: Path) -> None:
-    """Fail before any work if `path` cannot become a folder we write."""
+def check_writable(path: Path, option: str = "--out") -> None:
+    """Fail before any work if `path` cannot become a folder we write (`option`: what the message
+    tells the user to change)."""
     path = Path(os.path.abspath(path))  # `--out .` has no parents to walk
     if path.exists() and not path.is_dir():
-        raise UserError(f"output path {path} exists and is not a folder; choose another --out")
+        raise UserError(f"output path {path} exists and is not a folder; choose another {option}")
     ancestor = next(p for p in (path, *path.parents) if p.exists())
     problem = None
     if not ancestor.is_dir():
@@ -175,7 +180,28 @@ def check_writable(path: Path) -> None:
         except OSError as e:
             problem = f"{ancestor} does not accept new folders ({e.strerror})"
     if problem:
-        raise UserError(f"cannot write to {path}: {problem}; choose another --out")
+        raise UserError(f"cannot write to {path}: {problem}; choose another {option}")
+
+
+def check_json_target(path: Path) -> None:
+    """bench's --json, before any work: a new file, or a regular file to replace, in an existing
+    folder we can write, and not a file of an artifact. Replacing is by rename, which turned a
+    symlink, a FIFO or a device (/dev/full, as root) into a regular file, and an artifact's
+    manifest.json into a benchmark."""
+    from moedeploy.export.artifact import DERIVED_DIRS, MANIFEST
+
+    if path.is_dir() or not path.parent.is_dir():
+        raise UserError(f"--json {path}: name a file in an existing folder")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UserError(f"--json {path} exists and is not a regular file (a link, a pipe or a device), which "
+                        "writing would replace; name a new file")
+    absolute = Path(os.path.abspath(path))
+    for folder in list(absolute.parents)[:3]:  # an artifact's files lie at most two folders down
+        rel = absolute.relative_to(folder)
+        if (folder / MANIFEST).is_file() and (absolute.exists() or rel.parts[0] in (MANIFEST, *DERIVED_DIRS)):
+            raise UserError(f"--json {path} is inside the artifact {folder}, whose files export and compare own; "
+                            "name a file outside it")
+    check_writable(path.parent, "--json")
 
 
 def make_table(title: str | None, columns: list[str], text: tuple[str, ...] | None = None) -> Any:
@@ -616,13 +642,14 @@ def bench_cmd(
                                 "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),
     peers: bool = typer.Option(False, "--peers", help="Also time every peer engine installed here (llama.cpp, openvino) on the "
                                "same weights; the report says which were left out and how to install them."),
-    rounds: int = typer.Option(1, "--rounds", help="Run every backend this many times, each in a fresh process, the "
+    rounds: int = typer.Option(1, "--rounds", min=1, max=100, help="Run every backend this many times, each in a fresh process, the "
                                "backends interleaved and their order rotated each round, so a busy spell of the machine hits them alike; with 2 or more, each ratio is also given paired by round (the median of the rounds' ratios), the figure to trust on a busy machine."),
-    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
-    prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens (the prefill)."),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated after the prompt."),
-    threads: int = typer.Option(2, "--threads", help="Intra-op threads for every backend."),
-    repeat: int = typer.Option(3, "--repeat", help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
+    batch: int = typer.Option(1, "--batch", min=1, max=MAX_BENCH_BATCH, help="Sequences decoded together."),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="Prompt tokens (the prefill)."),
+    new_tokens: int = typer.Option(64, "--new-tokens", min=2, help="Greedy tokens generated after the prompt "
+                                   "(the first comes from the prefill: at least 2, so a decode step is timed)."),
+    threads: int = typer.Option(2, "--threads", min=1, max=MAX_THREADS, help="Intra-op threads for every backend."),
+    repeat: int = typer.Option(3, "--repeat", min=1, max=100, help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
     json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here."),
     quantize: str = typer.Option(None, "--quantize", help="Comma-separated int8, int4: also export the preset or "
                                  "checkpoint weight-only quantized (cached beside its fp32 export) and time the "
@@ -642,9 +669,7 @@ def bench_cmd(
     from moedeploy.utils.progress import size_text
 
     if json_file is not None:
-        if json_file.is_dir() or not json_file.parent.is_dir():
-            raise UserError(f"--json {json_file}: name a file in an existing folder")
-        check_writable(json_file.parent)
+        check_json_target(json_file)
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     variants = [q.strip() for q in quantize.split(",") if q.strip()] if quantize is not None else None
     if quantize is not None and not variants:

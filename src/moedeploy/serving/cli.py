@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
             prefill_chunk=prefill_chunk,
         )
         if log_file is not None:
-            check_writable(log_file.parent)
+            check_writable(log_file.parent, "--log-file")
             log_file.parent.mkdir(parents=True, exist_ok=True)
         server = ModelServer(artifacts, options)
         with err.status(f"starting Triton Inference Server ({backend})", spinner="dots"):
