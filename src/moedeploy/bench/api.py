@@ -102,8 +102,13 @@ def export_preset(name: str, progress: Progress) -> Artifact:
 
 
 def check_sizes(batch: int, prompt_len: int, new_tokens: int, threads: int, repeat: int) -> None:
-    if min(batch, prompt_len, new_tokens, threads, repeat) < 1:
-        raise ValueError("--batch, --prompt-len, --new-tokens, --threads and --repeat must be >= 1")
+    """The CLI checks these as it parses them; this says the same to a Python caller, naming the
+    size that is wrong."""
+    for option, value, least in (("--batch", batch, 1), ("--prompt-len", prompt_len, 1),
+                                 ("--new-tokens", new_tokens, 2), ("--threads", threads, 1), ("--repeat", repeat, 1)):
+        if value < least:
+            why = " (the first new token is the prefill's: a decode step needs a second)" if option == "--new-tokens" else ""
+            raise ValueError(f"{option} must be >= {least}{why}, got {value}")
 
 
 def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> None:
