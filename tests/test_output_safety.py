@@ -224,6 +224,35 @@ def test_triton_repo_replaces_only_its_own_model_folders(rmsnorm_artifact: Path,
     assert (repo / "rmsnorm" / "config.pbtxt").is_file() and not (repo / "rmsnorm" / "important.txt").exists()
 
 
+def test_triton_repo_keeps_what_the_user_put_in_its_model_folder(rmsnorm_artifact: Path, tmp_path: Path) -> None:
+    """Before, only config.pbtxt's first line was checked: a version 2 of the user's and their
+    notes were deleted by the next run."""
+    from moedeploy.serving.specs import ServingError
+
+    repo = tmp_path / "repo"
+    write_repository(rmsnorm_artifact, repo)
+    (repo / "rmsnorm" / "2").mkdir()
+    (repo / "rmsnorm" / "2" / "model.onnx").write_text("mine")
+    (repo / "rmsnorm" / "1" / "extra.txt").write_text("mine")
+    (repo / "rmsnorm" / "NOTES").write_text("mine")
+    with pytest.raises(ServingError, match=r"also holds 1/extra\.txt, 2, NOTES, which moedeploy did not write"):
+        write_repository(rmsnorm_artifact, repo)
+    assert (repo / "rmsnorm" / "2" / "model.onnx").read_text() == "mine" == (repo / "rmsnorm" / "NOTES").read_text()
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_triton_repo_never_replaces_the_artifact_it_reads(rmsnorm_artifact: Path, tmp_path: Path, force: bool) -> None:
+    """`triton-repo t/rmsnorm --out t --force` replaced the artifact with the model folder made from it."""
+    from moedeploy.serving.specs import ServingError
+
+    art = tmp_path / "t" / "rmsnorm"
+    shutil.copytree(rmsnorm_artifact, art)
+    files = sorted(p.name for p in art.iterdir())
+    with pytest.raises(ServingError, match=f"the model folder {art} is the artifact {art} it would be made from"):
+        write_repository(art, tmp_path / "t", force=force)
+    assert sorted(p.name for p in art.iterdir()) == files
+
+
 def test_all_writes_only_into_a_new_empty_or_earlier_run_folder(rmsnorm_artifact: Path, tmp_path: Path) -> None:
     check_run_folder(tmp_path / "new")
     with pytest.raises(OutputRefused, match="did not write"):

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedeploy.export.artifact import MODEL_FILE, Artifact, model_name_problem
+from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact, model_name_problem
 from moedeploy.serving.specs import (
     ModelSpec,
     ServingError,
@@ -29,7 +29,7 @@ from moedeploy.serving.specs import (
     default_max_batch_size,
     graph_model,
 )
-from moedeploy.utils.io import atomic_directory
+from moedeploy.utils.io import atomic_directory, few_names
 
 REPO_BACKENDS = ("onnxruntime", "tensorrt")
 KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
@@ -142,12 +142,35 @@ def _profile_max_batch(meta: dict) -> int | None:
 
 
 def is_repository_model(model_dir: Path) -> bool:
-    """A model folder `write_repository` wrote (its config.pbtxt starts with our marker)."""
+    """A model folder `write_repository` wrote (`_has_marker`) holding nothing else
+    (`repository_strangers`): the one kind of folder it replaces."""
+    return _has_marker(model_dir) and not repository_strangers(model_dir)
+
+
+def _has_marker(model_dir: Path) -> bool:
+    """Its config.pbtxt starts with the line every config.pbtxt moedeploy writes starts with."""
     try:
         with (model_dir / CONFIG_FILE).open() as f:
             return f.readline().rstrip("\n") == CONFIG_MARKER
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def repository_strangers(model_dir: Path) -> list[str]:
+    """What in a model folder `write_repository` did not write: anything but config.pbtxt, the
+    version folder's model files and the plugins folder's files. Replacing the folder would
+    delete them (another version folder of the user's, notes)."""
+    strangers = []
+    for entry in sorted(model_dir.iterdir()):
+        if entry.name == CONFIG_FILE and entry.is_file():
+            continue
+        if entry.name in (VERSION, PLUGINS_DIR) and entry.is_dir() and not entry.is_symlink():
+            mine = (MODEL_FILE, MODEL_DATA_FILE, PLAN_FILE) if entry.name == VERSION else None
+            strangers += [f"{entry.name}/{f.name}" for f in sorted(entry.iterdir())
+                          if f.is_symlink() or not f.is_file() or (mine is not None and f.name not in mine)]
+            continue
+        strangers.append(entry.name)
+    return strangers
 
 
 def write_repository(
@@ -196,6 +219,15 @@ def write_repository(
 
     out = Path(out)
     model_dir = out / spec.name
+    if model_dir.resolve() == artifact.path.resolve() or model_dir.resolve() in artifact.path.resolve().parents:
+        raise ServingError(f"the model folder {model_dir} {'is' if model_dir.resolve() == artifact.path.resolve() else 'holds'} "
+                           f"the artifact {artifact.path} it would be made from, and writing it replaces the folder: "
+                           "choose another --out")
+    if not force and model_dir.is_dir() and not model_dir.is_symlink() and _has_marker(model_dir) \
+            and (strangers := repository_strangers(model_dir)):
+        raise ServingError(f"{model_dir} is a model folder moedeploy wrote, but it also holds {few_names(strangers)}, "
+                           "which moedeploy did not write and would delete; move it out, choose another --out, or "
+                           "pass --force")
     with atomic_directory(model_dir, owned=is_repository_model, force=force) as tmp:
         (tmp / VERSION).mkdir()
         for src, name in sources:
