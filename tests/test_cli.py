@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -421,3 +422,25 @@ def test_progress_in_a_pipe_is_lines_with_elapsed_time_and_a_total(exported_rmsn
     assert len(lines) >= 3 and all(line.startswith(BULLET) for line in lines)
     assert " s  exporting rmsnorm: tracing to ONNX" in result.stderr
     assert lines[-1].startswith(f"{BULLET} exporting rmsnorm: done in ") and lines[-1].endswith(" s")
+
+
+CTRL_C_WHILE_IMPORTING = textwrap.dedent("""
+    import sys
+
+    class CtrlC:  # a Ctrl-C that lands while the CLI's modules load (which takes seconds)
+        def find_spec(self, name, path=None, target=None):
+            if name == "moedeploy.cli":
+                raise KeyboardInterrupt
+            return None
+
+    sys.meta_path.insert(0, CtrlC())
+    from moedeploy.__main__ import main
+    main()
+""")
+
+
+def test_ctrl_c_while_the_cli_loads_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """The console script imported the CLI before any of moedeploy's code could catch a Ctrl-C."""
+    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")

@@ -1,0 +1,23 @@
+"""The `moedeploy` command's entry point (and `python -m moedeploy`).
+
+Importing the CLI takes seconds (torch, onnx, the server's modules); a Ctrl-C in that time
+arrived before any of moedeploy's code could catch it and printed a traceback. Here the import
+itself is guarded, so an early Ctrl-C reads like a late one: `interrupted`, exit 130.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from moedeploy.cli import main as cli_main
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()
