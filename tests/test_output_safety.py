@@ -352,6 +352,25 @@ def test_a_failed_last_rename_puts_the_old_output_back(tmp_path: Path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == ["art"]
 
 
+def test_an_output_that_cannot_be_moved_aside_leaves_no_temp_folder(tmp_path: Path, monkeypatch) -> None:
+    """--out a mount point (EBUSY on the rename that moves it aside) left a `.old` folder each time."""
+    out = tmp_path / "art"
+    with atomic_directory(out) as tmp:
+        (tmp / "v.txt").write_text("old")
+    real = os.replace
+
+    def replace(src, dst) -> None:
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="busy"), atomic_directory(out, force=True) as tmp:
+        (tmp / "v.txt").write_text("new")
+    assert (out / "v.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
 def test_a_killed_writers_temp_folder_is_swept_by_the_next_write(tmp_path: Path) -> None:
     out = tmp_path / "art"
     writer = _start_writer(out, "unhandled")

@@ -66,8 +66,11 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
                         f"cannot listen on 127.0.0.1:{taken_port} for http"),
         "same port twice": (["serve", moe, "--http-port", http, "--grpc-port", http, "--metrics-port", metrics],
                             "the http, grpc and metrics ports must differ"),
-        "batch size 0": (["serve", moe, "--max-batch-size", "0", *ports], "--max-batch-size must be >= 1"),
-        "no instances": (["serve", moe, "--instances", "0", *ports], "--instances must be >= 1"),
+        "batch size 0": (["serve", moe, "--max-batch-size", "0", *ports],
+                         "'--max-batch-size': Input should be greater than or equal to 1"),
+        "no instances": (["serve", moe, "--instances", "0", *ports], "'--instances': Input should be greater than or equal to 1"),
+        "repo no instances": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--instances", "0"],
+                              "'--instances': Input should be greater than or equal to 1"),
         "stream interval 0": (["serve", moe, "--stream-interval", "0", *ports],
                               "--stream-interval must be >= 1 (tokens per streamed response), got 0"),
         "negative prefill chunk": (["serve", moe, "--prefill-chunk", "-1", *ports],
@@ -85,14 +88,17 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
 
 
 CASES = ["missing artifact", "unknown backend", "bf16", "port in use", "same port twice", "batch size 0",
-         "no instances", "stream interval 0", "negative prefill chunk", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
+         "no instances", "repo no instances", "stream interval 0", "negative prefill chunk", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
+
+
+USAGE_ERRORS = {"batch size 0", "no instances", "repo no instances"}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_user_errors_are_one_line(store, taken_port, tmp_path, case: str) -> None:
     args, message = error_cases(store, taken_port, tmp_path)[case]
     code, stdout, stderr = run(args)
-    assert code == 1
+    assert code == (2 if case in USAGE_ERRORS else 1)  # 2: refused as the options are parsed
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert message in " ".join(stderr.split()), stderr

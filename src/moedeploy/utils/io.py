@@ -105,7 +105,11 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
     if path.exists():
         check_replaceable(path, owned, force)  # it may have changed while we worked
         old = _marked_temp(path, ".old")
-        os.replace(path, old / "x")
+        try:
+            os.replace(path, old / "x")
+        except BaseException:  # e.g. EBUSY: --out is a mount point, which no rename moves
+            shutil.rmtree(old, ignore_errors=True)
+            raise
     try:
         (tmp / TEMP_MARKER).unlink()  # not part of the output
         os.replace(tmp, path)
