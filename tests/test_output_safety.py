@@ -162,6 +162,31 @@ def test_a_file_of_the_users_inside_an_artifacts_own_folders_is_kept_too(rmsnorm
         export("rmsnorm", out, seed=7)
 
 
+def test_a_re_export_keeps_the_users_files_in_cache_and_engines_and_replaces_its_own(
+    rmsnorm_artifact: Path, tmp_path: Path
+) -> None:
+    """cache/ and engines/ were deleted whole: a plan or notes of the user's there went with them."""
+    from moedeploy.runtime.ort import create_session
+    from moedeploy.runtime.tensorrt import engine_name
+
+    out = tmp_path / "art"
+    shutil.copytree(rmsnorm_artifact, out, ignore=shutil.ignore_patterns("cache", "engines", "report"))
+    create_session(out)  # the lowered-graph cache ONNX Runtime sessions write
+    assert sorted(p.suffix for p in (out / "cache").iterdir()) == [".json", ".onnx"]  # (the block holds no external data)
+    (out / "engines").mkdir()
+    for suffix in (".plan", ".log", ".json"):  # what build writes, named as it names them
+        (out / "engines" / engine_name("NVIDIA H100 80GB HBM3", "10.9.0.34", "fp32", True)).with_suffix(suffix).write_text("")
+    (out / "engines" / "my.plan").write_text("mine")
+    (out / "cache" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused, match=r"it also holds cache/notes\.txt, engines/my\.plan, which moedeploy did not"):
+        export("rmsnorm", out, seed=7)
+    assert (out / "engines" / "my.plan").read_text() == "mine" == (out / "cache" / "notes.txt").read_text()
+    (out / "engines" / "my.plan").unlink()
+    (out / "cache" / "notes.txt").unlink()
+    export("rmsnorm", out, seed=7)  # moedeploy's own files alone: replaced
+    assert not (out / "cache").exists() and not (out / "engines").exists()
+
+
 def test_bench_json_never_replaces_a_link_a_pipe_or_an_artifacts_file(rmsnorm_artifact: Path, tmp_path: Path) -> None:
     """--json is written by rename: it turned a symlink or a FIFO into a regular file, and took
     an artifact's manifest.json for a place to put a benchmark."""

@@ -24,6 +24,7 @@ import torch
 import moedeploy
 from moedeploy.export.artifact import (
     DERIVED_DIRS,
+    DERIVED_FILES,
     MANIFEST,
     MODEL_DATA_FILE,
     MODEL_FILE,
@@ -31,6 +32,7 @@ from moedeploy.export.artifact import (
     REPORT_DIR,
     SCHEMA_VERSION,
     Artifact,
+    derived_strangers,
     io_spec,
     parse_dtype,
     report_strangers,
@@ -211,6 +213,8 @@ def foreign_entries(path: Path, manifest: dict) -> list[str]:
                             (rel := f.relative_to(path).as_posix()) not in listed]
             elif entry.name == REPORT_DIR and entry.is_dir() and not entry.is_symlink():  # compare's files alone
                 foreign += [f"{REPORT_DIR}/{name}" for name in report_strangers(entry)]
+            elif entry.name in DERIVED_FILES and entry.is_dir() and not entry.is_symlink():  # cache/, engines/
+                foreign += [f"{entry.name}/{name}" for name in derived_strangers(entry)]
     except OSError:
         return []
     return foreign
