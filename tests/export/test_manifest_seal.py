@@ -42,7 +42,7 @@ def test_a_tolerance_raised_by_hand_is_refused_not_passed(store, tmp_path) -> No
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
     with pytest.raises(ArtifactError, match=r"manifest\.json was edited after export .*re-export the artifact"):
         Artifact.load(folder)
-    assert_one_error_line(run_cli("compare", folder), str(folder / MANIFEST), "edited after export", "--atol")
+    assert_one_error_line(run_cli("compare", folder), str(folder / MANIFEST), "edited after export")
     assert not (folder / "report").exists()
 
 
@@ -102,3 +102,34 @@ def test_an_export_does_not_trust_an_edited_manifest_with_what_it_may_delete(sto
     with pytest.raises(OutputRefused, match=r"manifest\.json was edited after export or predates sealed manifests"):
         export("rmsnorm", folder)
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_an_edit_that_also_breaks_the_schema_is_named_as_an_edit(store, tmp_path) -> None:
+    """atol 1e9 also fails the schema's bound: the message said so, as if export had written it."""
+    folder = _copy(store.block("moe"), tmp_path / "moe")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["tolerances"]["y"] = {"atol": 1e9, "rtol": 1e9}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="edited after export"):
+        Artifact.load(folder)
+
+
+def test_a_ctrl_c_that_torch_onnx_export_wraps_is_raised_as_itself() -> None:
+    """torch.onnx.export caught the KeyboardInterrupt of a Ctrl-C during tracing and raised its own
+    error: the export said 'torch.onnx.export failed' with torch's colour codes, exit 1."""
+    from moedeploy.export.onnx_export import ExportError, export_failure
+
+    def wrapped(inner: BaseException) -> Exception:
+        try:
+            try:
+                raise inner
+            except BaseException:
+                raise RuntimeError("\x1b[96mThis is step 1/3\x1b[0m of exporting the model to ONNX.") from None
+        except RuntimeError as e:
+            return e
+
+    ctrl_c = KeyboardInterrupt()
+    assert export_failure(wrapped(ctrl_c)) is ctrl_c
+    plain = export_failure(wrapped(ValueError("bad op")))
+    assert isinstance(plain, ExportError)
+    assert str(plain) == "torch.onnx.export failed: RuntimeError: This is step 1/3 of exporting the model to ONNX."

@@ -309,8 +309,7 @@ def seal_problem(manifest: dict[str, Any]) -> str | None:
                 "were sealed, so its tolerances, inputs and outputs cannot be trusted; re-export the artifact")
     if sealed(manifest)[MANIFEST_DIGEST_KEY] != manifest[MANIFEST_DIGEST_KEY]:
         return (f"was edited after export (its {MANIFEST_DIGEST_KEY} does not match its contents), so its "
-                "tolerances, inputs and outputs cannot be trusted; re-export the artifact (compare's --atol and "
-                "--rtol judge with other tolerances)")
+                "tolerances, inputs and outputs cannot be trusted; re-export the artifact")
     return None
 
 
@@ -501,11 +500,12 @@ class Artifact:
             manifest = json.loads(manifest_file.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ArtifactError(f"{manifest_file} is not readable JSON: {e}") from None
+        # first: an edit is named as one, not as whatever field it made invalid, nor as a change to
+        # the file whose hash it altered
+        if isinstance(manifest, dict) and (problem := seal_problem(manifest)):
+            raise ArtifactError(f"{manifest_file} {problem}")
         if problem := first_manifest_problem(manifest):
             raise ArtifactError(f"{manifest_file}: {problem}; re-export the artifact")
-        # before the files: an edited hash would otherwise be blamed on the file it names
-        if problem := seal_problem(manifest):
-            raise ArtifactError(f"{manifest_file} {problem}")
         artifact.manifest = manifest
         artifact.check_files()
         if verify:

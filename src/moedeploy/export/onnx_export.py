@@ -26,6 +26,22 @@ class ExportError(RuntimeError):
     """Tracing or checking the ONNX graph failed."""
 
 
+def export_failure(e: Exception) -> BaseException:
+    """What to raise for the exception torch.onnx.export raised: a Ctrl-C (or SIGTERM's exit) it
+    caught and wrapped, found in the chain, as itself, so the command says `interrupted` rather
+    than blaming the model; anything else as one ExportError line, without the terminal colour
+    codes torch puts in its messages."""
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen:
+        if isinstance(link, (KeyboardInterrupt, SystemExit)):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()
+    return ExportError(f"torch.onnx.export failed: {type(e).__name__}: {lines[0] if lines else ''}")
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """torch.onnx prints progress lines and warnings of its own; our CLI shows its own progress."""
@@ -160,7 +176,7 @@ def to_onnx(
                 verbose=False,
             )
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise export_failure(e) from e
     model = program.model_proto
     attach_function_bodies(model)
     name_custom_nodes(model, scope_prefix)

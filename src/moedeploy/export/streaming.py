@@ -42,6 +42,7 @@ from moedeploy.export.onnx_export import (
     ExportError,
     _quiet,
     attach_function_bodies,
+    export_failure,
     name_custom_nodes,
     normalize_dim_sums,
 )
@@ -102,7 +103,7 @@ def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
                 optimize=False, verbose=False,
             )
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise export_failure(e) from e
     model = program.model
     del program, decoder
     params = _lift_weights(model.graph, {WRAPPER_PREFIX + name: name for name in weight_names})
