@@ -19,7 +19,7 @@ from moedeploy.export.artifact import sha256
 from moedeploy.export.decoder import past_names, present_names
 from moedeploy.serving.repository import RepositoryOptions, write_repository
 from moedeploy.serving.specs import ServingError
-from tests.export.artifacts import eager_block
+from tests.export.artifacts import eager_block, rewrite_manifest
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="needs tritonclient[all]")
 text_format = pytest.importorskip("google.protobuf.text_format")
@@ -171,9 +171,10 @@ def _copy(artifact, dest):
 
 
 def _edit_manifest(folder, **fields) -> None:
+    """Sealed again: these tests are of the fields' own checks (tests/export/test_manifest_seal.py is of the seal)."""
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest.update(fields)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(folder, manifest)
 
 
 def test_a_name_that_climbs_out_of_the_repository_is_refused(store, tmp_path) -> None:
