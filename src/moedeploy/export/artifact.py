@@ -51,21 +51,6 @@ def report_strangers(folder: Path) -> list[str]:
     return [e.name for e in sorted(folder.iterdir()) if e.name not in REPORT_FILES]
 
 
-#: the names ONNX Runtime's lowered-graph cache (runtime/ort.cache_name: ort_<provider>_<lowering>_<key>
-#: and its .onnx, .onnx.data, .json) and TensorRT's plans (runtime/tensorrt.engine_name and the
-#: plan's .log and .json) take in cache/ and engines/; a test holds them to those functions
-DERIVED_FILES = {
-    "cache": re.compile(r"ort_[a-z0-9]+_[a-z]+_[0-9a-f]{16}\.(onnx|onnx\.data|json)"),
-    "engines": re.compile(r"[a-z0-9-]+_trt[\w.+-]+_(fp32|fp16|bf16)_(aot|jit)\.(plan|log|json)"),
-}
-
-
-def derived_strangers(folder: Path) -> list[str]:
-    """The names in an artifact's cache/ or engines/ that its commands did not write: anything
-    not named as they name their files, and anything not a plain file (export keeps them)."""
-    pattern = DERIVED_FILES[folder.name]
-    return [e.name for e in sorted(folder.iterdir())
-            if e.is_symlink() or not e.is_file() or not pattern.fullmatch(e.name)]
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = MODEL_FILE + ".data"
 GOLDEN_INPUTS = "golden/inputs.json"
@@ -286,6 +271,23 @@ def section_digest(section: Any) -> str:
     the manifest itself, cannot catch) is refused at load instead of silently changing what the
     eager reference, the roofline and bench's cache read."""
     return hashlib.sha256(json.dumps(section, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+#: the names ONNX Runtime's lowered-graph cache (runtime/ort.cache_name: ort_<provider>_<lowering>_<key>
+#: and its .onnx, .onnx.data, .json) and TensorRT's plans (runtime/tensorrt.engine_name and the
+#: plan's .log and .json) take in cache/ and engines/; a test holds them to those functions
+DERIVED_FILES = {
+    "cache": re.compile(r"ort_[a-z0-9]+_[a-z]+_[0-9a-f]{16}\.(onnx|onnx\.data|json)"),
+    "engines": re.compile(r"[a-z0-9-]+_trt[\w.+-]+_(fp32|fp16|bf16)_(aot|jit)\.(plan|log|json)"),
+}
+
+
+def derived_strangers(folder: Path) -> list[str]:
+    """The names in an artifact's cache/ or engines/ that its commands did not write: anything
+    not named as they name their files, and anything not a plain file (export keeps them)."""
+    pattern = DERIVED_FILES[folder.name]
+    return [e.name for e in sorted(folder.iterdir())
+            if e.is_symlink() or not e.is_file() or not pattern.fullmatch(e.name)]
 
 
 def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
