@@ -756,6 +756,24 @@ def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
     assert result.exit_code == 1 and "is not quantized (compare it without them)" in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize("lowering", ["auto", "contrib"])
+def test_int4_experts_leave_qmoe_where_the_runtime_refuses_it(lowering, artifacts, checkpoint, monkeypatch) -> None:
+    """Where runtime/qmoe_check finds this ONNX Runtime's QMoE refusing the lowering's node (as
+    1.30's did), int4 experts run per expert on MatMulNBits ("auto") or on com.microsoft::MoE over
+    the dequantized weights ("contrib"): the session still loads, with the dequantized model's logits."""
+    from moedeploy.runtime import qmoe_check
+
+    monkeypatch.setattr(qmoe_check, "qmoe_refusal", lambda *args: "QMoE refused (this test)")
+    decoder = OrtDecoder(artifacts["int4"], moe_lowering=lowering)
+    assert decoder.lowering["moe_qmoe"] == 0
+    assert decoder.lowering["moe_experts" if lowering == "auto" else "moe_contrib"] == 2
+    ids = prompt()
+    with torch.no_grad():
+        expected = hf_for(checkpoint, "int4")(ids).logits
+    decoder.reset(2, ids.shape[1])
+    np.testing.assert_allclose(decoder.step(ids, 0).numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", SCHEMES)
 def test_contrib_lowering_runs_quantized_experts_on_qmoe(name, artifacts, checkpoint) -> None:
     """ort-contrib hands the experts' codes, scales and zero points to com.microsoft::QMoE (the

@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from moedeploy.models.blockquant import QuantScheme, pack, quantize
+from moedeploy.runtime.qmoe_check import qmoe_refusal
 
 E, H, I, N, K = 4, 64, 96, 5, 2  # noqa: E741  (down rows: 96 / 32 = 3 blocks, zero points repacked per row)
 
@@ -52,7 +53,7 @@ def _qmoe(x, logits, q1, q2, bits: int, normalize: int, accuracy: int) -> np.nda
         [node], "qmoe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, H]),
                          helper.make_tensor_value_info("r", TensorProto.FLOAT, [N, E])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [N, H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x.numpy(), "r": logits.numpy()})[0]
 
@@ -61,6 +62,8 @@ def _qmoe(x, logits, q1, q2, bits: int, normalize: int, accuracy: int) -> np.nda
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("normalize", [1, 0])
 def test_qmoe_reads_our_bytes_and_always_renormalises(bits: int, normalize: int, symmetric: bool) -> None:
+    if reason := qmoe_refusal(bits, not symmetric, 0):  # (ONNX Runtime 1.30's) the lowering keeps off QMoE
+        pytest.skip(reason)
     g = torch.Generator().manual_seed(bits)
     x, logits = torch.randn(N, H, generator=g), torch.randn(N, E, generator=g)
     w1 = torch.randn(E, 2 * I, H, generator=g) / 8

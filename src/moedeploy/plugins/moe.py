@@ -663,14 +663,19 @@ def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int) 
     """Whether com.microsoft::QMoE computes these expert stacks as the graph does at this
     accuracy level: both blocked int8/int4 in one scheme. QMoE's CPU kernel has no float path for
     8-bit experts (int8 activations at every level), so int8 qualifies only at level 4, where
-    int8 activations were asked for; int4 at level 0 computes the dequantized products (to rounding)."""
+    int8 activations were asked for; int4 at level 0 computes the dequantized products (to rounding).
+    And only where this ONNX Runtime's QMoE runs such a node as the lowering writes it, checked
+    once per process against the dequantized weights (`runtime/qmoe_check`)."""
+    from moedeploy.runtime.qmoe_check import qmoe_refusal
     from moedeploy.runtime.quantized import blocked_source
 
     w1, w2 = blocked_source(fc1), blocked_source(fc2)
     if w1 is None or w2 is None or (w1.bits, w1.block_size, w1.signed) != (w2.bits, w2.block_size, w2.signed) \
             or len(w1.shape) != 3:
         return False
-    return w1.bits == 4 or nbits_accuracy == 4
+    if w1.bits != 4 and nbits_accuracy != 4:
+        return False
+    return qmoe_refusal(w1.bits, not w1.signed, nbits_accuracy) is None
 
 
 def qmoe_eligible(node: ir.Node, provider: str, nbits_accuracy: int) -> bool:
