@@ -48,8 +48,32 @@ CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
 
+#: The oldest ONNX Runtime the lowerings are tested with (pyproject's bound). Older releases load
+#: the portable artifact, but refuse contrib nodes the lowerings write: 1.30's GroupQueryAttention
+#: takes 16 inputs, not 17, and its QMoE has no accuracy_level (seen on a GPU machine's image).
+TESTED_ONNXRUNTIME = (1, 32)
+
+
 class SessionError(RuntimeError):
     """The artifact cannot run on the requested ONNX Runtime provider."""
+
+
+def older_than_tested(version: str) -> bool:
+    """Whether an ONNX Runtime version string ("1.30.0", "1.33.0.dev20260101") predates TESTED_ONNXRUNTIME."""
+    numbers = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        numbers.append(int(digits or 0))
+    return tuple(numbers) < TESTED_ONNXRUNTIME
+
+
+def upgrade_hint() -> str:
+    """What to add to a session-creation failure on an ONNX Runtime older than the tested one."""
+    if not older_than_tested(ort.__version__):
+        return ""
+    tested = ".".join(map(str, TESTED_ONNXRUNTIME))
+    return (f" (this onnxruntime {ort.__version__} is older than the {tested} moedeploy's lowerings need: "
+            f"pip install -U 'onnxruntime>={tested}')")
 
 
 def dtype_unsupported(dtype: str, provider: str) -> str | None:
@@ -165,7 +189,7 @@ def create_session(
     try:
         session = ort.InferenceSession(model, options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
-        raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}") from e
+        raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}{upgrade_hint()}") from e
     del model
     release_freed_memory()
     return LoweredSession(session, provider, counts)
