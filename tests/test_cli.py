@@ -249,6 +249,8 @@ def test_user_error_is_one_line_and_leaves_nothing(error_runs, name: str) -> Non
     (["bench", "tiny", "--new-tokens", "1"], "'--new-tokens': Input should be greater than or equal to 2"),
     (["bench", "tiny", "--threads", "2147483648"], "'--threads': Input should be less than or equal to 1024"),
     (["bench", "tiny", "--repeat", "0"], "'--repeat': Input should be greater than or equal to 1"),
+    # checked after TensorRT was found: here, without it, "TensorRT is not installed" hid the bad value
+    (["build", "art", "--workspace", "-1"], "'--workspace': Input should be greater than or equal to 1"),
 ])
 def test_option_values_out_of_range_are_usage_errors(args: list[str], message: str, tmp_path: Path) -> None:
     """A seed past 32 bits overflowed deep inside, a trillion iterations ran out of memory: both
@@ -256,6 +258,15 @@ def test_option_values_out_of_range_are_usage_errors(args: list[str], message: s
     result = run_in_process(args, tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert len(error_lines(result.stderr)) == 1 and message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_bench_target_is_refused_not_taken_for_the_working_folder(tmp_path: Path) -> None:
+    """Path("") is ".": `bench ""` benched the working folder and named it as ''."""
+    result = run_in_process(["bench", ""], tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert error_lines(result.stderr) == [
+        "error: no target given; pass an artifact folder, a checkpoint folder or a preset (tiny, small)"]
     assert list(tmp_path.iterdir()) == []
 
 

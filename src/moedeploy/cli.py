@@ -72,6 +72,8 @@ MAX_ITERATIONS = 1000
 #: thousand rows of a KV cache is an allocation error, not a benchmark
 MAX_THREADS = 1024
 MAX_BENCH_BATCH = 4096
+#: build's --workspace in MB: 16 TB, far past any GPU, whose bytes still fit TensorRT's int64
+MAX_WORKSPACE_MB = 2**24
 
 
 def number_in(low: float, high: float = math.inf, what: str = "a finite number") -> Callable[[float | None], float | None]:
@@ -553,7 +555,8 @@ def all_cmd(
 def build_cmd(
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     aot: bool = typer.Option(True, "--aot/--jit", help="AOT plugins (engine runs without Python) or JIT plugins (Python at run time)."),
-    workspace: int = typer.Option(None, "--workspace", help="Builder workspace limit in MB (default: TensorRT's)."),
+    workspace: int = typer.Option(None, "--workspace", min=1, max=MAX_WORKSPACE_MB,
+                                  help="Builder workspace limit in MB (default: TensorRT's)."),
     timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to read and update (speeds up rebuilds)."),
     experts_on_codes: bool = typer.Option(
         True, "--experts-on-codes/--experts-dequantized",
@@ -578,8 +581,6 @@ def build_cmd(
     loaded = Artifact.load(artifact)
     require_tensorrt()
     require_gpu()
-    if workspace is not None and workspace <= 0:
-        raise UserError("--workspace must be a positive number of MB")
     with progress_steps(f"building a TensorRT engine for {loaded.name}"):
         result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache,
                               experts_on_codes=experts_on_codes)
