@@ -145,6 +145,15 @@ def test_tensorrt_repository_refusals(store, tmp_path, setup: str, options: dict
     assert not (tmp_path / "repo" / "moe").exists()
 
 
+def test_an_engine_for_the_onnxruntime_backend_is_refused_not_ignored(store, tmp_path) -> None:
+    """--engine without --backend tensorrt wrote model.onnx and said nothing of the plan asked for."""
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
+    plan = next((artifact / "engines").glob("*.plan"))
+    with pytest.raises(ServingError, match=r"--engine picks a TensorRT plan; the onnxruntime backend serves model\.onnx"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(engine=plan))
+    assert not (tmp_path / "repo" / "moe").exists()
+
+
 def test_unknown_backend_is_refused(store, tmp_path) -> None:
     with pytest.raises(ServingError, match="unknown backend 'triton'; choose from: onnxruntime, tensorrt"):
         write_repository(store.block("moe"), tmp_path / "repo", RepositoryOptions(backend="triton"))

@@ -195,6 +195,9 @@ def write_repository(
             raise ServingError(f"plugin library {lib} does not exist")
     if options.plugin_libs and options.backend != "tensorrt":
         raise ServingError("--plugin-lib is for TensorRT plans; the onnxruntime backend loads no plugins")
+    if options.engine is not None and options.backend != "tensorrt":
+        raise ServingError("--engine picks a TensorRT plan; the onnxruntime backend serves model.onnx "
+                           "(add --backend tensorrt to deploy the plan)")
 
     kind = KINDS[options.kind]
     max_batch = options.max_batch_size
