@@ -84,6 +84,24 @@ def test_the_current_home_and_enclosing_folders_are_never_replaced(tmp_path: Pat
     assert (cwd / "important.txt").exists()
 
 
+def test_a_mount_point_is_refused_before_any_work(tmp_path: Path) -> None:
+    """Replacing renames the old output aside, which a mount point refuses (EBUSY): an export
+    into one failed only after all its work. /proc is a mount point on every Linux."""
+    with pytest.raises(OutputRefused, match=r"^/proc is a mount point, which moedeploy cannot replace"):
+        check_replaceable(Path("/proc"), owned=lambda p: True, force=True)
+    mount = tmp_path / "mounted"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount)], capture_output=True).returncode:
+        return  # not allowed to mount here: /proc above is the check
+    try:
+        (mount / "rmsnorm").mkdir()  # the user's, which stays
+        with pytest.raises(OutputRefused, match="is a mount point"):
+            export("decoder", mount, preset_name="small")  # refused before the minute a small export takes
+        assert sorted(p.name for p in mount.iterdir()) == ["rmsnorm"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 def test_a_symlinked_out_is_refused(tmp_path: Path) -> None:
     mine = _user_folder(tmp_path / "mine")
     (tmp_path / "link").symlink_to(mine)

@@ -176,6 +176,9 @@ def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = N
             f"refusing to replace {resolved}: it is the current folder, holds it, or is the home or root folder; "
             f"choose a new subfolder, e.g. --out {path / 'artifact'}"
         )
+    if os.path.ismount(resolved):  # the swap renames it aside, which a mount point refuses (EBUSY) after all the work
+        raise OutputRefused(f"{path} is a mount point, which moedeploy cannot replace (it moves the old output aside "
+                            f"first); choose a new subfolder, e.g. --out {path / 'artifact'}")
     if force or not any(resolved.iterdir()) or (owned is not None and owned(resolved)):
         return
     raise OutputRefused(
