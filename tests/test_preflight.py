@@ -91,3 +91,40 @@ def test_check_unknown_target_is_one_line(decoder: Artifact) -> None:
                           capture_output=True, text=True, check=False)
     assert done.returncode == 1
     assert done.stderr.strip().startswith("error:") and len(done.stderr.strip().splitlines()) == 1
+
+
+def _with_hidden(decoder: Artifact, tmp_path: Path, hidden: int) -> Artifact:
+    """A copy of the decoder whose manifest says `hidden` (all the note reads), re-sealed."""
+    copy = Path(shutil.copytree(decoder.path, tmp_path / f"h{hidden}", ignore=DERIVED))
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["config"]["hidden_size"] = hidden
+    rewrite_manifest(copy, manifest)
+    return Artifact.load(copy)
+
+
+def test_the_aot_moe_kernels_rereads_are_its_block_of_outputs() -> None:
+    pytest.importorskip("triton")
+    from moedeploy.export.preflight import AOT_MOE_BLOCK_H
+    from moedeploy.plugins.kernels.moe_fused import FUSED_BLOCKS
+
+    assert FUSED_BLOCKS["BLOCK_H"] == AOT_MOE_BLOCK_H
+
+
+def test_check_notes_when_an_aot_engine_would_reread_the_experts(decoder: Artifact, tmp_path: Path) -> None:
+    """The AOT plugin's one kernel reads a token's gate/up weights once per 256 outputs: 16 times at
+    Mixtral's hidden 4096, where it measured 73 ms a token on an H100. `check` says so, and to build
+    --jit; a model with 3 rereads or fewer (hidden 768) gets no note, nor does the tiny decoder."""
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+    from moedeploy.export.preflight import aot_moe_note
+
+    assert check_tensorrt(decoder).notes == []
+    assert aot_moe_note(_with_hidden(decoder, tmp_path, 768)) is None
+    assert "4 times at hidden size 1024" in aot_moe_note(_with_hidden(decoder, tmp_path, 1024))
+    mixtral_sized = _with_hidden(decoder, tmp_path, 4096)
+    result = CliRunner().invoke(app, ["check", str(mixtral_sized.path)])
+    text = " ".join(result.output.split())
+    assert "note: the AOT moe::MoE plugin is one fused kernel, which reads each token's gate/up expert weights " \
+           "16 times at hidden size 4096 (once per 256 outputs)" in text
+    assert "Build with --jit" in text

@@ -576,11 +576,14 @@ def build_cmd(
     <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
     from moedeploy.export import Artifact
+    from moedeploy.export.preflight import aot_moe_note
     from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
 
     loaded = Artifact.load(artifact)
     require_tensorrt()
     require_gpu()
+    if aot and (note := aot_moe_note(loaded)):
+        err.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     with progress_steps(f"building a TensorRT engine for {loaded.name}"):
         result = build_engine(loaded, aot=aot, workspace_mb=workspace, timing_cache=timing_cache,
                               experts_on_codes=experts_on_codes)
@@ -623,6 +626,8 @@ def check_cmd(
         out.print(table)
     for f in report.blocking:
         out.print(f"[red]{f.verdict}[/red] {f.node} ({f.op}): {escape(f.detail)}", highlight=False)
+    for note in report.notes:
+        out.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     if report.ok:
         out.print("[green]OK[/green] every node is supported by the parser or a moedeploy plugin", highlight=False)
     else:

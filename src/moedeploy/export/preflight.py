@@ -28,6 +28,12 @@ PLUGIN_IMPLEMENTATIONS = {
                          "int8/int4 codes dequantized in registers)",
 }
 TOPK_MAX = 3840  # "K input must be less than 3840"
+#: The AOT MoE kernel's outputs per program (kernels/moe_fused.FUSED_BLOCKS["BLOCK_H"]; a test ties
+#: the two: this module needs no Triton). Each program computes its token's whole expert hidden
+#: vector, so a token's gate/up weights are read once per this many outputs.
+AOT_MOE_BLOCK_H = 256
+#: From this many reads of a token's gate/up weights on, `aot_moe_note` says to build --jit
+AOT_MOE_REREADS_NOTED = 4
 
 
 def support_matrix() -> dict:
@@ -52,6 +58,8 @@ class PreflightReport:
     op_counts: dict[str, int] = field(default_factory=dict)
     #: what the TensorRT lowering rewrote before the check (runtime/tensorrt_lowering.py)
     lowering: dict[str, int] = field(default_factory=dict)
+    #: what builds but would run slowly (`aot_moe_note`)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def blocking(self) -> list[NodeFinding]:
@@ -129,6 +137,24 @@ def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: di
     return None
 
 
+def aot_moe_note(artifact: Artifact) -> str | None:
+    """Why an AOT engine of this decoder would be slow, if it would: TensorRT launches one kernel
+    per AOT plugin, and moe::MoE's (kernels/moe_fused) gives each program one token and
+    AOT_MOE_BLOCK_H outputs, so it reads the token's gate/up weights hidden / AOT_MOE_BLOCK_H
+    times, on that few programs. Measured at Mixtral-8x7B's size on an H100 (benchmarks/README.md):
+    73 ms a token, against 0.33 ms for the JIT plugin's grouped kernels."""
+    if artifact.kind != "decoder":
+        return None
+    hidden = int(artifact.manifest["config"]["hidden_size"])
+    rereads = -(-hidden // AOT_MOE_BLOCK_H)
+    if rereads < AOT_MOE_REREADS_NOTED:
+        return None
+    return (f"the AOT moe::MoE plugin is one fused kernel, which reads each token's gate/up expert weights "
+            f"{rereads} times at hidden size {hidden} (once per {AOT_MOE_BLOCK_H} outputs); at Mixtral-8x7B's size it "
+            "took 73 ms a token on an H100, against 0.33 ms for the JIT plugin's kernels. Build with --jit "
+            "(Python at run time) for speed; the AOT plan suits small models and engines run without Python")
+
+
 def check_tensorrt(artifact: Artifact | str, experts_on_codes: bool = True) -> PreflightReport:
     """Every node of the artifact's graph, as `build_engine` with the same `experts_on_codes`
     hands it to the parser, against TensorRT's ONNX parser support matrix."""
@@ -139,6 +165,8 @@ def check_tensorrt(artifact: Artifact | str, experts_on_codes: bool = True) -> P
     matrix = support_matrix()
     ops = matrix["operators"]
     report = PreflightReport("trt", matrix["tensorrt_version"], matrix["source"], lowering=lowering)
+    if note := aot_moe_note(artifact):
+        report.notes.append(note)
     ranks = _ranks(model)
     initializer_types = {i.name: i.data_type for i in model.graph.initializer}
     for node in model.graph.node:
