@@ -82,13 +82,26 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
     return model.eval()
 
 
+#: DecoderConfig's fields as a Hugging Face config.json names them (families/base.common), for
+#: messages about a checkpoint's config; the expert count and width have a name per family
+HF_FIELD_NAMES = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                  "n_kv_heads": "num_key_value_heads", "top_k": "num_experts_per_tok",
+                  "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
+                  "n_experts": "the number of experts", "expert_hidden": "the experts' intermediate size"}
+_FIELD_NAME = re.compile(r"\b(" + "|".join(HF_FIELD_NAMES) + r")\b")
+
+
 def _parse(make: Callable[[], DecoderConfig], path: Path, family: str = "moedeploy") -> DecoderConfig:
+    """The config `make` reads from `path`/config.json; its errors as CheckpointErrors that name
+    the fields as that file does (a Hugging Face family's names, not DecoderConfig's)."""
     try:
         return make()
     except UnsupportedOption as e:
         raise CheckpointError(f"{path / 'config.json'}: {family}: {e}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        if family != "moedeploy":  # moedeploy's own config.json uses DecoderConfig's names
+            detail = _FIELD_NAME.sub(lambda m: HF_FIELD_NAMES[m.group(1)], detail)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
 
 

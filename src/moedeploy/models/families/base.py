@@ -213,6 +213,8 @@ def common(
     theta, factor, yarn = rope(hf, scalings)
     window_layers(hf)  # refuses attention kinds we do not implement
     n_heads = hf["num_attention_heads"]
+    if n_heads < 1:  # before the division below
+        raise ValueError(f"num_attention_heads must be >= 1, got {n_heads}")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     fields = {
         "family": hf["model_type"],
