@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from moedeploy.models.blockquant import QuantScheme, pack, quantize
+from moedeploy.runtime.quantized import SIGN_FLIP
 
 log = logging.getLogger(__name__)
 
 # Two blocks per fc1 row, one (an odd count: zero points packed per row) per fc2 row.
 _E, _H, _I, _N, _K, _BLOCK = 4, 64, 32, 3, 2, 32
-_SIGN_FLIP = {4: 0x88, 8: 0x80}
 
 
 def _reference(x: np.ndarray, logits: np.ndarray, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
@@ -56,8 +56,8 @@ def _probe_model(bits: int, zero_points: bool, accuracy_level: int, extra: dict 
         parts = [(q1.packed_codes(), "w1"), (q1.scale, "s1"), (q2.packed_codes(), "w2"), (q2.scale, "s2"),
                  (pack(q1.zero_point, bits), "z1"), (pack(q2.zero_point, bits), "z2")]
     else:  # signed codes reach QMoE as unsigned ones around 2^(bits-1), as runtime/quantized feeds them
-        parts = [(q1.packed_codes() ^ _SIGN_FLIP[bits], "w1"), (q1.scale, "s1"),
-                 (q2.packed_codes() ^ _SIGN_FLIP[bits], "w2"), (q2.scale, "s2")]
+        parts = [(q1.packed_codes() ^ SIGN_FLIP[bits], "w1"), (q1.scale, "s1"),
+                 (q2.packed_codes() ^ SIGN_FLIP[bits], "w2"), (q2.scale, "s2")]
     zp_inputs = ["z1", "z2"] if zero_points else []
     attributes = {"k": _K, "normalize_routing_weights": 1, "activation_type": "swiglu", "swiglu_fusion": 1,
                   "activation_alpha": 1.0, "activation_beta": 0.0, "expert_weight_bits": bits,
