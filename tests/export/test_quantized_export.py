@@ -211,6 +211,7 @@ def test_bad_quantize_options_fail_in_one_line_before_any_work(tmp_path) -> None
         result = runner.invoke(app, [*args, "--out", str(out)])
         assert result.exit_code == 1, result.output
         assert message in result.output and "Traceback" not in result.output
+        assert "tracing" not in result.output  # a block size that cannot fit is refused before the trace
         assert not out.exists()  # nothing half-written
 
 

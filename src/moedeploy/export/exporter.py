@@ -63,7 +63,13 @@ from moedeploy.export.decoder import (
 )
 from moedeploy.export.fold import calibrate, fold_batchnorms, has_batchnorm
 from moedeploy.export.onnx_export import OPSET, custom_op_counts, to_onnx
-from moedeploy.export.quantize import manifest_section, parse_scheme
+from moedeploy.export.quantize import (
+    QuantizeError,
+    block_size_problem,
+    manifest_section,
+    parse_scheme,
+    surely_quantized,
+)
 from moedeploy.export.reference import build_decoder, eager_decoder, save_reference_weights
 from moedeploy.export.streaming import (
     DATA_ALIGNMENT,
@@ -349,6 +355,9 @@ def export_decoder(
     padding = len(weights.names()) * 2 * DATA_ALIGNMENT  # each initializer starts aligned (a few are stored twice)
     require_free_space(out, weight_bytes + padding + GOLDEN_BYTES_ALLOWANCE)  # before minutes of work, not after
 
+    if quantization is not None and (problem := block_size_problem(surely_quantized(weights), quantization, mixed,
+                                                                   head_block_size)):
+        raise QuantizeError(problem)  # before the trace, not after it
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())
     source["weights_sha256"] = fingerprint(weights, torch_dtype, progress, inspect=finite_check(weights))

@@ -156,6 +156,39 @@ def dequantized(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return q.dequantize().to(weight.dtype)
 
 
+def block_size_problem(weights: list[tuple[str, list[int]]], scheme: QuantScheme, mixed: bool = True,
+                       head_block_size: int | None = None) -> str | None:
+    """The first of these (name, shape) weights whose input dimension its block size does not
+    divide, named with the flag to change and the sizes that divide every weight that flag sets
+    (so the advice works for the next one too); None when every block fits."""
+    for name, shape in weights:
+        block = scheme_for(name, scheme, mixed, shape[-1], head_block_size).block_size
+        if shape[-1] % block:
+            head = name.endswith(LM_HEAD) and head_block_size is not None
+            dims = {s[-1] for n, s in weights if n.endswith(LM_HEAD) == head or not head_block_size}
+            fits = [b for b in (16, 32, 64, 128, 256, 512) if all(d % b == 0 for d in dims)]
+            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them all"
+            return (f"weight {name}: its input dimension {shape[-1]} is not a multiple of "
+                    f"{'--head-block-size' if head else '--block-size'} {block}; {advice}")
+    return None
+
+
+def surely_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
+    """(name, shape) of the weights an export quantizes whatever its traced graph: the expert
+    stacks, the attention projections and the LM head. Before tracing, `block_size_problem` on
+    these refuses a block size in a second instead of after the trace (the rewrite checks
+    every weight it quantizes again)."""
+    picked = []
+    for name in source.names():
+        shape = list(source.shape(name))
+        experts = len(shape) == 3 and name.endswith(("w_gate", "w_up", "w_down"))
+        linear = len(shape) == 2 and name.endswith((LM_HEAD, ".attn.wq.weight", ".attn.wk.weight",
+                                                   ".attn.wv.weight", ".attn.wo.weight"))
+        if (experts or linear) and not any(kept in name for kept in KEPT_LINEARS):
+            picked.append((name, shape))
+    return picked
+
+
 def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: QuantScheme,
                   register: Callable[[ir.Graph, ir.Value], None], mixed: bool = True,
                   head_block_size: int | None = None) -> tuple[dict[str, int], dict[str, QuantScheme]]:
@@ -174,19 +207,13 @@ def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: 
         if layout is not None:
             shape = list(source.shape(names[0])) if how == "transpose" else [int(d) for d in value.shape]
             targets.append((name, how, names, layout, shape))
+    if problem := block_size_problem([(t[2][0], t[4]) for t in targets], scheme, mixed, head_block_size):
+        raise QuantizeError(problem)
     for name, how, names, layout, shape in targets:
         value = graph.initializers[name]
         tensor_scheme = scheme_for(names[0], scheme, mixed, shape[-1], head_block_size)
         codes_type = CODE_TYPES[(tensor_scheme.bits, tensor_scheme.signed)]
         formats.update(dict.fromkeys(names, tensor_scheme))
-        if shape[-1] % tensor_scheme.block_size:
-            head = names[0].endswith(LM_HEAD) and head_block_size is not None
-            # the sizes that divide every weight the flag sets, so the advice works for the next one too
-            dims = {t[4][-1] for t in targets if t[2][0].endswith(LM_HEAD) == head or not head_block_size}
-            fits = [b for b in (16, 32, 64, 128, 256, 512) if all(d % b == 0 for d in dims)]
-            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them all"
-            raise QuantizeError(f"weight {names[0]}: its input dimension {shape[-1]} is not a multiple of "
-                                f"{'--head-block-size' if head else '--block-size'} {tensor_scheme.block_size}; {advice}")
         blocks = [*shape[:-1], shape[-1] // tensor_scheme.block_size]
         parts = []
         layout_parts = [("codes", codes_type, shape), ("scale", value.dtype, blocks)]
