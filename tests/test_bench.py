@@ -516,13 +516,19 @@ def test_quantized_decode_step_bytes_of_the_tiny_preset_by_hand() -> None:
         fp32 - 2 * k_v * (4 - signed8) - head * (4 - (1 + 4 / 64)) - at4 * (4 - signed4))
 
 
-def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_quantize_times_each_export_beside_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path_factory) -> None:
     from moedeploy.bench.api import bench
     from moedeploy.export.artifact import MODEL_DATA_FILE
     from tests.onnx_helpers import external_initializer_bytes
 
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    # the float export in the cache already: the session's (test_bench_cli_writes_the_documented_json's way)
+    shared = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+    shutil.copytree(shared.path, tmp_path / "cache" / "bench" / "decoder-tiny-fp32-seed0",
+                    ignore=shutil.ignore_patterns("cache", "report", "engines"))
     report = bench("tiny", ["ort"], prompt_len=8, new_tokens=4, repeat=1, quantize=["int8", "int4"])
+    assert report["cache"]["written"] is False  # the float export was read, and the quantized ones made from it
     assert [r["backend"] for r in report["raw"]] == ["ort", "ort int8", "ort int4"]
     assert not [r for r in report["raw"] if "error" in r] and report["greedy_tokens_agree"]
     assert set(report["quantized_tokens_agree"]) == {"int8", "int4"}
