@@ -455,3 +455,13 @@ def test_ctrl_c_while_the_cli_loads_is_one_line_not_a_traceback(tmp_path: Path) 
     result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")
+
+
+def test_the_cli_loads_without_torch_or_onnx() -> None:
+    """`moedeploy --help` and option errors took 3.6 s: moedeploy.serving imported its server, and
+    with it torch and ONNX, as the CLI registered the serving commands. The commands import them
+    when they run."""
+    done = subprocess.run([sys.executable, "-c", "import sys, moedeploy.cli; "
+                           "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'onnx_ir') if m in sys.modules))"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
