@@ -590,7 +590,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
 
     normalize = attrs["normalize_topk"].as_int()
     fc1_source = interleaved_source(w_gate, w_up) if activation == "swiglu" else w_up
-    if not normalize and qmoe_takes(fc1_source, w_down, nbits_accuracy):
+    if not normalize and qmoe_takes(fc1_source, w_down, nbits_accuracy, act, contrib_biases(node)):
         # QMoE's CPU kernel renormalises the top-k weights whatever normalize_routing_weights
         # says (ONNX Runtime 1.32; tests/plugins/test_qmoe_semantics.py): routed, its softmax of
         # log(w) renormalised is w / sum(w), and the output is scaled back by sum(w)
@@ -625,16 +625,12 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
         # A streamed decoder export stores gate and up interleaved already: use that weight as
         # it is (no copy at session creation); anything else is interleaved by graph ops.
         fc1 = fc1_source or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
-        fused_bias = nonzero(b_gate) is not None or nonzero(b_up) is not None
-        fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if fused_bias else None
-        extra = {"swiglu_fusion": 1, "activation_alpha": act.activation_alpha, "activation_beta": act.activation_beta}
-        if act.clamped:  # no attribute: no clamp (ONNX Runtime's limit 0 would clamp to 0)
-            extra["swiglu_limit"] = act.swiglu_limit
+        fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if contrib_biases(node)[0] else None
     else:
-        fc1, fc1_bias, extra = w_up, nonzero(b_up), {}
+        fc1, fc1_bias = w_up, nonzero(b_up)
     contrib_attrs = {"k": attrs["top_k"].as_int(), "normalize_routing_weights": normalize,
-                     "activation_type": activation, **extra}
-    stacks = qmoe_stacks(graph, fc1, w_down, nbits_accuracy)
+                     **contrib_activation_attributes(act)}
+    stacks = qmoe_stacks(graph, fc1, w_down, nbits_accuracy, act, contrib_biases(node))
     if stacks is None:
         moe_node = ir.node("MoE", [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)], contrib_attrs,
                            domain=CONTRIB_DOMAIN)
@@ -644,8 +640,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
             "QMoE",
             [x, logits, q1.codes, q1.scales, fc1_bias, q2.codes, q2.scales, nonzero(b_down), None, None, None,
              q1.zero_points, q2.zero_points],
-            {**contrib_attrs, "expert_weight_bits": q1.bits, "block_size": q1.block_size,
-             "accuracy_level": nbits_accuracy, "weights_prepacked": 0},
+            {**contrib_attrs, **qmoe_attributes(q1.bits, q1.block_size, nbits_accuracy)},
             domain=CONTRIB_DOMAIN,
         )
     new_nodes.append(moe_node)
@@ -659,14 +654,43 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
     return moe_node.op_type, routed
 
 
-def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int) -> bool:
+def contrib_activation_attributes(act: ExpertActivation) -> dict[str, object]:
+    """com.microsoft::MoE's and QMoE's activation attributes for `act` (SwiGLU on interleaved fc1
+    rows: gate even, up odd; no swiglu_limit attribute for no clamp, since ONNX Runtime's limit 0
+    would clamp to 0)."""
+    attributes: dict[str, object] = {"activation_type": act.activation}
+    if act.activation == "swiglu":
+        attributes.update(swiglu_fusion=1, activation_alpha=act.activation_alpha, activation_beta=act.activation_beta)
+        if act.clamped:
+            attributes["swiglu_limit"] = act.swiglu_limit
+    return attributes
+
+
+def qmoe_attributes(bits: int, block_size: int, accuracy_level: int) -> dict[str, int]:
+    """QMoE's attributes beyond MoE's: its experts' blocked format and accuracy level."""
+    return {"expert_weight_bits": bits, "block_size": block_size, "accuracy_level": accuracy_level,
+            "weights_prepacked": 0}
+
+
+def contrib_biases(node: ir.Node) -> tuple[bool, bool]:
+    """Whether the contrib lowering gives this moe::MoE node's experts an fc1 and an fc2 bias
+    (a bias that is zero by construction is left out)."""
+    b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[5:8]
+    def given(value: ir.Value | None) -> bool:
+        return value is not None and not is_zero(value)
+    fc1 = given(b_up) or (node_activation(node).activation == "swiglu" and given(b_gate))
+    return fc1, given(b_down)
+
+
+def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int, act: ExpertActivation,
+               biases: tuple[bool, bool]) -> bool:
     """Whether com.microsoft::QMoE computes these expert stacks as the graph does at this
     accuracy level: both blocked int8/int4 in one scheme. QMoE's CPU kernel has no float path for
     8-bit experts (int8 activations at every level), so int8 qualifies only at level 4, where
     int8 activations were asked for; int4 at level 0 computes the dequantized products (to rounding).
     And only where this ONNX Runtime's QMoE runs such a node as the lowering writes it, checked
     once per process against the dequantized weights (`runtime/qmoe_check`)."""
-    from moedeploy.runtime.qmoe_check import qmoe_refusal
+    from moedeploy.runtime.qmoe_check import QMoENode, qmoe_refusal
     from moedeploy.runtime.quantized import blocked_source
 
     w1, w2 = blocked_source(fc1), blocked_source(fc2)
@@ -675,7 +699,7 @@ def qmoe_takes(fc1: ir.Value | None, fc2: ir.Value | None, nbits_accuracy: int) 
         return False
     if w1.bits != 4 and nbits_accuracy != 4:
         return False
-    return qmoe_refusal(w1.bits, not w1.signed, nbits_accuracy) is None
+    return qmoe_refusal(QMoENode(w1.bits, w1.block_size, not w1.signed, nbits_accuracy, act, *biases)) is None
 
 
 def qmoe_eligible(node: ir.Node, provider: str, nbits_accuracy: int) -> bool:
@@ -684,15 +708,17 @@ def qmoe_eligible(node: ir.Node, provider: str, nbits_accuracy: int) -> bool:
     if provider != "CPUExecutionProvider" or not contrib_experts_eligible(node, provider):
         return False
     w_gate, w_up, w_down = node.inputs[2], node.inputs[3], node.inputs[4]
-    fc1 = interleaved_source(w_gate, w_up) if node_activation(node).activation == "swiglu" else w_up
-    return qmoe_takes(fc1, w_down, nbits_accuracy)
+    act = node_activation(node)
+    fc1 = interleaved_source(w_gate, w_up) if act.activation == "swiglu" else w_up
+    return qmoe_takes(fc1, w_down, nbits_accuracy, act, contrib_biases(node))
 
 
-def qmoe_stacks(graph: ir.Graph, fc1: ir.Value, fc2: ir.Value, nbits_accuracy: int):
+def qmoe_stacks(graph: ir.Graph, fc1: ir.Value, fc2: ir.Value, nbits_accuracy: int, act: ExpertActivation,
+                biases: tuple[bool, bool]):
     """com.microsoft::QMoE's (fc1, fc2) stacks, registered in `graph`, where `qmoe_takes`; else None."""
     from moedeploy.runtime.quantized import qmoe_stack
 
-    if not qmoe_takes(fc1, fc2, nbits_accuracy):
+    if not qmoe_takes(fc1, fc2, nbits_accuracy, act, biases):
         return None
     return qmoe_stack(graph, fc1), qmoe_stack(graph, fc2)
 
