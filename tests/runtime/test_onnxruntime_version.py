@@ -23,3 +23,14 @@ def test_the_hint_names_the_installed_version_and_the_upgrade(monkeypatch) -> No
     monkeypatch.setattr(ort, "__version__", "1.30.0")
     assert runtime_ort.upgrade_hint() == (" (this onnxruntime 1.30.0 is older than the 1.32 moedeploy's lowerings "
                                           "need: pip install -U 'onnxruntime>=1.32')")
+
+
+def test_the_upgrade_names_the_package_onnxruntime_came_from(monkeypatch) -> None:
+    """On onnxruntime-gpu (the GPU machine's), upgrading plain "onnxruntime" would install a second,
+    conflicting copy of the module beside it."""
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(ort, "__version__", "1.30.0")
+    monkeypatch.setattr(metadata, "version", lambda name: "1.30.0" if name == "onnxruntime-gpu" else real(name))
+    assert runtime_ort.upgrade_hint().endswith("pip install -U 'onnxruntime-gpu>=1.32')")

@@ -67,13 +67,28 @@ def older_than_tested(version: str) -> bool:
     return tuple(numbers) < TESTED_ONNXRUNTIME
 
 
+def onnxruntime_distribution() -> str:
+    """The pip package this onnxruntime came from: onnxruntime-gpu and its kin install the same
+    module, and upgrading "onnxruntime" beside them would install a second, conflicting one."""
+    from importlib import metadata
+
+    for name in ("onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml", "onnxruntime-qnn"):
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return "onnxruntime"
+
+
 def upgrade_hint() -> str:
     """What to add to a session-creation failure on an ONNX Runtime older than the tested one."""
     if not older_than_tested(ort.__version__):
         return ""
     tested = ".".join(map(str, TESTED_ONNXRUNTIME))
+    package = onnxruntime_distribution()
     return (f" (this onnxruntime {ort.__version__} is older than the {tested} moedeploy's lowerings need: "
-            f"pip install -U 'onnxruntime>={tested}')")
+            f"pip install -U '{package}>={tested}')")
 
 
 def dtype_unsupported(dtype: str, provider: str) -> str | None:
