@@ -87,21 +87,23 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
 HF_FIELD_NAMES = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                   "n_kv_heads": "num_key_value_heads", "top_k": "num_experts_per_tok",
                   "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
-                  "n_experts": "the number of experts", "expert_hidden": "the experts' intermediate size"}
-_FIELD_NAME = re.compile(r"\b(" + "|".join(HF_FIELD_NAMES) + r")\b")
+                  "expert_hidden": "the experts' intermediate size"}  # n_experts: the family's experts_key
+_FIELD_NAME = re.compile(r"\b(" + "|".join([*HF_FIELD_NAMES, "n_experts"]) + r")\b")
 
 
-def _parse(make: Callable[[], DecoderConfig], path: Path, family: str = "moedeploy") -> DecoderConfig:
+def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None = None) -> DecoderConfig:
     """The config `make` reads from `path`/config.json; its errors as CheckpointErrors that name
-    the fields as that file does (a Hugging Face family's names, not DecoderConfig's)."""
+    the fields as that file does (a Hugging Face family's names, not DecoderConfig's; None:
+    moedeploy's own config.json, which uses DecoderConfig's)."""
     try:
         return make()
     except UnsupportedOption as e:
-        raise CheckpointError(f"{path / 'config.json'}: {family}: {e}") from None
+        raise CheckpointError(f"{path / 'config.json'}: {family.title if family else 'moedeploy'}: {e}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        if family != "moedeploy":  # moedeploy's own config.json uses DecoderConfig's names
-            detail = _FIELD_NAME.sub(lambda m: HF_FIELD_NAMES[m.group(1)], detail)
+        if family is not None:
+            names = {**HF_FIELD_NAMES, "n_experts": family.experts_key}
+            detail = _FIELD_NAME.sub(lambda m: names[m.group(1)], detail)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
 
 
@@ -187,7 +189,7 @@ class CheckpointWeights:
                 family = family_for(raw_config.get("model_type"))
             except UnsupportedOption as e:
                 raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-            self.config = _parse(lambda: family.config(checked_field_types(raw_config)), path, family.title)
+            self.config = _parse(lambda: family.config(checked_field_types(raw_config)), path, family)
             try:
                 self._parts, self._shapes = _hf_parts(_read_headers(path), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree

@@ -112,6 +112,8 @@ INT_FIELDS = (
     "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
     "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step", "rotary_dim",
 )
+#: config.json fields that must be at least 1 (when present and not null)
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 #: config.json fields that must be finite numbers >= 0 (when present and not null)
 NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor", "router_jitter_noise")
 
@@ -124,6 +126,10 @@ def checked_field_types(hf: dict[str, Any]) -> dict[str, Any]:
         value = hf.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise UnsupportedOption(f"{key} is {value!r}, not an integer; fix it in config.json")
+    for key in POSITIVE_FIELDS:  # a head count of 0 is a division by zero in every family's config
+        value = hf.get(key)
+        if value is not None and value < 1:
+            raise UnsupportedOption(f"{key} is {value!r}, not an integer >= 1; fix it in config.json")
     for key in NUMBER_FIELDS:
         value = hf.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -213,8 +219,6 @@ def common(
     theta, factor, yarn = rope(hf, scalings)
     window_layers(hf)  # refuses attention kinds we do not implement
     n_heads = hf["num_attention_heads"]
-    if n_heads < 1:  # before the division below
-        raise ValueError(f"num_attention_heads must be >= 1, got {n_heads}")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     fields = {
         "family": hf["model_type"],
