@@ -67,6 +67,7 @@ from moedeploy.export.quantize import (
     QuantizeError,
     block_size_problem,
     manifest_section,
+    maybe_quantized,
     parse_scheme,
     surely_quantized,
 )
@@ -356,7 +357,7 @@ def export_decoder(
     require_free_space(out, weight_bytes + padding + GOLDEN_BYTES_ALLOWANCE)  # before minutes of work, not after
 
     if quantization is not None and (problem := block_size_problem(surely_quantized(weights), quantization, mixed,
-                                                                   head_block_size)):
+                                                                   head_block_size, maybe_quantized(weights))):
         raise QuantizeError(problem)  # before the trace, not after it
     progress("tracing the decoder with its KV cache to ONNX (over empty weights)")
     traced = trace_decoder(config, torch_dtype, weights.names())

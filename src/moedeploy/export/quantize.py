@@ -157,20 +157,31 @@ def dequantized(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def block_size_problem(weights: list[tuple[str, list[int]]], scheme: QuantScheme, mixed: bool = True,
-                       head_block_size: int | None = None) -> str | None:
+                       head_block_size: int | None = None,
+                       advice_from: list[tuple[str, list[int]]] | None = None) -> str | None:
     """The first of these (name, shape) weights whose input dimension its block size does not
     divide, named with the flag to change and the sizes that divide every weight that flag sets
-    (so the advice works for the next one too); None when every block fits."""
+    (those of `advice_from`, default `weights`: so the advice works for the next one too); None
+    when every block fits."""
     for name, shape in weights:
         block = scheme_for(name, scheme, mixed, shape[-1], head_block_size).block_size
         if shape[-1] % block:
             head = name.endswith(LM_HEAD) and head_block_size is not None
-            dims = {s[-1] for n, s in weights if n.endswith(LM_HEAD) == head or not head_block_size}
+            dims = {s[-1] for n, s in (advice_from or weights) if n.endswith(LM_HEAD) == head or not head_block_size}
             fits = [b for b in (16, 32, 64, 128, 256, 512) if all(d % b == 0 for d in dims)]
             advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them all"
             return (f"weight {name}: its input dimension {shape[-1]} is not a multiple of "
                     f"{'--head-block-size' if head else '--block-size'} {block}; {advice}")
     return None
+
+
+def maybe_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every weight an export may quantize, whatever its graph: each 2-D or 3-D
+    weight but the embeddings and the routers (a superset of what the rewrite quantizes: what
+    a block size's advice must divide)."""
+    return [(name, list(source.shape(name))) for name in source.names()
+            if len(source.shape(name)) in (2, 3) and "embed" not in name
+            and not any(kept in name for kept in KEPT_LINEARS)]
 
 
 def surely_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
@@ -179,7 +190,10 @@ def surely_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
     these refuses a block size in a second instead of after the trace (the rewrite checks
     every weight it quantizes again)."""
     picked = []
+    tied = bool(getattr(source.config, "tie_embeddings", False))  # the head is the embedding's, traced by its name
     for name in source.names():
+        if tied and name.endswith(LM_HEAD):
+            continue
         shape = list(source.shape(name))
         experts = len(shape) == 3 and name.endswith(("w_gate", "w_up", "w_down"))
         linear = len(shape) == 2 and name.endswith((LM_HEAD, ".attn.wq.weight", ".attn.wk.weight",
