@@ -155,6 +155,25 @@ class OutputRefused(ValueError):
     """An output path moedeploy will not replace: it holds something moedeploy did not write."""
 
 
+def is_mount_point(path: Path) -> bool:
+    """Whether something is mounted at `path` (resolved), which no rename moves. On Linux by the
+    mount table: os.path.ismount also says yes to a btrfs subvolume, which renames like any folder."""
+    try:
+        table = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return os.path.ismount(path)
+    for line in table.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4 and _unescape_mount(fields[4]) == str(path):
+            return True
+    return False
+
+
+def _unescape_mount(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are written as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = None, force: bool = False) -> None:
     """Refuse, before any work, to replace what moedeploy did not write.
 
@@ -176,9 +195,9 @@ def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = N
             f"refusing to replace {resolved}: it is the current folder, holds it, or is the home or root folder; "
             f"choose a new subfolder, e.g. --out {path / 'artifact'}"
         )
-    if os.path.ismount(resolved):  # the swap renames it aside, which a mount point refuses (EBUSY) after all the work
+    if is_mount_point(resolved):  # the swap renames it aside, which a mount refuses (EBUSY) after all the work
         raise OutputRefused(f"{path} is a mount point, which moedeploy cannot replace (it moves the old output aside "
-                            f"first); choose a new subfolder, e.g. --out {path / 'artifact'}")
+                            f"first); write into a new folder inside it, e.g. {path / 'artifact'}")
     if force or not any(resolved.iterdir()) or (owned is not None and owned(resolved)):
         return
     raise OutputRefused(
