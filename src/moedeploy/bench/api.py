@@ -337,7 +337,7 @@ def bench(
     beside its own roofline (bytes on disk, bytes a step reads, the bandwidth bound).
     """
     progress = progress or (lambda _: None)
-    if not target.strip():  # Path("") is the working folder: benched as if named, and named as ""
+    if not str(target).strip():  # Path("") is the working folder: benched as if named, and named as ""
         raise ValueError(f"no target given; pass an artifact folder, a checkpoint folder or a preset ({', '.join(PRESETS)})")
     backends = require_backends(backends)
     skipped_peers: dict[str, str] = {}

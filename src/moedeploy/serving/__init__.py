@@ -11,7 +11,17 @@ PyTriton and tritonclient are imported only when a server starts.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr__` imports on first use
+    from moedeploy.serving.server import (
+        BACKENDS,
+        ModelServer,
+        ServeOptions,
+        ServingUnavailable,
+        wait_for_signal,
+    )
+    from moedeploy.serving.specs import ModelSpec, ServingError, TensorSpec, served_models
 
 #: public name -> the module that defines it, imported on first use: `moedeploy --help` and
 #: the serving commands' option errors need none of torch and ONNX, which server.py imports
@@ -27,7 +37,17 @@ _EXPORTS = {
     "served_models": "moedeploy.serving.specs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BACKENDS",
+    "ModelServer",
+    "ModelSpec",
+    "ServeOptions",
+    "ServingError",
+    "ServingUnavailable",
+    "TensorSpec",
+    "served_models",
+    "wait_for_signal",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -36,3 +56,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # once
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
