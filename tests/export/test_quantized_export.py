@@ -21,7 +21,7 @@ from moedeploy.export.artifact import MODEL_DATA_FILE, Artifact
 from moedeploy.models.blockquant import QuantScheme, quantize
 from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.ort import create_session
-from tests.export.artifacts import rewrite_manifest
+from tests.export.artifacts import ArtifactStore, rewrite_manifest
 
 from ..models.helpers import tiny_mixtral
 from ..onnx_helpers import external_initializer_bytes
@@ -340,10 +340,10 @@ def test_an_older_artifact_without_the_digest_is_checked_against_its_graphs_form
         assert message in str(e.value), str(e.value)
 
 
-def test_a_quantization_section_added_to_a_float_artifact_is_refused(tmp_path) -> None:
+def test_a_quantization_section_added_to_a_float_artifact_is_refused(tmp_path, tmp_path_factory) -> None:
     from moedeploy.export.artifact import ArtifactError
 
-    fp32 = export("decoder", tmp_path / "fp32", preset_name="tiny", golden=False)
+    fp32 = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")  # only read: edited in a copy
     folder = _edited(fp32, tmp_path / "edited", _set(("quantization",), {
         "format": 2, "bits": 8, "block_size": 32, "symmetric": True, "mixed": False, "tensors": {"lm_head.weight": 8}}))
     with pytest.raises(ArtifactError, match=r"has a quantization section but model\.onnx reads no quantized weight"):
@@ -404,9 +404,9 @@ def test_a_checkpoint_with_a_nan_weight_is_refused_in_one_line_and_nothing_is_wr
     assert "Traceback" not in result.output and not out.exists()
 
 
-def test_an_unquantized_session_is_unchanged_by_the_lowering(tmp_path) -> None:
+def test_an_unquantized_session_is_unchanged_by_the_lowering(tmp_path_factory) -> None:
     """The fp32 artifact lowers exactly as before: no MatMulNBits."""
-    artifact = export("decoder", tmp_path / "fp32", preset_name="tiny")
+    artifact = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
     assert create_session(artifact).lowering["matmul_nbits"] == 0
 
 
@@ -740,7 +740,7 @@ def test_compare_measures_quantization_against_the_float_model_as_transformers_d
     assert "Quantization accuracy" in (artifacts["int4"].path / "report" / "report.html").read_text()
 
 
-def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
+def test_quantization_thresholds_judge_and_are_checked(artifacts, tmp_path_factory) -> None:
     from moedeploy.cli import app
 
     path = str(artifacts["int8"].path)
@@ -752,7 +752,7 @@ def test_quantization_thresholds_judge_and_are_checked(artifacts) -> None:
     assert "Traceback" not in result.output
     result = CliRunner().invoke(app, ["compare", path, "--max-kl-mean", "nan"])
     assert result.exit_code == 2 and "'--max-kl-mean': nan is not a finite number >= 0" in result.output
-    fp32 = export("decoder", Path(path).parent / "fp32-thresholds", preset_name="tiny", golden=False)
+    fp32 = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")  # refused before any work: only read
     result = CliRunner().invoke(app, ["compare", str(fp32.path), "--max-kl-mean", "0.5"])
     assert result.exit_code == 1 and "is not quantized (compare it without them)" in " ".join(result.output.split())
 
