@@ -17,7 +17,11 @@ from moedeploy.runtime.generation import OrtDecoder
 
 from .cases import cases, prompt
 
-CASES = cases()  # every configuration of every family, the same ones the eager tests check
+#: every configuration of every family the eager tests check, but two whose differences from their
+#: family's other case (one KV head, top-3 routing, other multipliers, whole-head rotary, head_dim
+#: 10) go through code the other exported cases take: the decoder and its attention are shared by
+#: every family, and four others export one KV head (mixtral, qwen2/3-MoE, gpt-oss)
+CASES = {case: config for case, config in cases().items() if case not in ("granitemoe-mqa", "minimax_m2-mqa")}
 #: Families whose routing com.microsoft::MoE computes (softmax top-k, renormalised or not).
 CONTRIB_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"}
 
