@@ -854,3 +854,21 @@ def _skips_optimizers(session) -> bool:
         return bool(session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS))
     except RuntimeError:
         return False
+
+
+def test_a_tied_lm_heads_block_size_is_refused_before_the_trace(tmp_path) -> None:
+    """A tied LM head is quantized as lm_head.weight, with --head-block-size (checked by hand in
+    the manifest), so a head block that cannot divide hidden 64 is refused before the trace too."""
+    from moedeploy.cli import app
+
+    from ..families.cases import _family_config, make_model, save_checkpoint
+
+    config = _family_config("mixtral", 2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
+    checkpoint = save_checkpoint(make_model(config), tmp_path / "ckpt")
+    result = CliRunner().invoke(app, ["export", "decoder", "--checkpoint", str(checkpoint), "--quantize", "int8",
+                                      "--head-block-size", "128", "--out", str(tmp_path / "q")])
+    assert result.exit_code == 1 and "tracing" not in result.output
+    assert "weight lm_head.weight: its input dimension 64 is not a multiple of --head-block-size 128" in result.output
+    artifact = export("decoder", tmp_path / "q", checkpoint=checkpoint, quantization=QuantScheme(8, 32), head_block_size=16)
+    assert artifact.manifest["quantization"]["block_sizes"] == {"lm_head.weight": 16}

@@ -190,10 +190,7 @@ def surely_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
     these refuses a block size in a second instead of after the trace (the rewrite checks
     every weight it quantizes again)."""
     picked = []
-    tied = bool(getattr(source.config, "tie_embeddings", False))  # the head is the embedding's, traced by its name
-    for name in source.names():
-        if tied and name.endswith(LM_HEAD):
-            continue
+    for name in source.names():  # a tied LM head included: the rewrite quantizes it as lm_head.weight too
         shape = list(source.shape(name))
         experts = len(shape) == 3 and name.endswith(("w_gate", "w_up", "w_down"))
         linear = len(shape) == 2 and name.endswith((LM_HEAD, ".attn.wq.weight", ".attn.wk.weight",
