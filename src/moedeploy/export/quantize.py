@@ -185,19 +185,15 @@ def maybe_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
 
 
 def surely_quantized(source: WeightSource) -> list[tuple[str, list[int]]]:
-    """(name, shape) of the weights an export quantizes whatever its traced graph: the expert
-    stacks, the attention projections and the LM head. Before tracing, `block_size_problem` on
-    these refuses a block size in a second instead of after the trace (the rewrite checks
-    every weight it quantizes again)."""
-    picked = []
-    for name in source.names():  # a tied LM head included: the rewrite quantizes it as lm_head.weight too
-        shape = list(source.shape(name))
-        experts = len(shape) == 3 and name.endswith(("w_gate", "w_up", "w_down"))
-        linear = len(shape) == 2 and name.endswith((LM_HEAD, ".attn.wq.weight", ".attn.wk.weight",
-                                                   ".attn.wv.weight", ".attn.wo.weight"))
-        if (experts or linear) and not any(kept in name for kept in KEPT_LINEARS):
-            picked.append((name, shape))
-    return picked
+    """(name, shape) of the weights an export quantizes whatever its traced graph: of
+    `maybe_quantized`, the expert stacks, the attention projections and the LM head (a tied one
+    too: the rewrite quantizes it as lm_head.weight). Before tracing, `block_size_problem` on
+    these refuses a block size in a second instead of after the trace (the rewrite checks every
+    weight it quantizes again)."""
+    experts = ("w_gate", "w_up", "w_down")
+    linears = (LM_HEAD, ".attn.wq.weight", ".attn.wk.weight", ".attn.wv.weight", ".attn.wo.weight")
+    return [(name, shape) for name, shape in maybe_quantized(source)
+            if name.endswith(experts if len(shape) == 3 else linears)]
 
 
 def rewrite_graph(graph: ir.Graph, recipes: dict, source: WeightSource, scheme: QuantScheme,

@@ -581,6 +581,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
     attrs = node.attributes
     act = node_activation(node)
     activation = act.activation
+    biases = contrib_biases(node)
     new_nodes: list[ir.Node] = []
 
     def add(op_type: str, inputs, **attributes) -> ir.Value:
@@ -590,7 +591,7 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
 
     normalize = attrs["normalize_topk"].as_int()
     fc1_source = interleaved_source(w_gate, w_up) if activation == "swiglu" else w_up
-    if not normalize and qmoe_takes(fc1_source, w_down, nbits_accuracy, act, contrib_biases(node)):
+    if not normalize and qmoe_takes(fc1_source, w_down, nbits_accuracy, act, biases):
         # QMoE's CPU kernel renormalises the top-k weights whatever normalize_routing_weights
         # says (ONNX Runtime 1.32; tests/plugins/test_qmoe_semantics.py): routed, its softmax of
         # log(w) renormalised is w / sum(w), and the output is scaled back by sum(w)
@@ -625,12 +626,12 @@ def lower_to_contrib(graph: ir.Graph, node: ir.Node, routed: bool = False, nbits
         # A streamed decoder export stores gate and up interleaved already: use that weight as
         # it is (no copy at session creation); anything else is interleaved by graph ops.
         fc1 = fc1_source or interleave(w_gate, w_up, [n_experts, 2 * hidden, dim])
-        fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if contrib_biases(node)[0] else None
+        fc1_bias = interleave(b_gate, b_up, [n_experts, 2 * hidden]) if biases[0] else None
     else:
         fc1, fc1_bias = w_up, nonzero(b_up)
     contrib_attrs = {"k": attrs["top_k"].as_int(), "normalize_routing_weights": normalize,
                      **contrib_activation_attributes(act)}
-    stacks = qmoe_stacks(graph, fc1, w_down, nbits_accuracy, act, contrib_biases(node))
+    stacks = qmoe_stacks(graph, fc1, w_down, nbits_accuracy, act, biases)
     if stacks is None:
         moe_node = ir.node("MoE", [x, logits, fc1, fc1_bias, w_down, nonzero(b_down)], contrib_attrs,
                            domain=CONTRIB_DOMAIN)

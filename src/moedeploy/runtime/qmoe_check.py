@@ -31,6 +31,7 @@ from moedeploy.plugins.moe import (
     moe_reference,
     qmoe_attributes,
 )
+from moedeploy.runtime.ort import TESTED_ONNXRUNTIME
 from moedeploy.runtime.quantized import SIGN_FLIP
 
 log = logging.getLogger(__name__)
@@ -128,5 +129,6 @@ def qmoe_refusal(node: QMoENode, extra: tuple = ()) -> str | None:
     if reason is None:
         return None
     message = f"ONNX Runtime {ort.__version__}'s QMoE cannot run {node.describe()}: {reason}"
-    log.warning("%s; those experts stay off QMoE (slower; onnxruntime >= 1.32 has it)", message)
+    log.warning("%s; those experts stay off QMoE (slower; onnxruntime >= %s has it)", message,
+                ".".join(map(str, TESTED_ONNXRUNTIME)))
     return message
