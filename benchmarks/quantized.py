@@ -97,7 +97,7 @@ def openvino_logits(artifact, compressed: Path | None, tokens: torch.Tensor, thr
     (its graph computes the LM head on the last position only)."""
     from moedeploy.bench.openvino_peer import openvino_stepper
 
-    reset, step = openvino_stepper(artifact, threads, str(compressed) if compressed else None)
+    reset, step, _ = openvino_stepper(artifact, threads, str(compressed) if compressed else None)
     reset(1, tokens.shape[1])
     return np.concatenate([step(tokens[:, i:i + 1], i).numpy() for i in range(tokens.shape[1])])
 

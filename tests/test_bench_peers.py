@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from moedeploy.bench.decode import argmax_greedy
 from moedeploy.models import MoEDecoder, preset
 from moedeploy.models.weights import ModuleWeights
 
@@ -230,19 +231,22 @@ def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
     model = MoEDecoder(config).eval()
     path = write_gguf(config, ModuleWeights(model), tmp_path / "m.gguf", "0" * 64)
     prompt = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
-    reset, step = llama_cpp_stepper(str(path), threads=2, total=40, prompt_len=12)
+    reset, step, greedy = llama_cpp_stepper(str(path), threads=2, total=40, prompt_len=12)
     reset(1, 40)
     theirs = step(prompt, 0)
     with torch.inference_mode():
         ours = model(prompt, model.new_cache(1, 40), 0)[:, -1]
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     expected = model.generate(prompt, max_new_tokens=16)[0, 12:].tolist()
-    tokens, token = [], theirs.argmax(-1, keepdim=True)
-    for i in range(16):
-        tokens.append(int(token))
-        if i < 15:
-            token = step(token, 12 + i).argmax(-1, keepdim=True)
-    assert tokens == expected
+    for choose in (argmax_greedy(step), greedy):  # the logits' argmax, then llama.cpp's own greedy path
+        reset(1, 40)
+        tokens, token = [], choose(prompt, 0)
+        for i in range(16):
+            assert token.shape == (1, 1)
+            tokens.append(int(token))
+            if i < 15:
+                token = choose(token, 12 + i)
+        assert tokens == expected
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +266,7 @@ def test_openvino_on_the_artifact_computes_the_eager_model(tiny_fp32) -> None:
     model = eager_decoder("fp32")
     config = model.config
     prompts = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    reset, step = openvino_stepper(tiny_fp32, threads=2)
+    reset, step, greedy = openvino_stepper(tiny_fp32, threads=2)
     reset(2, 40)
     theirs = step(prompts, 0)
     with torch.inference_mode():
@@ -271,13 +275,15 @@ def test_openvino_on_the_artifact_computes_the_eager_model(tiny_fp32) -> None:
 
     prompt = prompts[:1]
     expected = model.generate(prompt, max_new_tokens=16)[0, 12:].tolist()
-    for _ in range(2):  # a second generation starts from an empty cache again
+    # a second generation starts from an empty cache again; OpenVINO's own greedy path, then the logits' argmax
+    for choose in (greedy, argmax_greedy(step)):
         reset(1, 40)
-        tokens, token = [], step(prompt, 0).argmax(-1, keepdim=True)
+        tokens, token = [], choose(prompt, 0)
         for i in range(16):
+            assert token.shape == (1, 1)
             tokens.append(int(token))
             if i < 15:
-                token = step(token, 12 + i).argmax(-1, keepdim=True)
+                token = choose(token, 12 + i)
         assert tokens == expected
     with pytest.raises(RuntimeError, match="cache holds 27 positions, step starts at 3"):
         step(token, 3)

@@ -112,7 +112,8 @@ def test_function_body_matches_eager(case: str) -> None:
     lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "function")  # the body itself
     assert counts == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_function": 1, "rmsnorm_native": 0,
                       "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0,
-                      "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0}
+                      "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,
+                      "greedy_token": 0}
     (y,) = plain_session(lowered).run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
     np.testing.assert_allclose(y, expected, atol=1e-4, rtol=1e-5)
     # and it is not the top2_sum rule's answer

@@ -135,3 +135,65 @@ def test_generate_rejects_bad_prompts_in_one_line(store, input_ids, message: str
     with pytest.raises(ValueError, match=message) as error:
         ort_decoder.generate(input_ids, max_new_tokens=4)
     assert "\n" not in str(error.value)
+
+
+def test_greedy_token_nodes_rank_like_torch_argmax() -> None:
+    """The graph's greedy token (lowering.argmax_nodes) against torch.argmax on rows that tell
+    argmax rules apart: a tie (the first index), a NaN anywhere (torch ranks it above everything;
+    ONNX Runtime's ArgMax skips it), +Inf before a NaN, two NaNs, all -Inf; then random rows with
+    NaN, Inf and repeated maxima put in; fp32 and fp16 scores."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from moedeploy.runtime.lowering import argmax_nodes
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[1, 3, 3, 2], [1, nan, 5, 2], [1, 5, 2, nan], [-inf] * 4, [inf, 1, nan, 0], [1, inf, 2, inf], [nan] * 4,
+            [2, nan, 7, nan], [-inf, nan, inf, 1]]
+    rng = np.random.default_rng(0)
+    for dtype, np_dtype in ((ir.DataType.FLOAT, np.float32), (ir.DataType.FLOAT16, np.float16)):
+        scores = ir.Value(name="scores", shape=ir.Shape(["rows", 1, "vocab"]), type=ir.TensorType(dtype))
+        graph = ir.Graph([scores], [], nodes=[], opset_imports={"": 21}, name="argmax")
+        nodes = argmax_nodes(scores, graph)
+        graph.extend(nodes)
+        graph.outputs.append(nodes[-1].outputs[0])
+        model = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
+        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        x = np.array(rows, dtype=np_dtype)[:, None]
+        got = session.run(None, {"scores": x})[0]
+        assert got.dtype == np.int64 and got.shape == (9, 1)
+        expected = torch.from_numpy(x.astype(np.float32)).argmax(-1)
+        assert got[:, 0].tolist() == expected[:, 0].tolist() == [1, 1, 3, 0, 2, 1, 0, 1, 1]
+        x = rng.standard_normal((64, 1, 500)).astype(np_dtype)
+        for row, col in zip(rng.integers(0, 64, 96), rng.integers(0, 500, 96), strict=True):
+            x[row, 0, col] = rng.choice([nan, inf, -inf, x[row].max()])
+        expected = torch.from_numpy(x.astype(np.float32)).argmax(-1)
+        assert np.array_equal(session.run(None, {"scores": x})[0], expected.numpy())
+
+
+@pytest.mark.parametrize(("kv_cache", "attention"), [("copy", "graph"), ("inplace", "gqa")])
+def test_greedy_lowering_picks_the_eager_tokens_in_the_graph(store, decoder, prompt, eager_greedy, kv_cache: str,
+                                                             attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """logits="greedy": the graph's own argmax, step by step and through generate, gives the eager
+    model's greedy tokens; a token handed out is never overwritten by the next step; sampling
+    still reads the logits."""
+    greedy = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], logits="greedy", attention_lowering=attention,
+                        kv_cache=kv_cache)
+    assert greedy.lowering["greedy_token"] == greedy.lowering["logits_last"] == 1 and greedy.has_greedy_token
+    greedy.reset(2, 7 + NEW_TOKENS)
+    first = greedy.greedy_step(prompt, 0)
+    assert first.dtype == torch.int64 and first.shape == (2,)
+    second = greedy.greedy_step(first[:, None], 7)
+    assert torch.equal(first, eager_greedy[:, 7]) and torch.equal(second, eager_greedy[:, 8])
+    logits = greedy.step(second[:, None], 8)  # step and greedy_step share the cache
+    assert logits.shape == (2, 1, 256) and torch.equal(logits[:, 0].argmax(-1), eager_greedy[:, 9])
+    assert torch.equal(greedy.greedy_step(eager_greedy[:, 9:10], 9), eager_greedy[:, 10])
+
+    kwargs = dict(max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    assert torch.equal(greedy.generate(prompt, **kwargs), decoder.generate(prompt, **kwargs))
+
+    def no_logits(*_):
+        raise AssertionError("greedy generation read the logits")
+
+    monkeypatch.setattr(greedy, "step", no_logits)
+    assert torch.equal(greedy.generate(prompt, max_new_tokens=NEW_TOKENS), eager_greedy)

@@ -69,7 +69,8 @@ def test_decoder_lowering_counts(store) -> None:
     lowered = create_session(store.decoder("fp32"), CPU)
     assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_function": 0,
                                 "rmsnorm_native": 5, "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 2, "logits_last": 0, "rmsnorm_skip": 0,
-                                "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0}
+                                "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,
+                                "greedy_token": 0}
     assert lowered.provider == "CPUExecutionProvider"
 
 

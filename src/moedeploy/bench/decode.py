@@ -3,7 +3,10 @@
 Each backend runs in its own Python process (`python -m moedeploy.bench.decode '<json>'`),
 so its peak RSS is its own and no backend warms another's caches. Every backend runs the
 same greedy loop on the same seeded prompt; the generated tokens come back too, so the
-benchmark also shows that the backends agree.
+benchmark also shows that the backends agree. Each backend picks its greedy token the
+cheapest way its runtime offers, as a user's greedy decode would: ONNX Runtime in its graph
+(`OrtDecoder.greedy_step`), llama.cpp and OpenVINO by NumPy's argmax over the logits where
+the runtime left them, the PyTorch backends by torch's argmax.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from pathlib import Path
 import torch
 
 Step = Callable[[torch.Tensor, int], torch.Tensor]
+#: reset(batch, total), step(ids, start) -> (B, V) last-position logits, greedy(ids, start) -> (B, 1) next ids
+Stepper = tuple[Callable[[int, int], None], Step, Step]
+
+
+def argmax_greedy(step: Step) -> Step:
+    """The greedy choice of a backend with no cheaper one: torch's argmax of its step's logits."""
+    return lambda ids, start: step(ids, start).argmax(-1, keepdim=True)
 
 
 @dataclass
@@ -63,7 +73,7 @@ def _peak_rss_mb() -> float:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _torch_stepper(artifact, compile_model: bool, checkpoint: str | None = None) -> tuple[Callable[[int, int], None], Step]:
+def _torch_stepper(artifact, compile_model: bool, checkpoint: str | None = None) -> Stepper:
     from moedeploy.export.reference import build_decoder, eager_decoder
     from moedeploy.models.weights import ModuleWeights
 
@@ -83,10 +93,10 @@ def _torch_stepper(artifact, compile_model: bool, checkpoint: str | None = None)
         with torch.inference_mode():
             return forward(ids, state["cache"], start)[:, -1]
 
-    return reset, step
+    return reset, step, argmax_greedy(step)
 
 
-def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
+def _hf_stepper(artifact) -> Stepper:
     """Hugging Face transformers' eager Mixtral with the same shapes (random weights)."""
     from transformers import DynamicCache, MixtralConfig, MixtralForCausalLM
 
@@ -108,24 +118,25 @@ def _hf_stepper(artifact) -> tuple[Callable[[int, int], None], Step]:
         with torch.inference_mode():
             return model(ids, past_key_values=state["cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
 
-    return reset, step
+    return reset, step, argmax_greedy(step)
 
 
-def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "auto",
-                 ) -> tuple[Callable[[int, int], None], Step]:
+def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "auto") -> Stepper:
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
     # generation reads the last position's logits only: so do transformers (logits_to_keep=1) and
-    # llama.cpp. With GroupQueryAttention the cache is appended to in place (IO-bound buffers)
+    # llama.cpp; and greedy decoding their argmax only, which the graph takes (logits="greedy").
+    # With GroupQueryAttention the cache is appended to in place (IO-bound buffers)
     # (a quantized artifact at the level it is served at: int8 activations, as llama.cpp's q8_0/q4_0;
     # the level changes nothing in a float graph)
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="last",
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="greedy",
                          kv_cache="inplace" if attention == "gqa" else "copy", nbits_accuracy=RUN_ACCURACY)
-    return lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1]
+    return (lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1],
+            lambda ids, start: decoder.greedy_step(ids, start)[:, None])
 
 
-def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], Step]:
+def stepper(settings: Settings, artifact) -> Stepper:
     if settings.backend == "torch":
         return _torch_stepper(artifact, compile_model=False, checkpoint=settings.checkpoint)
     if settings.backend == "torch-compile":
@@ -151,7 +162,8 @@ def stepper(settings: Settings, artifact) -> tuple[Callable[[int, int], None], S
         from moedeploy.runtime.generation import TrtDecoder
 
         decoder = TrtDecoder(artifact)  # says in one line what is missing without TensorRT or a GPU
-        return lambda batch, total: decoder.reset(batch), lambda ids, start: decoder.step(ids, start)[:, -1]
+        step = lambda ids, start: decoder.step(ids, start)[:, -1]  # noqa: E731
+        return lambda batch, total: decoder.reset(batch), step, argmax_greedy(step)
     raise ValueError(f"unknown backend {settings.backend!r}")
 
 
@@ -177,7 +189,7 @@ def _timed(settings: Settings) -> dict:
     # every backend's peak shares, so peak minus this is the backend's own (weights, runtime, cache)
     baseline = _rss_mb() or 0.0
     load_start = time.perf_counter()
-    reset, step = stepper(settings, artifact)
+    reset, _, greedy = stepper(settings, artifact)
     load_s = time.perf_counter() - load_start
     load_peak = _peak_rss_mb()
     vocab = artifact.manifest["config"]["vocab_size"]
@@ -187,12 +199,12 @@ def _timed(settings: Settings) -> dict:
     def generate(new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
         reset(settings.batch, total)
         start = time.perf_counter()
-        token = step(prompt, 0).argmax(-1, keepdim=True)
+        token = greedy(prompt, 0)
         prefill = time.perf_counter() - start
         tokens, latencies = [token], []
         for i in range(new_tokens - 1):
             start = time.perf_counter()
-            token = step(token, settings.prompt_len + i).argmax(-1, keepdim=True)
+            token = greedy(token, settings.prompt_len + i)
             latencies.append(time.perf_counter() - start)
             tokens.append(token)
         return prefill, latencies, torch.cat(tokens, 1).tolist()

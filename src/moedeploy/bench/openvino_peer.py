@@ -194,8 +194,9 @@ RT_FINGERPRINT, RT_COMPRESSION = "moedeploy_weights_sha256", "moedeploy_compress
 
 
 def openvino_stepper(artifact: Artifact, threads: int, compressed: str | None = None,
-                     ) -> tuple[Callable[[int, int], None], Callable]:
-    """reset(batch, total) and step(ids, start) -> last-position logits (B, vocab) on OpenVINO;
+                     ) -> tuple[Callable[[int, int], None], Callable, Callable]:
+    """reset(batch, total), step(ids, start) -> last-position logits (B, vocab) on OpenVINO, and
+    greedy(ids, start) -> (B, 1): NumPy's argmax over the logits OpenVINO returned (no copy);
     `compressed`: an IR from `compressed_ir` instead of the artifact's fp32 graph."""
     import openvino as ov
 
@@ -210,11 +211,17 @@ def openvino_stepper(artifact: Artifact, threads: int, compressed: str | None = 
         request.reset_state()
         state["length"] = 0
 
-    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+    def last_logits(ids: torch.Tensor, start: int) -> np.ndarray:
         if start != state["length"]:
             raise RuntimeError(f"OpenVINO's cache holds {state['length']} positions, step starts at {start}")
         out = request.infer({"input_ids": ids.cpu().numpy().astype(np.int64)})
         state["length"] += ids.shape[1]
-        return torch.from_numpy(out[logits][:, -1].copy())
+        return out[logits][:, -1]
 
-    return reset, step
+    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.from_numpy(last_logits(ids, start).copy())
+
+    def greedy(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.from_numpy(last_logits(ids, start).argmax(-1))[:, None]
+
+    return reset, step, greedy

@@ -87,7 +87,8 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) 
 
 
 def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int):
-    """reset(batch, total) and step(ids, start) -> last-position logits (1, vocab) on llama.cpp."""
+    """reset(batch, total), step(ids, start) -> last-position logits (1, vocab) on llama.cpp, and
+    greedy(ids, start) -> (1, 1): NumPy's argmax over the logits where llama.cpp keeps them (no copy)."""
     import numpy as np
     from llama_cpp import Llama, llama_get_logits_ith
 
@@ -97,12 +98,17 @@ def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int):
     def reset(batch: int, _total: int) -> None:
         llm.reset()
 
-    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+    def last_logits(ids: torch.Tensor, start: int) -> np.ndarray:
         if llm.n_tokens != start:
             raise RuntimeError(f"llama.cpp context holds {llm.n_tokens} tokens, step starts at {start}")
         llm.eval(ids[0].tolist())
         # the C API's logits of the batch's last token (with logits_all off, llama-cpp-python keeps none)
-        logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-        return torch.from_numpy(logits.copy()).unsqueeze(0)
+        return np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
-    return reset, step
+    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.from_numpy(last_logits(ids, start).copy()).unsqueeze(0)
+
+    def greedy(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.tensor([[int(last_logits(ids, start).argmax())]])
+
+    return reset, step, greedy

@@ -126,12 +126,17 @@ def iterate_tokens(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     eos_token_id: int | None = None,
+    greedy_step: StepFn | None = None,
 ) -> Iterator[torch.Tensor]:
     """Prefill the prompt once, then decode one token per step, yielding each step's (B,) new
     ids as soon as they are chosen (a stream sends them on before the next step runs).
 
     After a sequence emits `eos_token_id` it keeps emitting it; the loop ends early when
     every sequence has. A caller that stops iterating stops the decoding there.
+
+    greedy_step(ids, start_pos) -> (B,) ids: a backend's own greedy choice, the argmax of the
+    step's last logits computed where the logits are (ONNX Runtime's graph), used instead of
+    `step` when sampling is greedy.
     """
     sampling = sampling or SamplingConfig()
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -139,18 +144,23 @@ def iterate_tokens(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator().manual_seed(sampling.seed)
+
+    def choose(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        if greedy_step is not None and sampling.greedy:
+            return greedy_step(ids, start_pos).cpu()
+        return next_token(step(ids, start_pos)[:, -1].cpu(), sampling, generator)
+
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
-    logits = step(prompt, 0)[:, -1]  # prefill
+    nxt = choose(prompt, 0)  # prefill
     pos = prompt.shape[1]
     for i in range(max_new_tokens):
-        nxt = next_token(logits.cpu(), sampling, generator)
         if eos_token_id is not None:
             nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
             finished |= nxt == eos_token_id
         yield nxt
         if i == max_new_tokens - 1 or bool(finished.all()):
             break
-        logits = step(nxt[:, None].to(prompt.dtype).to(prompt.device), pos)[:, -1]
+        nxt = choose(nxt[:, None].to(prompt.dtype).to(prompt.device), pos)
         pos += 1
 
 
@@ -160,9 +170,11 @@ def generate_tokens(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     eos_token_id: int | None = None,
+    greedy_step: StepFn | None = None,
 ) -> torch.Tensor:
     """`iterate_tokens` to the end: the prompt with its continuation, (B, S + new) ids."""
-    new = [t[:, None].to(prompt.dtype) for t in iterate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id)]
+    new = [t[:, None].to(prompt.dtype)
+           for t in iterate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id, greedy_step)]
     return torch.cat([prompt, *new], dim=1)
 
 
@@ -176,14 +188,16 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     eos_token_id: int | None = None,
+    greedy_step: StepFn | None = None,
 ) -> torch.Tensor:
     """The `generate` API every backend exposes: checks the length, then runs the shared loop.
 
-    `step` must start from an empty cache sized for prompt + max_new_tokens.
+    `step` must start from an empty cache sized for prompt + max_new_tokens; `greedy_step`, when
+    the backend has one, replaces it in greedy decoding (`iterate_tokens`).
     """
     if prompt.dim() == 2 and prompt.shape[1] + max_new_tokens > max_positions:
         raise ValueError(
             f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_positions {max_positions}"
         )
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    return generate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id)
+    return generate_tokens(step, prompt, max_new_tokens, sampling, eos_token_id, greedy_step)

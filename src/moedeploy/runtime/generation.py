@@ -12,11 +12,12 @@ import onnxruntime as ort
 import torch
 
 from moedeploy.export.artifact import NP_DTYPES, Artifact
-from moedeploy.export.decoder import past_names, past_shapes
+from moedeploy.export.decoder import past_names, past_shapes, present_names
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.generation import TokenIds, as_prompt, generate
 from moedeploy.runtime.gqa import PAST_LENGTHS
 from moedeploy.runtime.lowering import (
+    NEXT_TOKEN,
     AttentionLowering,
     KVCache,
     LogitsLowering,
@@ -81,8 +82,17 @@ class KVDecoder:
         # a preallocated cache holds what this generation reaches, not max_positions (which can be 128k)
         self.reset(prompt.ids.shape[0], min(prompt.ids.shape[1] + max(max_new_tokens, 0), self.max_positions))
         tokens = generate(self.step, prompt.ids, self.max_positions, max_new_tokens, temperature, top_k, top_p,
-                          seed, eos_token_id)
+                          seed, eos_token_id, self.greedy_step if self.has_greedy_token else None)
         return prompt.result(tokens)
+
+    @property
+    def has_greedy_token(self) -> bool:
+        """Whether the graph computes the greedy next token itself (`greedy_step`)."""
+        return False
+
+    def greedy_step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run `ids` like `step`; -> (B,) the argmax of each row's last logits."""
+        return self.step(ids, start_pos)[:, -1].argmax(-1)
 
 
 class OrtDecoder(KVDecoder):
@@ -102,6 +112,8 @@ class OrtDecoder(KVDecoder):
     ) -> None:
         """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
         that generation reads; the LM head then skips the prompt's other positions.
+        logits="greedy": "last", and the graph takes their argmax too: `greedy_step` (and
+        greedy `generate`) reads one token id a row, never the V-wide logits.
         norm_lowering="skip": residual Add + RMSNorm on SkipSimplifiedLayerNormalization.
         kv_cache="inplace" (with attention_lowering="gqa"): each layer's cache is one buffer of
         `capacity` positions, allocated by `reset` and bound as both past and present with ONNX
@@ -115,6 +127,7 @@ class OrtDecoder(KVDecoder):
                                       norm_lowering=norm_lowering, kv_cache=kv_cache, nbits_accuracy=nbits_accuracy)
         self._binding: ort.IOBinding | None = None
         self._length = self._capacity = 0
+        self._present_names = present_names(self.n_layers)
 
     @property
     def lowering(self) -> dict[str, int]:
@@ -129,17 +142,53 @@ class OrtDecoder(KVDecoder):
         binding = self.lowered.session.io_binding()
         binding.bind_output("logits")  # first, so it is get_outputs()[0] (rebinding keeps its place)
         self._buffers = []
-        for name, shape in zip(self.past_names, past_shapes(self.config, batch, capacity) * self.n_layers, strict=True):
+        shapes = past_shapes(self.config, batch, capacity) * self.n_layers
+        for name, present, shape in zip(self.past_names, self._present_names, shapes, strict=True):
             buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.np_dtype))
             binding.bind_ortvalue_input(name, buffer)
-            binding.bind_ortvalue_output("present." + name.removeprefix("past_key_values."), buffer)
+            binding.bind_ortvalue_output(present, buffer)
             self._buffers.append(buffer)
+        if self.has_greedy_token:  # the decoder's own buffer, alive as long as the binding that writes it
+            self._token = np.zeros((batch, 1), dtype=np.int64)
+            binding.bind_output(NEXT_TOKEN, "cpu", 0, np.int64, list(self._token.shape), self._token.ctypes.data)
+        # a decode step's inputs, (B, 1) ids and (B,) past lengths: bound once, written in place each step
+        self._one_token, self._past_lengths = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64)
+        self._one_token_bound = False
         self._binding, self._length, self._capacity = binding, 0, capacity
         return None
 
     def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         if self.kv_cache == "copy":
             return super().step(ids, start_pos)
+        binding = self._bind_step(ids, start_pos)
+        binding.bind_output("logits")  # unallocated again: its shape follows the step's tokens
+        self._run_bound(ids)
+        return torch.from_numpy(binding.get_outputs()[0].numpy())
+
+    @property
+    def has_greedy_token(self) -> bool:
+        return bool(self.lowering.get("greedy_token"))
+
+    def greedy_step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The graph's own argmax of each row's last logits (logits="greedy"), (B,) int64: a greedy
+        decode step moves one id a row out of ONNX Runtime, not (B, V) logits, and takes no argmax
+        in Python (on the `small` preset about 7% of an fp32 and 20% of an int4 decode step,
+        benchmarks/README.md). Other lowerings: the argmax of `step`'s logits."""
+        if not self.has_greedy_token:
+            return super().greedy_step(ids, start_pos)
+        if self.kv_cache == "copy":
+            past_len = self._past[0].shape[2]
+            if start_pos != past_len:
+                raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
+            feed = {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
+            token, *self._past = self.lowered.run(feed, [NEXT_TOKEN, *self._present_names])
+            return torch.from_numpy(token[:, -1])
+        self._bind_step(ids, start_pos)
+        self._run_bound(ids)
+        return torch.from_numpy(self._token[:, -1].copy())  # the buffer is the next step's too
+
+    def _bind_step(self, ids: torch.Tensor, start_pos: int) -> ort.IOBinding:
+        """The in-place cache's binding with this step's inputs, once the positions are checked."""
         if self._binding is None:
             raise ValueError("call reset(batch) before the first step")
         if start_pos != self._length:
@@ -147,15 +196,26 @@ class OrtDecoder(KVDecoder):
         if start_pos + ids.shape[1] > self._capacity:
             raise ValueError(f"{start_pos + ids.shape[1]} positions exceed the cache's capacity of {self._capacity}; "
                              "reset with a larger capacity")
-        self._binding.bind_output("logits")  # unallocated again: its shape follows the step's tokens
-        self._binding.bind_cpu_input("input_ids", ids.cpu().numpy().astype(np.int64))
-        self._binding.bind_cpu_input(PAST_LENGTHS, np.full(ids.shape[0], start_pos, dtype=np.int64))
+        if ids.shape == self._one_token.shape:  # a decode step: into the buffers bound for it, no rebinding
+            np.copyto(self._one_token, ids.cpu().numpy(), casting="unsafe")
+            self._past_lengths.fill(start_pos)
+            if not self._one_token_bound:
+                for name, buffer in (("input_ids", self._one_token), (PAST_LENGTHS, self._past_lengths)):
+                    self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buffer))
+                self._one_token_bound = True
+        else:
+            self._binding.bind_cpu_input("input_ids", ids.cpu().numpy().astype(np.int64))
+            self._binding.bind_cpu_input(PAST_LENGTHS, np.full(ids.shape[0], start_pos, dtype=np.int64))
+            self._one_token_bound = False
+        return self._binding
+
+    def _run_bound(self, ids: torch.Tensor) -> None:
+        assert self._binding is not None
         self.lowered.session.run_with_iobinding(self._binding)
         self._length += ids.shape[1]
-        return torch.from_numpy(self._binding.get_outputs()[0].numpy())
 
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.lowered.run(feed)
+        return self.lowered.run(feed, ["logits", *self._present_names])
 
 
 class TrtDecoder(KVDecoder):
