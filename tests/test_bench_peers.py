@@ -220,6 +220,17 @@ def test_naming_an_absent_peer_fails_before_any_work(tmp_path: Path, monkeypatch
     assert not (tmp_path / "cache").exists()
 
 
+def greedy_tokens(choose, prompt: torch.Tensor, new: int) -> list[int]:
+    """`new` tokens of one row from a bench greedy function (ids, start) -> (1, 1), from an empty cache."""
+    tokens, token = [], choose(prompt, 0)
+    for i in range(new):
+        assert token.shape == (1, 1)
+        tokens.append(int(token))
+        if i < new - 1:
+            token = choose(token, prompt.shape[1] + i)
+    return tokens
+
+
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
 def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
     """llama.cpp's own forward pass on our GGUF against our eager decoder: logits and greedy tokens."""
@@ -240,13 +251,7 @@ def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
     expected = model.generate(prompt, max_new_tokens=16)[0, 12:].tolist()
     for choose in (argmax_greedy(step), greedy):  # the logits' argmax, then llama.cpp's own greedy path
         reset(1, 40)
-        tokens, token = [], choose(prompt, 0)
-        for i in range(16):
-            assert token.shape == (1, 1)
-            tokens.append(int(token))
-            if i < 15:
-                token = choose(token, 12 + i)
-        assert tokens == expected
+        assert greedy_tokens(choose, prompt, 16) == expected
 
 
 @pytest.fixture(scope="module")
@@ -278,15 +283,9 @@ def test_openvino_on_the_artifact_computes_the_eager_model(tiny_fp32) -> None:
     # a second generation starts from an empty cache again; OpenVINO's own greedy path, then the logits' argmax
     for choose in (greedy, argmax_greedy(step)):
         reset(1, 40)
-        tokens, token = [], choose(prompt, 0)
-        for i in range(16):
-            assert token.shape == (1, 1)
-            tokens.append(int(token))
-            if i < 15:
-                token = choose(token, 12 + i)
-        assert tokens == expected
+        assert greedy_tokens(choose, prompt, 16) == expected
     with pytest.raises(RuntimeError, match="cache holds 27 positions, step starts at 3"):
-        step(token, 3)
+        step(prompt[:, :1], 3)
     # the graph was read from a temporary folder of the artifact's cache, removed once read
     assert not list((tiny_fp32.path / "cache").glob("openvino-*"))
 
