@@ -187,7 +187,9 @@ def test_greedy_lowering_picks_the_eager_tokens_in_the_graph(store, decoder, pro
     assert torch.equal(first, eager_greedy[:, 7]) and torch.equal(second, eager_greedy[:, 8])
     logits = greedy.step(second[:, None], 8)  # step and greedy_step share the cache
     assert logits.shape == (2, 1, 256) and torch.equal(logits[:, 0].argmax(-1), eager_greedy[:, 9])
+    held = logits.clone()
     assert torch.equal(greedy.greedy_step(eager_greedy[:, 9:10], 9), eager_greedy[:, 10])
+    assert torch.equal(logits, held)  # logits handed out are the caller's: no later step writes them
 
     kwargs = dict(max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     assert torch.equal(greedy.generate(prompt, **kwargs), decoder.generate(prompt, **kwargs))
@@ -197,3 +199,23 @@ def test_greedy_lowering_picks_the_eager_tokens_in_the_graph(store, decoder, pro
 
     monkeypatch.setattr(greedy, "step", no_logits)
     assert torch.equal(greedy.generate(prompt, max_new_tokens=NEW_TOKENS), eager_greedy)
+
+
+def test_no_new_tokens_runs_the_prefill_and_draws_nothing(store, decoder, prompt) -> None:
+    """max_new_tokens=0 gives the prompt back, and sampling then draws nothing from torch's
+    global generator (an unseeded request must not move another's random stream)."""
+    greedy = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], logits="greedy")
+    for model in (decoder, greedy):
+        state = torch.get_rng_state()
+        assert torch.equal(model.generate(prompt, max_new_tokens=0, temperature=0.8), prompt)
+        assert torch.equal(model.generate(prompt, max_new_tokens=0), prompt)
+        assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_greedy_logits_are_refused_with_the_ragged_cache(store) -> None:
+    """The ragged cache (in-flight batching) gives (1, rows) logits; its greedy token is not built for it."""
+    from moedeploy.runtime.lowering import LoweringError
+
+    with pytest.raises(LoweringError, match="use logits='last'"):
+        OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], logits="greedy", attention_lowering="gqa",
+                   kv_cache="ragged")

@@ -162,7 +162,9 @@ def stepper(settings: Settings, artifact) -> Stepper:
         from moedeploy.runtime.generation import TrtDecoder
 
         decoder = TrtDecoder(artifact)  # says in one line what is missing without TensorRT or a GPU
-        step = lambda ids, start: decoder.step(ids, start)[:, -1]  # noqa: E731
+        def step(ids: torch.Tensor, start: int) -> torch.Tensor:
+            return decoder.step(ids, start)[:, -1]
+
         return lambda batch, total: decoder.reset(batch), step, argmax_greedy(step)
     raise ValueError(f"unknown backend {settings.backend!r}")
 

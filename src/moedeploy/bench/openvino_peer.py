@@ -24,12 +24,16 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact
 from moedeploy.models.blockquant import QuantScheme
+
+if TYPE_CHECKING:
+    from moedeploy.bench.decode import Stepper
 
 #: the compile options of the fp32 comparison (OpenVINO's CPU plugin properties)
 COMPILE_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
@@ -193,8 +197,7 @@ def compressed_ir(artifact: Artifact, scheme: QuantScheme, cache: Path, progress
 RT_FINGERPRINT, RT_COMPRESSION = "moedeploy_weights_sha256", "moedeploy_compression"
 
 
-def openvino_stepper(artifact: Artifact, threads: int, compressed: str | None = None,
-                     ) -> tuple[Callable[[int, int], None], Callable, Callable]:
+def openvino_stepper(artifact: Artifact, threads: int, compressed: str | None = None) -> Stepper:
     """reset(batch, total), step(ids, start) -> last-position logits (B, vocab) on OpenVINO, and
     greedy(ids, start) -> (B, 1): NumPy's argmax over the logits OpenVINO returned (no copy);
     `compressed`: an IR from `compressed_ir` instead of the artifact's fp32 graph."""
@@ -214,7 +217,8 @@ def openvino_stepper(artifact: Artifact, threads: int, compressed: str | None = 
     def last_logits(ids: torch.Tensor, start: int) -> np.ndarray:
         if start != state["length"]:
             raise RuntimeError(f"OpenVINO's cache holds {state['length']} positions, step starts at {start}")
-        out = request.infer({"input_ids": ids.cpu().numpy().astype(np.int64)})
+        # the request's own output tensor, not a copy: valid until the next infer (step copies it)
+        out = request.infer({"input_ids": ids.cpu().numpy().astype(np.int64)}, share_outputs=True)
         state["length"] += ids.shape[1]
         return out[logits][:, -1]
 

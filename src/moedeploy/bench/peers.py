@@ -11,11 +11,15 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from moedeploy.export.artifact import Artifact
 from moedeploy.models.config import DecoderConfig
+
+if TYPE_CHECKING:
+    from moedeploy.bench.decode import Stepper
 
 PEERS = ("llama.cpp", "openvino")
 INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)",
@@ -86,7 +90,7 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) 
     return write_gguf(config, weights, path, expected, progress)
 
 
-def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int):
+def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int) -> Stepper:
     """reset(batch, total), step(ids, start) -> last-position logits (1, vocab) on llama.cpp, and
     greedy(ids, start) -> (1, 1): NumPy's argmax over the logits where llama.cpp keeps them (no copy)."""
     import numpy as np

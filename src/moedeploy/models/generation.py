@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
+#: greedy_step(ids, start_pos) -> (B,) next token ids: a backend's own greedy choice
+GreedyStepFn = Callable[[torch.Tensor, int], torch.Tensor]
 #: What `generate` accepts as a prompt: 1-D (one sequence) or 2-D (batch) integer token ids.
 TokenIds = torch.Tensor | np.ndarray | Sequence
 
@@ -126,7 +128,7 @@ def iterate_tokens(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     eos_token_id: int | None = None,
-    greedy_step: StepFn | None = None,
+    greedy_step: GreedyStepFn | None = None,
 ) -> Iterator[torch.Tensor]:
     """Prefill the prompt once, then decode one token per step, yielding each step's (B,) new
     ids as soon as they are chosen (a stream sends them on before the next step runs).
@@ -150,6 +152,9 @@ def iterate_tokens(
             return greedy_step(ids, start_pos).cpu()
         return next_token(step(ids, start_pos)[:, -1].cpu(), sampling, generator)
 
+    if max_new_tokens <= 0:  # the prefill alone: nothing is chosen, so nothing is drawn
+        step(prompt, 0)
+        return
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
     nxt = choose(prompt, 0)  # prefill
     pos = prompt.shape[1]
@@ -170,7 +175,7 @@ def generate_tokens(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     eos_token_id: int | None = None,
-    greedy_step: StepFn | None = None,
+    greedy_step: GreedyStepFn | None = None,
 ) -> torch.Tensor:
     """`iterate_tokens` to the end: the prompt with its continuation, (B, S + new) ids."""
     new = [t[:, None].to(prompt.dtype)
@@ -188,7 +193,7 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     eos_token_id: int | None = None,
-    greedy_step: StepFn | None = None,
+    greedy_step: GreedyStepFn | None = None,
 ) -> torch.Tensor:
     """The `generate` API every backend exposes: checks the length, then runs the shared loop.
 

@@ -3,6 +3,8 @@
 The loop and the sampling rules are the same code as eager PyTorch's
 (`moedeploy.models.generation`), so the two produce identical tokens whenever their
 logits agree; only `step` differs: it feeds the graph the KV cache it returned last time.
+An ONNX Runtime session lowered with logits="greedy" also picks the greedy token in the
+graph (`greedy_step`, the argmax torch.argmax takes), which greedy generation then reads.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from moedeploy.runtime.ort import create_session
 
 
 class KVDecoder:
-    """A decoder artifact on some runtime: `step(ids, start_pos)` and `generate(...)`.
+    """A decoder artifact on some runtime: `step(ids, start_pos)`, `greedy_step(ids, start_pos)`
+    and `generate(...)`.
 
-    Subclasses only say how to run the graph once (`_run`: feed -> outputs in the
-    artifact's order); the cache bookkeeping and the generation loop are shared.
+    Subclasses only say how to run the graph once (`_run`: feed -> the logits, then the
+    presents in the artifact's order); the cache bookkeeping and the generation loop are shared.
     """
 
     def __init__(self, artifact: Artifact | str) -> None:
@@ -58,13 +61,16 @@ class KVDecoder:
 
     def step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Run `ids` (B, S) at positions start_pos..; keeps the returned cache. -> (B, S, V) logits."""
+        logits, *present = self._run(self._feed(ids, start_pos))
+        self._past = present
+        return torch.from_numpy(logits)
+
+    def _feed(self, ids: torch.Tensor, start_pos: int) -> dict[str, np.ndarray]:
+        """The copying cache's inputs for a step at start_pos, once the position is checked."""
         past_len = self._past[0].shape[2]
         if start_pos != past_len:
             raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
-        feed = {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
-        logits, *present = self._run(feed)
-        self._past = present
-        return torch.from_numpy(logits)
+        return {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
 
     def generate(
         self,
@@ -138,6 +144,8 @@ class OrtDecoder(KVDecoder):
         the model's max_positions)."""
         if self.kv_cache == "copy":
             return super().reset(batch, capacity)
+        # no step may run on the old binding once its buffers start to be replaced: it holds their addresses
+        self._binding = None
         capacity = capacity or self.max_positions
         binding = self.lowered.session.io_binding()
         binding.bind_output("logits")  # first, so it is get_outputs()[0] (rebinding keeps its place)
@@ -148,9 +156,11 @@ class OrtDecoder(KVDecoder):
             binding.bind_ortvalue_input(name, buffer)
             binding.bind_ortvalue_output(present, buffer)
             self._buffers.append(buffer)
-        if self.has_greedy_token:  # the decoder's own buffer, alive as long as the binding that writes it
+        if self.has_greedy_token:  # the decoder's own buffers, alive as long as the binding that writes them
             self._token = np.zeros((batch, 1), dtype=np.int64)
             binding.bind_output(NEXT_TOKEN, "cpu", 0, np.int64, list(self._token.shape), self._token.ctypes.data)
+            self._scratch = np.zeros((batch, 1, self.vocab_size), dtype=self.np_dtype)  # greedy steps' logits
+        self._logits_to_scratch = False
         # a decode step's inputs, (B, 1) ids and (B,) past lengths: bound once, written in place each step
         self._one_token, self._past_lengths = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64)
         self._one_token_bound = False
@@ -161,7 +171,10 @@ class OrtDecoder(KVDecoder):
         if self.kv_cache == "copy":
             return super().step(ids, start_pos)
         binding = self._bind_step(ids, start_pos)
-        binding.bind_output("logits")  # unallocated again: its shape follows the step's tokens
+        # unallocated again: ONNX Runtime allocates them anew, their shape following the step's tokens,
+        # and the array handed out (a view of them) is the caller's for good
+        binding.bind_output("logits")
+        self._logits_to_scratch = False
         self._run_bound(ids)
         return torch.from_numpy(binding.get_outputs()[0].numpy())
 
@@ -172,18 +185,17 @@ class OrtDecoder(KVDecoder):
     def greedy_step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """The graph's own argmax of each row's last logits (logits="greedy"), (B,) int64: a greedy
         decode step moves one id a row out of ONNX Runtime, not (B, V) logits, and takes no argmax
-        in Python (on the `small` preset about 7% of an fp32 and 20% of an int4 decode step,
-        benchmarks/README.md). Other lowerings: the argmax of `step`'s logits."""
+        in Python (on the `small` preset, decode 3.5% faster in fp32 and 5.8% in int4 in one-process
+        A/B runs, benchmarks/README.md). Other lowerings: the argmax of `step`'s logits."""
         if not self.has_greedy_token:
             return super().greedy_step(ids, start_pos)
         if self.kv_cache == "copy":
-            past_len = self._past[0].shape[2]
-            if start_pos != past_len:
-                raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
-            feed = {"input_ids": ids.cpu().numpy().astype(np.int64), **dict(zip(self.past_names, self._past, strict=True))}
-            token, *self._past = self.lowered.run(feed, [NEXT_TOKEN, *self._present_names])
+            token, *self._past = self.lowered.run(self._feed(ids, start_pos), [NEXT_TOKEN, *self._present_names])
             return torch.from_numpy(token[:, -1])
-        self._bind_step(ids, start_pos)
+        binding = self._bind_step(ids, start_pos)
+        if not self._logits_to_scratch:  # else this run would write into the logits `step` last handed out
+            binding.bind_output("logits", "cpu", 0, self.np_dtype, list(self._scratch.shape), self._scratch.ctypes.data)
+            self._logits_to_scratch = True
         self._run_bound(ids)
         return torch.from_numpy(self._token[:, -1].copy())  # the buffer is the next step's too
 

@@ -80,8 +80,8 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
 #: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: q/k/v MatMulNBits
 #: that share an input fused and handed to GroupQueryAttention packed; 13: signed codes reach the
-#: quantized kernels through BitwiseXor).
-LOWERING_VERSION = 13
+#: quantized kernels through BitwiseXor; 14: the greedy_token count).
+LOWERING_VERSION = 14
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last", "greedy")
@@ -118,7 +118,7 @@ def lower_for_ort(
     if kv_cache in ("inplace", "ragged") and (attention_lowering != "gqa" or config is None):
         raise LoweringError(f"kv_cache={kv_cache!r} needs a decoder's attention on GroupQueryAttention "
                             "(attention_lowering='gqa'), which appends to the cache in place")
-    if kv_cache == "ragged" and logits == "all":
+    if kv_cache == "ragged" and logits != "last":
         raise LoweringError("kv_cache='ragged' gives each row's last logits: use logits='last'")
     ir_model = ir.from_proto(model)
     graph = ir_model.graph
@@ -268,7 +268,7 @@ def argmax_nodes(scores: ir.Value, graph: ir.Graph) -> list[ir.Node]:
                              name=f"greedy_token/{op}_{len(nodes)}"))
         return nodes[-1].outputs[-1]
 
-    if scores.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):  # exact: bf16's values, order, NaNs
+    if scores.dtype == ir.DataType.BFLOAT16:  # no CPU TopK for it; exact: its values, order and NaNs survive
         scores = add("Cast", [scores], to=ir.DataType.FLOAT)
     top = add("TopK", [scores, _int64s(graph, "greedy_token_k", [1])], axis=-1, largest=1, sorted=1)  # its index
     add("Squeeze", [top, _int64s(graph, "greedy_token_axis", [-1])])
