@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moedeploy.models import MoEDecoder, SamplingConfig, generate_tokens, preset
-from moedeploy.models.generation import filter_logits, next_token
+from moedeploy.models.generation import filter_logits, greedy_argmax, next_token
 
 from .helpers import randomize_
 
@@ -97,6 +97,24 @@ def test_sampling_config_rejects_bad_values(kwargs: dict) -> None:
 def test_next_token_greedy_is_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 4.9, 0.0]])
     assert next_token(logits, SamplingConfig(), None).tolist() == [1, 0]
+
+
+def test_greedy_argmax_is_torch_argmax_on_ties_nan_and_inf() -> None:
+    """NumPy's argmax stands in for torch's on the CPU: the same index on rows made to tell argmax
+    rules apart (ties, NaN anywhere, +Inf before a NaN, all -Inf), on random rows with those put
+    in, in fp32 and bf16 (next_token takes the float of it), and a (V,) row gives a 0-d index."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1, 3, 3, 2], [1, nan, 5, 2], [1, 5, 2, nan], [-inf] * 4, [inf, 1, nan, 0], [nan] * 4])
+    assert greedy_argmax(rows).tolist() == rows.argmax(-1).tolist() == [1, 1, 3, 0, 2, 0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 500, generator=gen)
+    picks = torch.randint(0, 64 * 500, (96,), generator=gen)
+    x.view(-1)[picks] = torch.tensor([nan, inf, -inf, 3.0])[torch.randint(0, 4, (96,), generator=gen)]
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = x.to(dtype)
+        assert torch.equal(next_token(logits, SamplingConfig(), None), logits.float().argmax(-1))
+    assert greedy_argmax(x[0]).shape == x[0].argmax(-1).shape == ()
+    assert greedy_argmax(x).dtype == torch.int64
 
 
 @pytest.mark.parametrize(

@@ -117,9 +117,19 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     """(B, V) logits of the last position -> (B,) next token ids."""
     logits = logits.float()
     if sampling.greedy:
-        return logits.argmax(-1)
+        return greedy_argmax(logits)
     probs = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1), taken by NumPy for a CPU tensor: the same index (the first maximum,
+    or the first NaN, which both rank above everything), about 10x faster on a 32000-wide row
+    (torch's CPU argmax is not vectorised: 60-100 µs a row, a few percent of a quantized decode
+    step, and of every row's turn in the server's in-flight batch)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
 
 
 def iterate_tokens(

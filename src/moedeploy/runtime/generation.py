@@ -16,7 +16,7 @@ import torch
 from moedeploy.export.artifact import NP_DTYPES, Artifact
 from moedeploy.export.decoder import past_names, past_shapes, present_names
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.generation import TokenIds, as_prompt, generate
+from moedeploy.models.generation import TokenIds, as_prompt, generate, greedy_argmax
 from moedeploy.runtime.gqa import PAST_LENGTHS
 from moedeploy.runtime.lowering import (
     NEXT_TOKEN,
@@ -98,7 +98,7 @@ class KVDecoder:
 
     def greedy_step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Run `ids` like `step`; -> (B,) the argmax of each row's last logits."""
-        return self.step(ids, start_pos)[:, -1].argmax(-1)
+        return greedy_argmax(self.step(ids, start_pos)[:, -1].float())
 
 
 class OrtDecoder(KVDecoder):
