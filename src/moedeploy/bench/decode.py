@@ -6,7 +6,7 @@ same greedy loop on the same seeded prompt; the generated tokens come back too, 
 benchmark also shows that the backends agree. Each backend picks its greedy token the
 cheapest way its runtime offers, as a user's greedy decode would: ONNX Runtime in its graph
 (`OrtDecoder.greedy_step`), llama.cpp and OpenVINO by NumPy's argmax over the logits where
-the runtime left them, the PyTorch backends by torch's argmax.
+the runtime left them, every other backend by the generation loop's argmax of its logits.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ Stepper = tuple[Callable[[int, int], None], Step, Step]
 
 
 def argmax_greedy(step: Step) -> Step:
-    """The greedy choice of a backend with no cheaper one: torch's argmax of its step's logits."""
-    return lambda ids, start: step(ids, start).argmax(-1, keepdim=True)
+    """The greedy choice of a backend with no cheaper one: the argmax of its step's logits, as
+    moedeploy's generation loop takes it (NumPy's on the CPU, torch.argmax's index)."""
+    from moedeploy.models.generation import greedy_argmax
+
+    return lambda ids, start: greedy_argmax(step(ids, start).float())[:, None]
 
 
 @dataclass
