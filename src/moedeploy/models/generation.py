@@ -157,10 +157,12 @@ def iterate_tokens(
     if sampling.seed is not None:
         generator = torch.Generator().manual_seed(sampling.seed)
 
-    def choose(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
-        if greedy_step is not None and sampling.greedy:
+    if greedy_step is not None and sampling.greedy:
+        def choose(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
             return greedy_step(ids, start_pos).cpu()
-        return next_token(step(ids, start_pos)[:, -1].cpu(), sampling, generator)
+    else:
+        def choose(ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+            return next_token(step(ids, start_pos)[:, -1].cpu(), sampling, generator)
 
     if max_new_tokens <= 0:  # the prefill alone: nothing is chosen, so nothing is drawn
         step(prompt, 0)

@@ -134,6 +134,7 @@ class OrtDecoder(KVDecoder):
         self._binding: ort.IOBinding | None = None
         self._length = self._capacity = 0
         self._present_names = present_names(self.n_layers)
+        self._greedy_token = bool(self.lowering.get("greedy_token"))  # read on every step
 
     @property
     def lowering(self) -> dict[str, int]:
@@ -180,7 +181,7 @@ class OrtDecoder(KVDecoder):
 
     @property
     def has_greedy_token(self) -> bool:
-        return bool(self.lowering.get("greedy_token"))
+        return self._greedy_token
 
     def greedy_step(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """The graph's own argmax of each row's last logits (logits="greedy"), (B,) int64: a greedy

@@ -27,8 +27,8 @@
                 multiply S x H by the H x V head (at S = 128 on the small preset, about 40% of
                 the prefill's flops) and the logits output is (B, 1, V); logits="greedy" adds
                 the output next_token, (B, 1) int64: the argmax of those logits, NaN ranked
-                first as torch.argmax ranks it (TopK with k=1), so a greedy decode reads one id a row instead of
-                copying the V-wide logits out and taking their argmax in Python
+                first as torch.argmax ranks it (TopK with k=1), so a greedy decode reads one id
+                a row instead of copying the V-wide logits out and taking their argmax in Python
   attention     on request (attention_lowering="gqa"), a decoder layer's traced attention
                 (rotary, KV concat, ONNX Attention) -> com.microsoft::GroupQueryAttention,
                 where the decoder's config and the traced subgraph qualify (runtime/gqa.py).
@@ -258,21 +258,17 @@ def argmax_nodes(scores: ir.Value, graph: ir.Graph) -> list[ir.Node]:
     """Nodes computing torch.argmax(scores, -1): the first maximum, or the first NaN where a row
     has one, as torch ranks NaN above everything. ONNX Runtime's TopK with k=1 ranks exactly so
     (ties to the lower index, as ONNX specifies), where its ArgMax skips NaN, which would make a
-    broken model's greedy token differ from eager PyTorch's; tests pin the rule on both. TopK is
-    also the faster of the two on a 32000-wide row (about 28 against 41 µs).
+    broken model's greedy token differ from eager PyTorch's; a test pins the rule against
+    torch.argmax. TopK is also the faster of the two on a 32000-wide row (about 28 against 41 µs).
     """
     nodes: list[ir.Node] = []
-
-    def add(op: str, inputs: list[ir.Value], **attrs) -> ir.Value:
-        nodes.append(ir.node(op, inputs, attrs, num_outputs=2 if op == "TopK" else 1,
-                             name=f"greedy_token/{op}_{len(nodes)}"))
-        return nodes[-1].outputs[-1]
-
     if scores.dtype == ir.DataType.BFLOAT16:  # no CPU TopK for it; exact: its values, order and NaNs survive
-        scores = add("Cast", [scores], to=ir.DataType.FLOAT)
-    top = add("TopK", [scores, _int64s(graph, "greedy_token_k", [1])], axis=-1, largest=1, sorted=1)  # its index
-    add("Squeeze", [top, _int64s(graph, "greedy_token_axis", [-1])])
-    return nodes
+        nodes.append(ir.node("Cast", [scores], {"to": ir.DataType.FLOAT}, name="greedy_token/Cast"))
+        scores = nodes[-1].outputs[0]
+    top = ir.node("TopK", [scores, _int64s(graph, "greedy_token_k", [1])], {"axis": -1, "largest": 1, "sorted": 1},
+                  num_outputs=2, name="greedy_token/TopK")
+    index = ir.node("Squeeze", [top.outputs[1], _int64s(graph, "greedy_token_axis", [-1])], name="greedy_token/Squeeze")
+    return [*nodes, top, index]
 
 
 def _int64s(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
