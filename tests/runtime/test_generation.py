@@ -180,6 +180,9 @@ def test_greedy_lowering_picks_the_eager_tokens_in_the_graph(store, decoder, pro
     greedy = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], logits="greedy", attention_lowering=attention,
                         kv_cache=kv_cache)
     assert greedy.lowering["greedy_token"] == greedy.lowering["logits_last"] == 1 and greedy.has_greedy_token
+    for step in (greedy.step, greedy.greedy_step):  # one line, not an index error deep inside
+        with pytest.raises(ValueError, match=r"call reset\(batch\) before the first step"):
+            step(prompt, 0)
     greedy.reset(2, 7 + NEW_TOKENS)
     first = greedy.greedy_step(prompt, 0)
     assert first.dtype == torch.int64 and first.shape == (2,)

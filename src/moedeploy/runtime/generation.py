@@ -67,6 +67,8 @@ class KVDecoder:
 
     def _feed(self, ids: torch.Tensor, start_pos: int) -> dict[str, np.ndarray]:
         """The copying cache's inputs for a step at start_pos, once the position is checked."""
+        if not self._past:
+            raise ValueError("call reset(batch) before the first step")
         past_len = self._past[0].shape[2]
         if start_pos != past_len:
             raise ValueError(f"step at position {start_pos} but the cache holds {past_len} positions")
