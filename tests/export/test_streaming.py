@@ -307,3 +307,35 @@ def test_a_weight_that_is_not_finite_is_named_and_nothing_is_written(value, dtyp
     assert "weight layers.1.ffn.w_down (stored as model.layers.1.block_sparse_moe.experts.2.w2.weight, in " \
         "model.safetensors) holds" in str(refused.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_config_traced_before_is_not_traced_again_and_exports_the_same_bytes(tmp_path, monkeypatch) -> None:
+    """A checkpoint exported again in the same process (bench's fp32, int8 and int4 exports of one
+    checkpoint) reuses its trace: torch.onnx.export runs once, and the artifact's files are
+    byte-identical to the first's, after an int4 export of the same trace in between (quantizing
+    changes a copy, never the remembered graph). One config field changed is a new trace."""
+    import dataclasses
+
+    from moedeploy.export import streaming
+    from moedeploy.models.blockquant import QuantScheme
+
+    monkeypatch.setattr(streaming, "_TRACES", type(streaming._TRACES)())
+    traced = []
+    real_export = torch.onnx.export
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: traced.append(1) or real_export(*a, **k))
+    checkpoint = tmp_path / "checkpoint"
+    tiny_mixtral(seed=3, **{**SHAPE, "intermediate_size": 32}).save_pretrained(checkpoint)
+    first = export("decoder", tmp_path / "first", checkpoint=checkpoint)
+    int4 = export("decoder", tmp_path / "int4", checkpoint=checkpoint, quantization=QuantScheme(4, 16))
+    again = export("decoder", tmp_path / "again", checkpoint=checkpoint)
+    assert len(traced) == 1
+    assert int4.manifest["quantization"]["weights"]["linear"] > 0
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (again.path / name).read_bytes() == (first.path / name).read_bytes(), name
+
+    config = CheckpointWeights(checkpoint).config
+    other = dataclasses.replace(config, rope_theta=config.rope_theta * 2)
+    names = CheckpointWeights(checkpoint).names()
+    assert streaming.trace_key(other, torch.float32, names) != streaming.trace_key(config, torch.float32, names)
+    streaming.trace_decoder(other, torch.float32, names)
+    assert len(traced) == 2

@@ -20,6 +20,8 @@ memory-map it), and model.onnx holds only the graph and the small constants.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +88,43 @@ def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
     return decoder.eval()
 
 
+#: Traces made in this process, newest last: (the graph serialized, its recipes) by what a trace
+#: is a function of. `moedeploy bench --quantize int8,int4` exports one checkpoint three times, and
+#: tracing is most of a small model's export (about 2 s plus 1 s a layer on a 2-core CPU). The
+#: graphs hold no weights, only the small constants (rotary tables): a few MB at most.
+_TRACES: OrderedDict[str, tuple[bytes, dict[str, Recipe]]] = OrderedDict()
+_TRACES_KEPT = 4
+_TRACE_BYTES_KEPT = 256 << 20
+
+
+def trace_key(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> str:
+    """Everything a trace depends on besides this process's code: every field of the config
+    (a dataclass's repr lists them all), the dtype and the weights' names in order."""
+    return repr((config, str(dtype), list(weight_names)))
+
+
 def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> TracedDecoder:
-    """Trace DecoderWithPast over empty weights; returns the optimised graph and the weight recipes."""
+    """Trace DecoderWithPast over empty weights; returns the optimised graph and the weight recipes.
+
+    A config, dtype and weight names this process traced before are not traced again: the caller
+    gets a new copy of that graph, read back from its serialized bytes, as every caller does (a
+    first trace too), so an export never depends on whether its trace was made or remembered;
+    quantizing and writing weights change the copy, never the remembered bytes."""
+    key = trace_key(config, dtype, weight_names)
+    if key not in _TRACES:
+        traced = _trace(config, dtype, weight_names)
+        _TRACES[key] = (ir.to_proto(traced.model).SerializeToString(), traced.recipes)
+        if len(_TRACES[key][0]) > _TRACE_BYTES_KEPT:
+            graph_bytes, recipes = _TRACES.pop(key)
+            return TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), copy.deepcopy(recipes))
+        while len(_TRACES) > _TRACES_KEPT:
+            _TRACES.popitem(last=False)
+    _TRACES.move_to_end(key)
+    graph_bytes, recipes = _TRACES[key]
+    return TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), copy.deepcopy(recipes))
+
+
+def _trace(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> TracedDecoder:
     decoder = empty_decoder(config, dtype)
     n = config.n_layers
     ids = torch.zeros(2, 5, dtype=torch.long)
