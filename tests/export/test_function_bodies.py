@@ -165,3 +165,21 @@ def test_exported_gelu_experts_run_on_onnxruntime() -> None:
         expected = module(x).numpy()
     (y,) = plain_session(model).run(None, {"x": x.numpy()})
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_function_bodies_are_the_same_bytes_in_every_process() -> None:
+    """An artifact exported twice from the same weights is the same file: the bodies do not
+    depend on Python's string hashing, which differs between processes (onnxscript orders an
+    If's outputs by a set of names; each If of the bodies now has one output)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from moedeploy.plugins import moe, rmsnorm; "
+            "print(*(hashlib.sha256(m.function_proto().SerializeToString()).hexdigest() for m in (moe, rmsnorm)))")
+    here = " ".join(hashlib.sha256(m.function_proto().SerializeToString()).hexdigest() for m in (moe_op, rmsnorm_op))
+    for seed in ("1", "2", "3"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert run.stdout.split() == here.split(), seed

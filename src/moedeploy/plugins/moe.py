@@ -427,14 +427,14 @@ def MoE(
         weight2 = op.GatherElements(op.Softmax(op.Where(far2, minus_inf, rest), axis=-1), pick2, axis=-1)
         top_w = op.Concat(weight1, weight2, axis=-1)
         top_i = op.Concat(pick1, pick2, axis=-1)
-        scores = logits
+        # Dense (N, E) routing weights: zero for every expert outside a token's top-k.
+        dense = op.ScatterElements(op.Mul(logits, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
     else:
-        if op.Equal(score_kind, op.Constant(value_string="sigmoid")):
-            scores = op.Sigmoid(logits)
-            guard = op.Constant(value_float=1e-20)  # HF's guard against a zero sum of sigmoids
-        else:
-            scores = op.Softmax(logits, axis=-1)
-            guard = op.Constant(value_float=0.0)
+        # sigmoid or softmax scores, and HF's guard against a zero sum of sigmoids (each If of
+        # these bodies has one output: onnxscript orders several by string hash, per process)
+        sigmoid = op.Equal(score_kind, op.Constant(value_string="sigmoid"))
+        scores = op.Where(sigmoid, op.Sigmoid(logits), op.Softmax(logits, axis=-1))
+        guard = op.Where(sigmoid, op.Constant(value_float=1e-20), op.Constant(value_float=0.0))
         choice = scores + op.Unsqueeze(op.Cast(score_bias, to=1), op.Constant(value_ints=[0]))
         if op.Greater(op.Constant(value_int=n_group), op.Constant(value_int=1)):
             # Group-limited: only the topk_group groups with the best group scores compete.
@@ -464,8 +464,7 @@ def MoE(
         sums = op.ReduceSum(top_w, last, keepdims=1) + guard
         top_w = op.Where(op.Cast(op.Constant(value_int=normalize_topk), to=9), top_w / sums, top_w)
         top_w = top_w * op.Constant(value_float=routed_scaling_factor)
-    # Dense (N, E) routing weights: zero for every expert outside a token's top-k.
-    dense = op.ScatterElements(op.Mul(scores, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
+        dense = op.ScatterElements(op.Mul(scores, op.Constant(value_float=0.0)), top_i, top_w, axis=-1)
     # Every expert on every token (E/k times the sparse work): exact and runs anywhere.
     x = op.Unsqueeze(X, op.Constant(value_ints=[0]))  # (1, N, H)
     one = op.Constant(value_ints=[1])
