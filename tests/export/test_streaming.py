@@ -338,3 +338,4 @@ def test_a_config_traced_before_is_not_traced_again_and_exports_the_same_bytes(t
     names = CheckpointWeights(checkpoint).names()
     assert streaming.trace_key(other, torch.float32, names) != streaming.trace_key(config, torch.float32, names)
     assert streaming.trace_key(config, torch.float16, names) != streaming.trace_key(config, torch.float32, names)
+    assert streaming.trace_key(config, torch.float32, names[::-1]) != streaming.trace_key(config, torch.float32, names)

@@ -21,6 +21,7 @@ memory-map it), and model.onnx holds only the graph and the small constants.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,10 +92,12 @@ def empty_decoder(config: DecoderConfig, dtype: torch.dtype) -> torch.nn.Module:
 #: Traces made in this process, newest last: (the graph serialized, its recipes) by what a trace
 #: is a function of. `moedeploy bench --quantize int8,int4` exports one checkpoint three times, and
 #: tracing is most of a small model's export (about 2 s plus 1 s a layer on a 2-core CPU). The
-#: graphs hold no weights, only the small constants (rotary tables): a few MB at most.
+#: graphs hold no weights, only small constants: usually a few MB (rotary tables grow with the
+#: positions, tens of MB at 128k). At most 4 are kept, none over 256 MiB.
 _TRACES: OrderedDict[str, tuple[bytes, dict[str, Recipe]]] = OrderedDict()
 _TRACES_KEPT = 4
 _TRACE_BYTES_KEPT = 256 << 20
+_TRACES_LOCK = threading.Lock()
 
 
 def trace_key(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> str:
@@ -111,16 +114,19 @@ def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
     first trace too), so an export never depends on whether its trace was made or remembered;
     quantizing and writing weights change the copy, never the remembered bytes."""
     key = trace_key(config, dtype, weight_names)
-    if key not in _TRACES:
+    with _TRACES_LOCK:
+        remembered = _TRACES.get(key)
+        if remembered is not None:
+            _TRACES.move_to_end(key)
+    if remembered is None:
         traced = _trace(config, dtype, weight_names)
-        _TRACES[key] = (ir.to_proto(traced.model).SerializeToString(), traced.recipes)
-        if len(_TRACES[key][0]) > _TRACE_BYTES_KEPT:
-            graph_bytes, recipes = _TRACES.pop(key)
-            return TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), copy.deepcopy(recipes))
-        while len(_TRACES) > _TRACES_KEPT:
-            _TRACES.popitem(last=False)
-    _TRACES.move_to_end(key)
-    graph_bytes, recipes = _TRACES[key]
+        remembered = (ir.to_proto(traced.model).SerializeToString(), traced.recipes)
+        if len(remembered[0]) <= _TRACE_BYTES_KEPT:
+            with _TRACES_LOCK:
+                _TRACES[key] = remembered
+                while len(_TRACES) > _TRACES_KEPT:
+                    _TRACES.popitem(last=False)
+    graph_bytes, recipes = remembered
     return TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), copy.deepcopy(recipes))
 
 
