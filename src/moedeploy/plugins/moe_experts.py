@@ -108,12 +108,9 @@ class _Builder:
             value.name = f"{node.name}:{i}"
         return node.outputs[0]
 
-    def ints(self, values: list[int]) -> ir.Value:
+    def ints(self, values: int | list[int]) -> ir.Value:
+        """An int64 constant: a list is 1-D, an int a scalar (Gather by a scalar drops the axis)."""
         return self("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
-
-    def index(self, value: int) -> ir.Value:
-        """A scalar int64: Gather by it drops the axis."""
-        return self("Constant", [], value=ir.tensor(value, dtype=ir.DataType.INT64))
 
     def scalar(self, value: float) -> ir.Value:
         return self("Constant", [], value=ir.tensor(value, dtype=FLOAT))
@@ -195,8 +192,8 @@ def _expert_branch(
         # 162 against 283 us on a 2-core Xeon, benchmarks/README.md)
         both = linear(xs, fc1[0])  # (M, 2I)
         planes = add("Transpose", [add("Reshape", [both, add.ints([0, hidden, 2])])], perm=[2, 0, 1])  # (2, M, I)
-        g = add("Gather", [planes, add.index(0)], axis=0)
-        u = add("Gather", [planes, add.index(1)], axis=0)
+        g = add("Gather", [planes, add.ints(0)], axis=0)
+        u = add("Gather", [planes, add.ints(1)], axis=0)
     else:
         g, u = linear(xs, fc1[0]), linear(xs, fc1[1])
     b_gate, b_up, b_down = biases
