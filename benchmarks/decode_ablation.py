@@ -1,0 +1,205 @@
+"""What a decode step costs beyond reading its weights, and which part of the graph it goes to.
+
+A fp32 decode step of the `small` preset reads 189 MB of weights; on a 2-core Xeon llama.cpp's
+f32 step on the same weights reaches 95% of that bound, moedeploy's about three quarters. ONNX Runtime's profiler cannot say where the rest goes: it adds
+microseconds to each of the step's several hundred small nodes. So this measures without it:
+
+  floor         the step's weight GEMVs alone: one graph of MatMul/Gemm nodes at M = 1 over
+                matrices of the same shapes (attention projections, router, the top-k experts'
+                matrices of every layer, LM head), the least time ONNX Runtime's kernels need
+                to read those bytes here.
+  step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
+                the greedy token, the experts on one If per expert).
+  -attention    the step with each GroupQueryAttention replaced by Identity nodes.
+  -experts      the step with each expert's If replaced by its untaken branch (no expert runs).
+  -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
+
+An ablated graph computes the wrong answer on purpose; only its time means something, and the
+difference to `step` is what that part costs. Every variant re-runs one bound decode step at
+the same position (so the same experts every run), all in one process, interleaved over the
+rounds; the ratios are paired by round.
+
+    python benchmarks/decode_ablation.py [ARTIFACT_OR_PRESET] [--threads 2] [--context 128] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from decode_profile import artifact_for
+from onnx import helper, numpy_helper
+
+Edit = Callable[[onnx.ModelProto], int]
+
+
+def _rewire(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+
+
+def without_attention(model: onnx.ModelProto) -> int:
+    """Each GroupQueryAttention -> Identity of q, past key and past value (the cache buffers)."""
+    graph, count = model.graph, 0
+    for index, node in enumerate(list(graph.node)):
+        if node.op_type == "GroupQueryAttention":
+            graph.node.remove(node)
+            for offset, (src, dst) in enumerate(zip([node.input[0], node.input[3], node.input[4]], node.output[:3], strict=True)):
+                graph.node.insert(index + offset, helper.make_node("Identity", [src], [dst]))
+            count += 1
+    return count
+
+
+def without_experts(model: onnx.ModelProto) -> int:
+    """Each expert's If -> what its untaken branch returns (the zeros it adds)."""
+    graph, count = model.graph, 0
+    for node in list(graph.node):
+        if node.op_type != "If" or "/experts" not in node.name:
+            continue
+        skipped = next(a.g for a in node.attribute if a.name == "else_branch")
+        _rewire(graph, node.output[0], skipped.node[0].input[0])
+        graph.node.remove(node)
+        count += 1
+    return count
+
+
+def without_nan_guard(model: onnx.ModelProto) -> int:
+    """Each MoE's NaN guard (a Where over IsNaN) -> the experts' sum it guards."""
+    graph, count = model.graph, 0
+    for node in list(graph.node):
+        if node.op_type == "Where" and "/experts" in node.name:
+            _rewire(graph, node.output[0], node.input[2])
+            graph.node.remove(node)
+            count += 1
+    return count
+
+
+VARIANTS: dict[str, Edit | None] = {
+    "step": None, "-attention": without_attention, "-experts": without_experts, "-nan-guard": without_nan_guard,
+}
+
+
+def decoder_variant(artifact, edit: Edit | None, threads: int):
+    """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`."""
+    from moedeploy.runtime.generation import OrtDecoder
+    from moedeploy.runtime.ort import (
+        LoweredSession,
+        lowered_model,
+        reads_weights_from,
+        session_options,
+    )
+
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
+    if edit is None:
+        return decoder
+    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace")
+    model = onnx.load_from_string(model_bytes)
+    if not edit(model):
+        raise SystemExit(f"{edit.__name__}: nothing to remove in this graph (not the If-per-expert fp32 lowering?)")
+    options = reads_weights_from(session_options(threads), artifact)
+    options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    decoder.lowered = LoweredSession(session, "CPUExecutionProvider", counts)
+    return decoder
+
+
+def gemv_floor(config, threads: int) -> tuple[ort.InferenceSession, ort.IOBinding, object]:
+    """One graph of the decode step's weight GEMVs at M = 1, random weights of the same shapes."""
+    from moedeploy.bench.roofline import _attention_params
+
+    rng = np.random.default_rng(0)
+    h, inter = config.hidden_size, config.expert_hidden
+    nodes, initializers, outputs = [], [], []
+
+    def gemv(name: str, source: str, rows: int, cols: int) -> None:
+        initializers.append(numpy_helper.from_array((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), name))
+        nodes.append(helper.make_node("Gemm", [source, name], [f"{name}.out"], transB=1))
+        outputs.append(f"{name}.out")
+
+    for layer in range(config.n_layers):
+        gemv(f"l{layer}.attention", "x", _attention_params(config) // h, h)  # q, k, v and o: their bytes
+        if config.is_moe_layer(layer):
+            gemv(f"l{layer}.router", "x", config.n_experts, h)
+            for slot in range(config.top_k):
+                gemv(f"l{layer}.e{slot}.gate_up", "x", 2 * inter, h)
+                gemv(f"l{layer}.e{slot}.down", "hidden", h, inter)
+    gemv("lm_head", "x", config.vocab_size, h)
+    inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, h]),
+              helper.make_tensor_value_info("hidden", onnx.TensorProto.FLOAT, [1, inter])]
+    graph = helper.make_graph(nodes, "gemv_floor", inputs,
+                              [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", rng.standard_normal((1, h)).astype(np.float32))
+    binding.bind_cpu_input("hidden", rng.standard_normal((1, inter)).astype(np.float32))
+    for name in outputs:
+        binding.bind_output(name)
+    return session, binding, None
+
+
+def bound_step(decoder, context: int) -> tuple[ort.InferenceSession, ort.IOBinding, object]:
+    """The decoder's session and binding after a `context`-token prompt and one decode step, and
+    the decoder itself: the binding writes into its buffers, which must outlive every run."""
+    import torch
+
+    prompt = torch.from_numpy(np.random.default_rng(0).integers(0, decoder.vocab_size, (1, context)))
+    decoder.reset(1, context + 8)
+    token = decoder.greedy_step(prompt, 0)
+    decoder.greedy_step(token.view(1, 1), context)  # binds the one-token inputs; re-run at this position
+    return decoder.lowered.session, decoder._binding, decoder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", nargs="?", default="small", help="a fp32 decoder artifact folder or a preset (small)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=128, help="cached positions before the timed step")
+    parser.add_argument("--steps", type=int, default=40, help="runs of the step per variant and round")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
+    from moedeploy.models.config import DecoderConfig
+
+    artifact = artifact_for(args.target)
+    config = DecoderConfig.from_manifest(artifact.manifest["config"])
+    runs = {"floor": gemv_floor(config, args.threads)}
+    for name, edit in VARIANTS.items():
+        runs[name] = bound_step(decoder_variant(artifact, edit, args.threads), args.context)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, (session, binding, _) in runs.items():
+            for _ in range(3):
+                session.run_with_iobinding(binding)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                session.run_with_iobinding(binding)
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    bandwidth = measure_bandwidth_gbs(args.threads)
+    step = times["step"]
+    print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read; one decode step after {args.context} "
+          f"tokens, {args.rounds} rounds x {args.steps} runs")
+    print(f"{'variant':12s} {'ms (median)':>11s} {'min-max':>13s} {'- step, paired':>15s}")
+    report = {"bandwidth_gbs": bandwidth, "context": args.context, "threads": args.threads, "ms": times}
+    for name, values in times.items():
+        paired = statistics.median(v - s for v, s in zip(values, step, strict=True))
+        print(f"{name:12s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
