@@ -1,18 +1,21 @@
 """What a decode step costs beyond reading its weights, and which part of the graph it goes to.
 
-A fp32 decode step of the `small` preset reads 189 MB of weights; on a 2-core Xeon llama.cpp's
+A fp32 decode step of the `small` preset reads about 188 MB of weights; on a 2-core Xeon llama.cpp's
 f32 step on the same weights reaches 95% of that bound, moedeploy's about three quarters. ONNX Runtime's profiler cannot say where the rest goes: it adds
 microseconds to each of the step's several hundred small nodes. So this measures without it:
 
-  floor         the step's weight GEMVs alone: one graph of MatMul/Gemm nodes at M = 1 over
-                matrices of the same shapes (attention projections, router, the top-k experts'
-                matrices of every layer, LM head), the least time ONNX Runtime's kernels need
-                to read those bytes here.
+  floor         the step's weight GEMVs alone: one graph of Gemm nodes at M = 1 over random
+                matrices of the same bytes (attention projections, router, the top-k experts'
+                matrices of every layer, any dense FFN or shared expert, LM head), the least
+                time ONNX Runtime's kernels need to read those bytes here.
   step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
                 the greedy token, the experts on one If per expert).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
-  -experts      the step with each expert's If replaced by its untaken branch (no expert runs).
+  -experts      the step with each expert's If replaced by its untaken branch (no expert runs,
+                and the Ifs' conditions are not computed).
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
+
+The last two drop the nodes their edit leaves unread (ONNX Runtime would still run them).
 
 An ablated graph computes the wrong answer on purpose; only its time means something, and the
 difference to `step` is what that part costs. Every variant re-runs one bound decode step at
@@ -47,11 +50,38 @@ def _rewire(graph: onnx.GraphProto, old: str, new: str) -> None:
                 node.input[i] = new
 
 
+def _names_read(node: onnx.NodeProto) -> set[str]:
+    """What a node reads: its inputs, and every name its subgraphs (If branches) read."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                names |= _names_read(inner)
+    return names
+
+
+def prune(model: onnx.ModelProto) -> None:
+    """Drop the nodes nothing reads any more: ONNX Runtime keeps running dead nodes, so an
+    ablation that only rewires would still pay for what fed the removed part."""
+    graph = model.graph
+    live = {value.name for value in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(name in live for name in node.output):
+            kept.append(node)
+            live |= _names_read(node)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+
+
 def without_attention(model: onnx.ModelProto) -> int:
-    """Each GroupQueryAttention -> Identity of q, past key and past value (the cache buffers)."""
+    """Each GroupQueryAttention -> Identity of q, past key and past value (the cache buffers). Not
+    pruned: the k and v projections, which nothing reads now, still run, so only the attention
+    core's time is removed."""
     graph, count = model.graph, 0
-    for index, node in enumerate(list(graph.node)):
+    for node in list(graph.node):
         if node.op_type == "GroupQueryAttention":
+            index = list(graph.node).index(node)
             graph.node.remove(node)
             for offset, (src, dst) in enumerate(zip([node.input[0], node.input[3], node.input[4]], node.output[:3], strict=True)):
                 graph.node.insert(index + offset, helper.make_node("Identity", [src], [dst]))
@@ -60,7 +90,8 @@ def without_attention(model: onnx.ModelProto) -> int:
 
 
 def without_experts(model: onnx.ModelProto) -> int:
-    """Each expert's If -> what its untaken branch returns (the zeros it adds)."""
+    """Each expert's If -> what its untaken branch returns (the zeros it adds); `prune` then drops
+    what only the Ifs read (their conditions), not the routing weights the NaN guard reads."""
     graph, count = model.graph, 0
     for node in list(graph.node):
         if node.op_type != "If" or "/experts" not in node.name:
@@ -69,17 +100,21 @@ def without_experts(model: onnx.ModelProto) -> int:
         _rewire(graph, node.output[0], skipped.node[0].input[0])
         graph.node.remove(node)
         count += 1
+    prune(model)
     return count
 
 
 def without_nan_guard(model: onnx.ModelProto) -> int:
-    """Each MoE's NaN guard (a Where over IsNaN) -> the experts' sum it guards."""
+    """Each MoE's NaN guard (a Where over IsNaN) -> the experts' sum it guards; `prune` then drops
+    the rest of the guard (its Softmax, Subs, ReduceSums, Add and IsNaN)."""
     graph, count = model.graph, 0
+    isnan = {node.output[0] for node in graph.node if node.op_type == "IsNaN" and "/experts" in node.name}
     for node in list(graph.node):
-        if node.op_type == "Where" and "/experts" in node.name:
+        if node.op_type == "Where" and node.input[0] in isnan:  # the guard's, not a routing's Where
             _rewire(graph, node.output[0], node.input[2])
             graph.node.remove(node)
             count += 1
+    prune(model)
     return count
 
 
@@ -98,13 +133,14 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
         session_options,
     )
 
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
     if edit is None:
-        return decoder
+        return OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace")
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise SystemExit(f"{edit.__name__}: nothing to remove in this graph (not the If-per-expert fp32 lowering?)")
+    # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -114,7 +150,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
 
 def gemv_floor(config, threads: int) -> tuple[ort.InferenceSession, ort.IOBinding, object]:
     """One graph of the decode step's weight GEMVs at M = 1, random weights of the same shapes."""
-    from moedeploy.bench.roofline import _attention_params
+    from moedeploy.bench.roofline import _attention_params, _ffn_params
 
     rng = np.random.default_rng(0)
     h, inter = config.hidden_size, config.expert_hidden
@@ -127,11 +163,15 @@ def gemv_floor(config, threads: int) -> tuple[ort.InferenceSession, ort.IOBindin
 
     for layer in range(config.n_layers):
         gemv(f"l{layer}.attention", "x", _attention_params(config) // h, h)  # q, k, v and o: their bytes
-        if config.is_moe_layer(layer):
-            gemv(f"l{layer}.router", "x", config.n_experts, h)
-            for slot in range(config.top_k):
-                gemv(f"l{layer}.e{slot}.gate_up", "x", 2 * inter, h)
-                gemv(f"l{layer}.e{slot}.down", "hidden", h, inter)
+        if not config.is_moe_layer(layer):  # a dense SwiGLU's bytes as one matrix
+            gemv(f"l{layer}.dense", "x", _ffn_params(config, layer, 0) // h, h)
+            continue
+        gemv(f"l{layer}.router", "x", config.n_experts, h)
+        for slot in range(config.top_k):
+            gemv(f"l{layer}.e{slot}.gate_up", "x", 2 * inter, h)
+            gemv(f"l{layer}.e{slot}.down", "hidden", h, inter)
+        if shared := _ffn_params(config, layer, config.top_k) - h * (config.n_experts + 3 * config.top_k * inter):
+            gemv(f"l{layer}.shared", "x", shared // h, h)  # shared experts (and their gate) as one matrix
     gemv("lm_head", "x", config.vocab_size, h)
     inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, h]),
               helper.make_tensor_value_info("hidden", onnx.TensorProto.FLOAT, [1, inter])]
