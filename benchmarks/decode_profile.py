@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 
 def artifact_for(target: str):
-    """An exported decoder folder, or a preset exported into a temporary folder."""
-    from moedeploy.export.artifact import Artifact
-    from moedeploy.export.exporter import export
+    """A decoder artifact folder, or a preset's export in `moedeploy bench`'s cache (exported there
+    once, then reused, as bench does). Raises ValueError naming what `target` is not."""
+    from moedeploy.bench.api import existing_artifact, export_preset
 
-    if Path(target).is_dir():
-        return Artifact.load(target)
-    return export("decoder", Path(tempfile.mkdtemp(prefix="moedeploy-profile-")) / target, preset_name=target)
+    return existing_artifact(target) or export_preset(target, print)
 
 
 def floors_ms(config, bandwidth_gbs: float) -> dict[str, float]:
@@ -87,7 +84,7 @@ def profile(artifact, attention: str, context: int, steps: int, threads: int, mo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", nargs="?", default="small", help="a decoder artifact folder or a preset (small)")
+    parser.add_argument("target", nargs="?", default="small", help="a decoder artifact folder, or a preset (small) exported once into bench's cache")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the profiled steps")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)

@@ -14,22 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-
-
-def artifact_for(target: str):
-    """An exported decoder folder, or a preset exported into a temporary folder."""
-    from moedeploy.export.artifact import Artifact
-    from moedeploy.export.exporter import export
-
-    if Path(target).is_dir():
-        return Artifact.load(target)
-    return export("decoder", Path(tempfile.mkdtemp(prefix="moedeploy-greedy-")) / target, preset_name=target)
+from decode_profile import artifact_for
 
 
 def generation(decoder, prompt: torch.Tensor, new_tokens: int, in_graph: bool) -> tuple[float, list[int]]:
@@ -52,7 +41,7 @@ def generation(decoder, prompt: torch.Tensor, new_tokens: int, in_graph: bool) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", nargs="?", default="small", help="a decoder artifact folder or a preset")
+    parser.add_argument("target", nargs="?", default="small", help="a decoder artifact folder, or a preset exported once into bench's cache")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
