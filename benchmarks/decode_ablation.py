@@ -138,7 +138,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace")
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
-        raise SystemExit(f"{edit.__name__}: nothing to remove in this graph (not the If-per-expert fp32 lowering?)")
+        raise ValueError(f"{edit.__name__}: nothing to remove in this graph (not the If-per-expert fp32 lowering?)")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
     options = reads_weights_from(session_options(threads), artifact)
@@ -203,19 +203,34 @@ def bound_step(decoder, context: int) -> tuple[ort.InferenceSession, ort.IOBindi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", nargs="?", default="small", help="a fp32 decoder artifact folder or a preset (small)")
+    parser.add_argument("target", nargs="?", default="small", help="a fp32 decoder artifact folder, or a preset (small) exported once into bench's cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=128, help="cached positions before the timed step")
     parser.add_argument("--steps", type=int, default=40, help="runs of the step per variant and round")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    for option, value in (("--threads", args.threads), ("--context", args.context), ("--steps", args.steps),
+                          ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{option} must be at least 1, got {value}")
+    try:
+        measure(args)
+    except ValueError as e:  # the target, or a graph this script cannot take apart
+        raise SystemExit(f"error: {e}") from None
 
+
+def measure(args: argparse.Namespace) -> None:
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.models.config import DecoderConfig
 
     artifact = artifact_for(args.target)
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
+    if artifact.dtype != "fp32" or "quantization" in artifact.manifest:
+        raise ValueError(f"{artifact.path} is not a float32 export; the ablations take the fp32 lowering apart")
+    if args.context + 8 > config.max_positions:
+        raise ValueError(f"--context {args.context} leaves no room in the model's {config.max_positions} positions "
+                         f"(at most {config.max_positions - 8})")
     runs = {"floor": gemv_floor(config, args.threads)}
     for name, edit in VARIANTS.items():
         runs[name] = bound_step(decoder_variant(artifact, edit, args.threads), args.context)
