@@ -3,6 +3,7 @@ thing (and ONNX Runtime really runs it), the dense function body otherwise."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 
@@ -242,6 +243,59 @@ def test_contrib_propagates_non_finite_tokens_like_eager(activation: str, monkey
         (function,) = plain_session(model).run(None, feed)
         assert np.isnan(function[nan_rows]).all()
 
+
+
+def _router_in_graph(model, router: np.ndarray, how: str):
+    """The one-node model with its logits made in the graph as a decoder's router makes them,
+    x @ router^T: a Gemm (transB) or a MatMul by a constant, or a Gemm by a weight fed as an input."""
+    import onnx
+
+    model = copy.deepcopy(model)
+    graph = model.graph
+    kept = [value for value in graph.input if value.name != "router_logits"]
+    del graph.input[:]
+    graph.input.extend(kept)
+    if how == "matmul":
+        graph.initializer.append(onnx.numpy_helper.from_array(np.ascontiguousarray(router.T), "router"))
+        node = onnx.helper.make_node("MatMul", ["X", "router"], ["router_logits"])
+    else:
+        node = onnx.helper.make_node("Gemm", ["X", "router"], ["router_logits"], transB=1)
+        if how == "gemm":
+            graph.initializer.append(onnx.numpy_helper.from_array(router, "router"))
+        else:
+            graph.input.append(onnx.helper.make_tensor_value_info("router", onnx.TensorProto.FLOAT, list(router.shape)))
+    graph.node.insert(0, node)
+    return model
+
+
+@pytest.mark.parametrize("how", ["gemm", "matmul", "gemm-weight-input"])
+def test_contrib_guard_behind_a_router_still_propagates_non_finite_tokens(how: str, monkeypatch) -> None:
+    """Logits that are x @ W with a constant W carry every non-finite x into the routing, so the
+    guard checks the routing alone (no x - x): the same NaN rows as eager PyTorch, among them an
+    -Inf meeting only positive router weights (every logit -Inf) and an +Inf meeting a zero one
+    (a NaN logit). A router weight that is not a constant keeps the check of x."""
+    w = moe_weights(E, H, I, "swiglu", True, seed=5)
+    g = torch.Generator().manual_seed(9)
+    router = torch.randn(E, H, generator=g)
+    router[:, 7] = router[:, 7].abs() + 0.1
+    router[2, 9] = 0.0
+    model = _router_in_graph(moe_node_model(w, 2, 1, "swiglu"), router.numpy(), how)
+    x = torch.randn(8, H, generator=g)
+    x[1, 3], x[2, 5], x[3, 0], x[4, 7], x[5, 9] = NAN, INF, -INF, -INF, INF
+    feed = {"X": x.numpy()} | ({"router": router.numpy()} if how == "gemm-weight-input" else {})
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "contrib")
+    assert counts["moe_contrib"] == 1
+    subs = [n for n in lowered.graph.node if n.op_type == "Sub"]
+    assert len(subs) == (1 if how == "gemm-weight-input" else 0)  # x - x: the check of x
+    eager = moe_op.moe_reference(x, x @ router.T, w["w_gate"], w["w_up"], w["w_down"], 2, True, "swiglu",
+                                 w["b_gate"], w["b_up"], w["b_down"]).numpy()
+    nan_rows = [1, 2, 3, 4, 5]
+    assert np.isnan(eager[nan_rows]).all() and np.isfinite(np.delete(eager, nan_rows, 0)).all()
+
+    guarded, bare = _contrib_outputs(model, feed, monkeypatch)
+    assert np.isnan(guarded[nan_rows]).all()
+    np.testing.assert_allclose(np.delete(guarded, nan_rows, 0), np.delete(eager, nan_rows, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.delete(guarded, nan_rows, 0), np.delete(bare, nan_rows, 0))
 
 
 # --- routings com.microsoft::MoE cannot compute: routed on graph ops, experts on the contrib op --

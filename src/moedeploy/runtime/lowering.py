@@ -80,8 +80,9 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: 8: quantized weights on MatMulNBits; 9: quantized experts on com.microsoft::QMoE in the contrib lowering;
 #: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: q/k/v MatMulNBits
 #: that share an input fused and handed to GroupQueryAttention packed; 13: signed codes reach the
-#: quantized kernels through BitwiseXor; 14: the greedy_token count).
-LOWERING_VERSION = 14
+#: quantized kernels through BitwiseXor; 14: the greedy_token count; 15: the NaN guard after a MoE
+#: whose router is x @ W checks the routing alone).
+LOWERING_VERSION = 15
 MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last", "greedy")
