@@ -7,22 +7,35 @@ microseconds to each of the step's several hundred small nodes. So this measures
   floor         the step's weight GEMVs alone: one graph of Gemm nodes at M = 1 over random
                 matrices of the same bytes (attention projections, router, the top-k experts'
                 matrices of every layer, any dense FFN or shared expert, LM head), the least
-                time ONNX Runtime's kernels need to read those bytes here.
+                time ONNX Runtime's kernels need to read those bytes here (fp32 artifacts, step
+                mode).
   step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
-                the greedy token, the experts on one If per expert).
+                the greedy token; fp32 experts on one If per expert, quantized ones on
+                com.microsoft::QMoE at the level bench runs them).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
-  -experts      the step with each expert's If replaced by its untaken branch (no expert runs,
-                and the Ifs' conditions are not computed).
+  -experts      the step without its experts: each expert's If replaced by its untaken branch,
+                or each com.microsoft::MoE / QMoE node by zeros (and the Ifs' conditions, or
+                the nodes' routing inputs, are not computed).
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
 
 The last two drop the nodes their edit leaves unread (ONNX Runtime would still run them).
 
 An ablated graph computes the wrong answer on purpose; only its time means something, and the
-difference to `step` is what that part costs. Every variant re-runs one bound decode step at
-the same position (so the same experts every run), all in one process, interleaved over the
-rounds; the ratios are paired by round.
+difference to `step` is what that part costs. Two ways to time, all variants in one process,
+interleaved over the rounds, the differences paired by round:
+
+  step mode     (default) re-run one bound decode step at the same position, so the same
+                experts every run: the least noisy. A quantized step's few tens of MB can stay
+                partly in the CPU's last-level cache between runs (on a 2-core Xeon with 48 MB
+                of L3, in one run, `small`'s int4 step re-ran 7% faster than a generation's
+                steps, fp32 2%, Python's part of a generation's step included), and it has no
+                floor (the floor's GEMVs are fp32 Gemms).
+  --generate N  time whole greedy generations of N tokens after the prompt, the experts
+                changing from step to step as in real decoding and in `moedeploy bench`
+                (Python's part of each step included).
 
     python benchmarks/decode_ablation.py [ARTIFACT_OR_PRESET] [--threads 2] [--context 128] [--rounds 8]
+    python benchmarks/decode_ablation.py ARTIFACT --generate 64 [--rounds 10]
 """
 
 from __future__ import annotations
@@ -90,14 +103,19 @@ def without_attention(model: onnx.ModelProto) -> int:
 
 
 def without_experts(model: onnx.ModelProto) -> int:
-    """Each expert's If -> what its untaken branch returns (the zeros it adds); `prune` then drops
-    what only the Ifs read (their conditions), not the routing weights the NaN guard reads."""
+    """Each expert's If -> what its untaken branch returns (the zeros it adds); each
+    com.microsoft::MoE or QMoE node -> zeros of its input's shape. `prune` then drops what only
+    those read (the Ifs' conditions, the nodes' weights), not the routing the NaN guard reads."""
     graph, count = model.graph, 0
     for node in list(graph.node):
-        if node.op_type != "If" or "/experts" not in node.name:
+        if node.op_type == "If" and "/experts" in node.name:
+            skipped = next(a.g for a in node.attribute if a.name == "else_branch")
+            _rewire(graph, node.output[0], skipped.node[0].input[0])
+        elif node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
+            index = list(graph.node).index(node)
+            graph.node.insert(index, helper.make_node("Sub", [node.input[0], node.input[0]], [node.output[0]]))
+        else:
             continue
-        skipped = next(a.g for a in node.attribute if a.name == "else_branch")
-        _rewire(graph, node.output[0], skipped.node[0].input[0])
         graph.node.remove(node)
         count += 1
     prune(model)
@@ -105,12 +123,12 @@ def without_experts(model: onnx.ModelProto) -> int:
 
 
 def without_nan_guard(model: onnx.ModelProto) -> int:
-    """Each MoE's NaN guard (a Where over IsNaN) -> the experts' sum it guards; `prune` then drops
+    """Each MoE's NaN guard, Where(IsNaN(flags), flags, y), -> the y it guards; `prune` then drops
     the rest of the guard (its Softmax, Subs, ReduceSums, Add and IsNaN)."""
     graph, count = model.graph, 0
-    isnan = {node.output[0] for node in graph.node if node.op_type == "IsNaN" and "/experts" in node.name}
+    isnan = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "IsNaN"}
     for node in list(graph.node):
-        if node.op_type == "Where" and node.input[0] in isnan:  # the guard's, not a routing's Where
+        if node.op_type == "Where" and isnan.get(node.input[0]) == node.input[1]:  # not a routing's Where
             _rewire(graph, node.output[0], node.input[2])
             graph.node.remove(node)
             count += 1
@@ -124,7 +142,8 @@ VARIANTS: dict[str, Edit | None] = {
 
 
 def decoder_variant(artifact, edit: Edit | None, threads: int):
-    """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`."""
+    """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`; a
+    quantized artifact's at the accuracy level bench runs it at."""
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
@@ -132,15 +151,19 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
         reads_weights_from,
         session_options,
     )
+    from moedeploy.runtime.quantized import RUN_ACCURACY
 
+    decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace",
+                         nbits_accuracy=RUN_ACCURACY)
     if edit is None:
-        return OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
-    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace")
+        return decoder
+    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace",
+                                        RUN_ACCURACY)
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
-        raise ValueError(f"{edit.__name__}: nothing to remove in this graph (not the If-per-expert fp32 lowering?)")
+        raise ValueError(f"{edit.__name__}: nothing to remove in this graph (not a GroupQueryAttention decoder "
+                         "with its experts on Ifs or on com.microsoft::MoE / QMoE?)")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
-    decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -201,12 +224,28 @@ def bound_step(decoder, context: int) -> tuple[ort.InferenceSession, ort.IOBindi
     return decoder.lowered.session, decoder._binding, decoder
 
 
+def generation_ms(decoder, prompt, tokens: int) -> float:
+    """Milliseconds a decode step, over a greedy generation of `tokens` after `prompt` (the prefill
+    not timed)."""
+    context = prompt.shape[1]
+    decoder.reset(1, context + tokens)
+    token = decoder.greedy_step(prompt, 0)
+    start = time.perf_counter()
+    for i in range(tokens - 1):
+        token = decoder.greedy_step(token.view(1, 1), context + i)
+    return (time.perf_counter() - start) / (tokens - 1) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", nargs="?", default="small", help="a fp32 decoder artifact folder, or a preset (small) exported once into bench's cache")
+    parser.add_argument("target", nargs="?", default="small",
+                        help="a decoder artifact folder (fp32 or quantized), or a preset (small) exported once "
+                             "into bench's cache")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=128, help="cached positions before the timed step")
-    parser.add_argument("--steps", type=int, default=40, help="runs of the step per variant and round")
+    parser.add_argument("--context", type=int, default=128, help="cached positions before the timed step (the prompt)")
+    parser.add_argument("--steps", type=int, default=40, help="step mode: runs of the step per variant and round")
+    parser.add_argument("--generate", type=int, metavar="N",
+                        help="time greedy generations of N tokens instead of re-running one bound step")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -214,6 +253,8 @@ def main() -> None:
                           ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{option} must be at least 1, got {value}")
+    if args.generate is not None and args.generate < 2:
+        parser.error(f"--generate must be at least 2 (a prefill and one timed step), got {args.generate}")
     try:
         measure(args)
     except ValueError as e:  # the target, or a graph this script cannot take apart
@@ -221,21 +262,32 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
+    import torch
+
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.models.config import DecoderConfig
 
     artifact = artifact_for(args.target)
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
-    if artifact.dtype != "fp32" or "quantization" in artifact.manifest:
-        raise ValueError(f"{artifact.path} is not a float32 export; the ablations take the fp32 lowering apart")
-    if args.context + 8 > config.max_positions:
-        raise ValueError(f"--context {args.context} leaves no room in the model's {config.max_positions} positions "
-                         f"(at most {config.max_positions - 8})")
-    runs = {"floor": gemv_floor(config, args.threads)}
-    for name, edit in VARIANTS.items():
-        runs[name] = bound_step(decoder_variant(artifact, edit, args.threads), args.context)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
+    quantized = "quantization" in artifact.manifest
+    if artifact.dtype != "fp32":
+        raise ValueError(f"{artifact.path} is a {artifact.dtype} export; the ablations take fp32 and quantized "
+                         "lowerings apart")
+    positions = args.context + (args.generate or 8)
+    if positions > config.max_positions:
+        raise ValueError(f"--context {args.context} and {args.generate or 8} more tokens exceed the model's "
+                         f"{config.max_positions} positions")
+    variants = {name: decoder_variant(artifact, edit, args.threads) for name, edit in VARIANTS.items()}
+    if args.generate is None:
+        runs = {} if quantized else {"floor": gemv_floor(config, args.threads)}
+        runs |= {name: bound_step(decoder, args.context) for name, decoder in variants.items()}
+    prompt = torch.from_numpy(np.random.default_rng(0).integers(0, config.vocab_size, (1, args.context)))
+    times: dict[str, list[float]] = {name: [] for name in (variants if args.generate else runs)}
+    for round_ in range(args.rounds):
+        if args.generate:  # order reversed every other round: neither side always runs on a warmer machine
+            for name in (list(variants) if round_ % 2 == 0 else list(reversed(variants))):
+                times[name].append(generation_ms(variants[name], prompt, args.generate))
+            continue
         for name, (session, binding, _) in runs.items():
             for _ in range(3):
                 session.run_with_iobinding(binding)
@@ -245,10 +297,12 @@ def measure(args: argparse.Namespace) -> None:
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
     bandwidth = measure_bandwidth_gbs(args.threads)
     step = times["step"]
-    print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read; one decode step after {args.context} "
-          f"tokens, {args.rounds} rounds x {args.steps} runs")
+    how = (f"greedy generations of {args.generate} tokens after a {args.context}-token prompt, {args.rounds} rounds"
+           if args.generate else f"one decode step after {args.context} tokens, {args.rounds} rounds x {args.steps} runs")
+    print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read; {how}")
     print(f"{'variant':12s} {'ms (median)':>11s} {'min-max':>13s} {'- step, paired':>15s}")
-    report = {"bandwidth_gbs": bandwidth, "context": args.context, "threads": args.threads, "ms": times}
+    report = {"bandwidth_gbs": bandwidth, "context": args.context, "threads": args.threads,
+              "generate": args.generate, "quantized": quantized, "ms": times}
     for name, values in times.items():
         paired = statistics.median(v - s for v, s in zip(values, step, strict=True))
         print(f"{name:12s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
