@@ -13,9 +13,9 @@ microseconds to each of the step's several hundred small nodes. So this measures
                 the greedy token; fp32 experts on one If per expert, quantized ones on
                 com.microsoft::QMoE at the level bench runs them).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
-  -experts      the step without its experts: each expert's If replaced by its untaken branch,
-                or each com.microsoft::MoE / QMoE node by zeros (and the Ifs' conditions, or
-                the nodes' routing inputs, are not computed).
+  -experts      the step without its experts: each expert's If replaced by its untaken branch
+                (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE node
+                by zeros (its router still runs: the NaN guard reads the logits).
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
 
 The last two drop the nodes their edit leaves unread (ONNX Runtime would still run them).
@@ -32,7 +32,7 @@ interleaved over the rounds, the differences paired by round:
                 floor (the floor's GEMVs are fp32 Gemms).
   --generate N  time whole greedy generations of N tokens after the prompt, the experts
                 changing from step to step as in real decoding and in `moedeploy bench`
-                (Python's part of each step included).
+                (Python's part of each step included; an ablated variant decodes other tokens).
 
     python benchmarks/decode_ablation.py [ARTIFACT_OR_PRESET] [--threads 2] [--context 128] [--rounds 8]
     python benchmarks/decode_ablation.py ARTIFACT --generate 64 [--rounds 10]
@@ -93,6 +93,9 @@ def without_attention(model: onnx.ModelProto) -> int:
     core's time is removed."""
     graph, count = model.graph, 0
     for node in list(graph.node):
+        if node.op_type == "GroupQueryAttention" and not node.input[1]:
+            raise ValueError("-attention takes separate q, k and v inputs, and this graph hands GroupQueryAttention "
+                             "packed q/k/v (fused quantized projections)")
         if node.op_type == "GroupQueryAttention":
             index = list(graph.node).index(node)
             graph.node.remove(node)

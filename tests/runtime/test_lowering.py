@@ -208,7 +208,7 @@ def _contrib_outputs(model, feed: dict, monkeypatch: pytest.MonkeyPatch) -> tupl
     """(lowered as shipped, lowered without the non-finite guard: the bare com.microsoft::MoE)."""
     (guarded,) = plain_session(lower_for_ort(model, "CPUExecutionProvider", "contrib")[0]).run(None, feed)
     with monkeypatch.context() as m:
-        m.setattr(moe_op, "nan_where_not_finite", lambda add, y, x, logits: y)
+        m.setattr(moe_op, "nan_where_not_finite", lambda add, y, *_: y)
         (bare,) = plain_session(lower_for_ort(model, "CPUExecutionProvider", "contrib")[0]).run(None, feed)
     return guarded, bare
 
@@ -246,8 +246,9 @@ def test_contrib_propagates_non_finite_tokens_like_eager(activation: str, monkey
 
 
 def _router_in_graph(model, router: np.ndarray, how: str):
-    """The one-node model with its logits made in the graph as a decoder's router makes them,
-    x @ router^T: a Gemm (transB) or a MatMul by a constant, or a Gemm by a weight fed as an input."""
+    """The one-node model with its logits made in the graph, as a decoder's router makes them:
+    x @ router^T by a Gemm (transB) or a MatMul by a constant, by a Gemm whose weight is fed as an
+    input, or (not x's own product) by a Gemm of relu(x)."""
     import onnx
 
     model = copy.deepcopy(model)
@@ -255,25 +256,31 @@ def _router_in_graph(model, router: np.ndarray, how: str):
     kept = [value for value in graph.input if value.name != "router_logits"]
     del graph.input[:]
     graph.input.extend(kept)
+    nodes = []
     if how == "matmul":
         graph.initializer.append(onnx.numpy_helper.from_array(np.ascontiguousarray(router.T), "router"))
-        node = onnx.helper.make_node("MatMul", ["X", "router"], ["router_logits"])
+        nodes.append(onnx.helper.make_node("MatMul", ["X", "router"], ["router_logits"]))
     else:
-        node = onnx.helper.make_node("Gemm", ["X", "router"], ["router_logits"], transB=1)
-        if how == "gemm":
-            graph.initializer.append(onnx.numpy_helper.from_array(router, "router"))
-        else:
+        source = "X"
+        if how == "gemm-of-relu":
+            nodes.append(onnx.helper.make_node("Relu", ["X"], ["relu_x"]))
+            source = "relu_x"
+        nodes.append(onnx.helper.make_node("Gemm", [source, "router"], ["router_logits"], transB=1))
+        if how == "gemm-weight-input":
             graph.input.append(onnx.helper.make_tensor_value_info("router", onnx.TensorProto.FLOAT, list(router.shape)))
-    graph.node.insert(0, node)
+        else:
+            graph.initializer.append(onnx.numpy_helper.from_array(router, "router"))
+    for i, node in enumerate(nodes):
+        graph.node.insert(i, node)
     return model
 
 
-@pytest.mark.parametrize("how", ["gemm", "matmul", "gemm-weight-input"])
+@pytest.mark.parametrize("how", ["gemm", "matmul", "gemm-weight-input", "gemm-of-relu"])
 def test_contrib_guard_behind_a_router_still_propagates_non_finite_tokens(how: str, monkeypatch) -> None:
-    """Logits that are x @ W with a constant W carry every non-finite x into the routing, so the
-    guard checks the routing alone (no x - x): the same NaN rows as eager PyTorch, among them an
-    -Inf meeting only positive router weights (every logit -Inf) and an +Inf meeting a zero one
-    (a NaN logit). A router weight that is not a constant keeps the check of x."""
+    """Logits that are x @ W carry every non-finite x into the routing, so the guard checks the
+    routing alone (no x - x): the same NaN rows as eager PyTorch, among them an -Inf meeting only
+    positive router weights (every logit -Inf) and an +Inf meeting a zero one (a NaN logit). A
+    router that reads something else than x (relu(x): relu(-Inf) = 0) keeps the check of x."""
     w = moe_weights(E, H, I, "swiglu", True, seed=5)
     g = torch.Generator().manual_seed(9)
     router = torch.randn(E, H, generator=g)
@@ -286,16 +293,47 @@ def test_contrib_guard_behind_a_router_still_propagates_non_finite_tokens(how: s
     lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "contrib")
     assert counts["moe_contrib"] == 1
     subs = [n for n in lowered.graph.node if n.op_type == "Sub"]
-    assert len(subs) == (1 if how == "gemm-weight-input" else 0)  # x - x: the check of x
-    eager = moe_op.moe_reference(x, x @ router.T, w["w_gate"], w["w_up"], w["w_down"], 2, True, "swiglu",
-                                 w["b_gate"], w["b_up"], w["b_down"]).numpy()
+    assert len(subs) == (1 if how == "gemm-of-relu" else 0)  # x - x: the check of x
+    router_input = torch.relu(x) if how == "gemm-of-relu" else x
+    eager = moe_op.moe_reference(x, router_input @ router.T, w["w_gate"], w["w_up"], w["w_down"], 2, True,
+                                 "swiglu", w["b_gate"], w["b_up"], w["b_down"]).numpy()
     nan_rows = [1, 2, 3, 4, 5]
     assert np.isnan(eager[nan_rows]).all() and np.isfinite(np.delete(eager, nan_rows, 0)).all()
 
     guarded, bare = _contrib_outputs(model, feed, monkeypatch)
+    assert not np.isnan(bare[nan_rows]).all()  # the bare op loses some: the guard is what keeps them
     assert np.isnan(guarded[nan_rows]).all()
     np.testing.assert_allclose(np.delete(guarded, nan_rows, 0), np.delete(eager, nan_rows, 0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.delete(guarded, nan_rows, 0), np.delete(bare, nan_rows, 0))
+
+
+@pytest.mark.parametrize(("op", "attributes", "reads_x", "expected"), [
+    ("MatMul", {}, True, True),
+    ("Gemm", {"transB": 1}, True, True),
+    ("Gemm", {"transB": 1, "beta": 0.5}, True, True),
+    ("Gemm", {"transA": 1}, True, False),  # x^T: rows of the logits are not rows of x
+    ("Gemm", {"alpha": 0.0}, True, False),  # alpha 0 may skip A @ B altogether
+    ("Gemm", {"transB": 1}, False, False),  # the product of another tensor
+    ("Add", {}, True, False),
+])
+def test_routes_from_only_a_row_for_row_product_of_x(op, attributes, reads_x, expected) -> None:
+    import onnx_ir as ir
+
+    x, other, weight = ir.Value(name="x"), ir.Value(name="other"), ir.Value(name="w")
+    node = ir.node(op, [x if reads_x else other, weight], attributes)
+    assert moe_op.routes_from(x, node.outputs[0]) is expected
+
+
+def test_contrib_guard_off_the_cpu_keeps_the_check_of_x() -> None:
+    """Elsewhere than on the CPU (where the test above holds ONNX Runtime's Softmax to it) the
+    guard does not lean on the provider's Softmax to carry a non-finite x: x is checked."""
+    w = moe_weights(E, H, I, "swiglu", True, seed=5)
+    model = _router_in_graph(moe_node_model(w, 2, 1, "swiglu"), np.ones((E, H), np.float32), "gemm")
+    for provider, checks_x in (("CPUExecutionProvider", False), ("CUDAExecutionProvider", True)):
+        lowered, counts = lower_for_ort(model, provider, "contrib")
+        assert counts["moe_contrib"] == 1
+        subs = [list(n.input) for n in lowered.graph.node if n.op_type == "Sub"]
+        assert subs == ([["X", "X"]] if checks_x else []), provider  # x - x: the check of x
 
 
 # --- routings com.microsoft::MoE cannot compute: routed on graph ops, experts on the contrib op --

@@ -157,7 +157,8 @@ def lower_for_ort(
                 )
             if eligible and moe_lowering != "function":
                 routed = not moe.contrib_eligible(node, provider)
-                op_type, routed = moe.lower_to_contrib(graph, node, routed=routed, nbits_accuracy=nbits_accuracy)
+                op_type, routed = moe.lower_to_contrib(graph, node, routed=routed, nbits_accuracy=nbits_accuracy,
+                                                        provider=provider)
                 counts["moe_qmoe"] += op_type == "QMoE"
                 counts["moe_routed" if routed else "moe_contrib"] += 1
             else:
