@@ -54,6 +54,8 @@ from decode_profile import artifact_for
 from onnx import helper, numpy_helper
 
 Edit = Callable[[onnx.ModelProto], int]
+#: positions a step-mode cache holds beyond the prompt (the timed step re-runs at the first of them)
+STEP_HEADROOM = 8
 
 
 def _rewire(graph: onnx.GraphProto, old: str, new: str) -> None:
@@ -93,10 +95,10 @@ def without_attention(model: onnx.ModelProto) -> int:
     core's time is removed."""
     graph, count = model.graph, 0
     for node in list(graph.node):
-        if node.op_type == "GroupQueryAttention" and not node.input[1]:
-            raise ValueError("-attention takes separate q, k and v inputs, and this graph hands GroupQueryAttention "
-                             "packed q/k/v (fused quantized projections)")
         if node.op_type == "GroupQueryAttention":
+            if not node.input[1]:
+                raise ValueError("-attention takes separate q, k and v inputs, and this graph hands "
+                                 "GroupQueryAttention packed q/k/v (fused quantized projections)")
             index = list(graph.node).index(node)
             graph.node.remove(node)
             for offset, (src, dst) in enumerate(zip([node.input[0], node.input[3], node.input[4]], node.output[:3], strict=True)):
@@ -221,7 +223,7 @@ def bound_step(decoder, context: int) -> tuple[ort.InferenceSession, ort.IOBindi
     import torch
 
     prompt = torch.from_numpy(np.random.default_rng(0).integers(0, decoder.vocab_size, (1, context)))
-    decoder.reset(1, context + 8)
+    decoder.reset(1, context + STEP_HEADROOM)
     token = decoder.greedy_step(prompt, 0)
     decoder.greedy_step(token.view(1, 1), context)  # binds the one-token inputs; re-run at this position
     return decoder.lowered.session, decoder._binding, decoder
@@ -258,6 +260,8 @@ def main() -> None:
             parser.error(f"{option} must be at least 1, got {value}")
     if args.generate is not None and args.generate < 2:
         parser.error(f"--generate must be at least 2 (a prefill and one timed step), got {args.generate}")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: no folder {args.json.parent} to write it in")
     try:
         measure(args)
     except ValueError as e:  # the target, or a graph this script cannot take apart
@@ -276,9 +280,9 @@ def measure(args: argparse.Namespace) -> None:
     if artifact.dtype != "fp32":
         raise ValueError(f"{artifact.path} is a {artifact.dtype} export; the ablations take fp32 and quantized "
                          "lowerings apart")
-    positions = args.context + (args.generate or 8)
-    if positions > config.max_positions:
-        raise ValueError(f"--context {args.context} and {args.generate or 8} more tokens exceed the model's "
+    beyond = args.generate or STEP_HEADROOM
+    if args.context + beyond > config.max_positions:
+        raise ValueError(f"--context {args.context} and {beyond} more tokens exceed the model's "
                          f"{config.max_positions} positions")
     variants = {name: decoder_variant(artifact, edit, args.threads) for name, edit in VARIANTS.items()}
     if args.generate is None:
