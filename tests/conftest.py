@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 # Triton decorates its own standard library when it is first imported (torch's dynamo can
 # import it during ONNX export), so its interpreter must be on before that happens for the
@@ -15,3 +18,53 @@ if "TRITON_INTERPRET" not in os.environ:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:  # pragma: no cover - torch is a core dependency
         pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def traces_shared_by_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each decoder configuration is traced once per test run, not once per xdist worker.
+
+    torch.onnx.export is most of an export's time here (about 530 s of the suite's 1,850 worker
+    seconds, 65 distinct configurations), and the process's own memo keeps only the last few
+    traces: a worker re-traced configurations it had traced, and the two workers traced the
+    families' shared exports each. The first worker to need a configuration traces it and
+    stores the graph's bytes and weight recipes under the run's shared temporary folder (a
+    file lock keeps the other waiting rather than tracing the same thing); every later export
+    of that configuration reads them back, as `trace_decoder` reads its own memo. The key is
+    `trace_key`, everything a trace depends on; the code is the same in every worker.
+    Tests that count torch.onnx.export calls take the unshared `_trace` from `__wrapped__`."""
+    import hashlib
+    import pickle
+
+    import onnx
+    import onnx_ir as ir
+    from filelock import FileLock
+
+    from moedeploy.export import streaming
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp is a folder of the run's own
+    folder = root / "shared-traces"
+    folder.mkdir(exist_ok=True)
+    unshared = streaming._trace
+
+    def shared_trace(config, dtype, weight_names):
+        key = hashlib.sha256(streaming.trace_key(config, dtype, weight_names).encode()).hexdigest()
+        stored = folder / f"{key}.pickle"
+        with FileLock(str(stored) + ".lock"):
+            if stored.is_file():
+                graph_bytes, recipes = pickle.loads(stored.read_bytes())
+                return streaming.TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), recipes)
+            traced = unshared(config, dtype, weight_names)
+            partial = stored.with_suffix(".partial")
+            partial.write_bytes(pickle.dumps((ir.to_proto(traced.model).SerializeToString(), traced.recipes)))
+            partial.replace(stored)
+            return traced
+
+    shared_trace.__wrapped__ = unshared
+    patch = pytest.MonkeyPatch()
+    patch.setattr(streaming, "_trace", shared_trace)
+    yield
+    patch.undo()
+

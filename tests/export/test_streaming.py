@@ -320,6 +320,8 @@ def test_a_config_traced_before_is_not_traced_again_and_exports_the_same_bytes(t
     from moedeploy.models.blockquant import QuantScheme
 
     monkeypatch.setattr(streaming, "_TRACES", type(streaming._TRACES)())
+    # the trace itself, not the suite's traces shared by workers (tests/conftest.py)
+    monkeypatch.setattr(streaming, "_trace", getattr(streaming._trace, "__wrapped__", streaming._trace))
     traced = []
     real_export = torch.onnx.export
     monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: traced.append(1) or real_export(*a, **k))
