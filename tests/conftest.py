@@ -21,7 +21,8 @@ if "TRITON_INTERPRET" not in os.environ:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def traces_shared_by_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def traces_shared_by_workers(request: pytest.FixtureRequest,
+                             tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Each decoder configuration is traced once per test run, not once per xdist worker.
 
     torch.onnx.export is most of an export's time here (about 530 s of the suite's 1,850 worker
@@ -43,8 +44,8 @@ def traces_shared_by_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterat
     from moedeploy.export import streaming
 
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # every worker's basetemp is a folder of the run's own
+    if hasattr(request.config, "workerinput"):  # an xdist worker, whose basetemp is the run's folder's child
+        root = root.parent
     folder = root / "shared-traces"
     folder.mkdir(exist_ok=True)
     unshared = streaming._trace
@@ -53,14 +54,15 @@ def traces_shared_by_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         key = hashlib.sha256(streaming.trace_key(config, dtype, weight_names).encode()).hexdigest()
         stored = folder / f"{key}.pickle"
         with FileLock(str(stored) + ".lock"):
-            if stored.is_file():
-                graph_bytes, recipes = pickle.loads(stored.read_bytes())
-                return streaming.TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), recipes)
-            traced = unshared(config, dtype, weight_names)
-            partial = stored.with_suffix(".partial")
-            partial.write_bytes(pickle.dumps((ir.to_proto(traced.model).SerializeToString(), traced.recipes)))
-            partial.replace(stored)
-            return traced
+            if not stored.is_file():
+                traced = unshared(config, dtype, weight_names)
+                partial = stored.with_suffix(".partial")
+                partial.write_bytes(pickle.dumps((ir.to_proto(traced.model).SerializeToString(), traced.recipes)))
+                partial.replace(stored)
+            # the tracing worker too reads the stored bytes back: every export of a configuration
+            # starts from the same serialized graph, whichever worker traced it
+            graph_bytes, recipes = pickle.loads(stored.read_bytes())
+        return streaming.TracedDecoder(ir.from_proto(onnx.ModelProto.FromString(graph_bytes)), recipes)
 
     shared_trace.__wrapped__ = unshared
     patch = pytest.MonkeyPatch()
