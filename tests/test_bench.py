@@ -61,7 +61,7 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert {"cpu", "threads", "bandwidth_gbs", "gemm_gflops"} <= set(report["machine"])
+    assert {"cpu", "threads", "bandwidth_gbs", "gemm_gflops", "huge_pages"} <= set(report["machine"])
     metrics = {(r["backend"], r["metric"]): r for r in report["results"]}
     for backend in ("torch", "ort", "ort-gqa"):
         for metric, unit in (("prefill_ms", "ms"), ("decode_tokens_per_s", "tokens/s"), ("peak_rss_mb", "MB"),
@@ -287,7 +287,7 @@ def test_cache_warning_only_when_the_cache_holds_a_quarter_of_a_step() -> None:
 # --- what the command prints and its exit code, around one measured backend and one that failed
 
 FAKE_MACHINE = {"cpu": "test cpu", "cores": 2, "threads": 2, "python": "3", "torch": "x", "onnxruntime": "x",
-                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0}
+                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0, "huge_pages": "off (test)"}
 
 
 def _torch_result() -> dict:

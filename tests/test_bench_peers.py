@@ -159,7 +159,7 @@ def test_rounds_pool_every_timed_run_and_keep_the_highest_peak() -> None:
 
 
 FAKE_MACHINE = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "onnxruntime": "x",
-                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0}
+                "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0, "huge_pages": "off (test)"}
 
 
 def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

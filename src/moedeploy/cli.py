@@ -668,7 +668,8 @@ def bench_cmd(
     Prefill latency, decode tokens/s, p50/p99 per-token latency and peak memory per backend. Each backend runs in its own process on the same seeded prompt, and every figure is set
     against the machine's measured limits: decode against bytes of weights per token / memory
     bandwidth, prefill against flops / GEMM rate. Every backend is checked (packages, GPU,
-    engine) before any work; exit code 1 when one cannot run or fails.
+    engine) before any work; exit code 1 when one cannot run or fails. Every worker, peers
+    included, starts with glibc's huge pages for malloc (MOEDEPLOY_HUGE_PAGES=0: off).
     """
     from moedeploy.bench.api import bench
     from moedeploy.bench.summary import cache_line, paired_text, spread_lines
@@ -688,7 +689,7 @@ def bench_cmd(
     m, roof = report["machine"], report["roofline"]
     out.print(f"{m['cpu']}, {m['threads']} threads: {m['bandwidth_gbs']} GB/s read, {m['gemm_gflops']} GFLOP/s fp32 GEMM; "
               f"decode bound {roof['decode_bound_tokens_per_s']} tokens/s ({size_text(roof['decode_step_bytes'])}/step); "
-              f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token", highlight=False)
+              f"KV cache {roof['kv_cache_bytes_per_token']:,} bytes/token; workers' huge pages: {m['huge_pages']}", highlight=False)
     quantized = any(name.startswith("int") for name in report["variants"])  # an int8/int4 export among them
     if quantized:
         out.print("; ".join(f"{name}: {size_text(v['weight_bytes'])} of weights, {size_text(v['decode_step_bytes'])} "

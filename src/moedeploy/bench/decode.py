@@ -249,11 +249,19 @@ if __name__ == "__main__":
 
 
 def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
+    """One backend's run in a fresh process. Every backend's worker, peers included, starts with
+    the huge pages the `moedeploy` command gives itself (moedeploy/utils/huge_pages.py), so all
+    are timed as they run under moedeploy, and the bandwidth each worker measures is read in the
+    same pages as its weights."""
+    import os
     import subprocess
+
+    from moedeploy.utils.huge_pages import with_huge_pages
 
     done = subprocess.run(
         [sys.executable, "-m", "moedeploy.bench.decode", json.dumps(asdict(settings))],
         capture_output=True, text=True, timeout=timeout, check=False, cwd=Path.cwd(),
+        env=with_huge_pages(os.environ),
     )
     if done.returncode:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]

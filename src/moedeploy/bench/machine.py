@@ -84,6 +84,7 @@ def describe(threads: int) -> dict:
     import onnxruntime
 
     import moedeploy
+    from moedeploy.utils import huge_pages
 
     return {
         "cpu": cpu_model(),
@@ -96,4 +97,5 @@ def describe(threads: int) -> dict:
         "bandwidth_gbs": round(measure_bandwidth_gbs(threads), 2),
         "gemm_gflops": round(measure_gemm_gflops(threads), 1),
         "last_level_cache_mb": round(llc / 2**20) if (llc := last_level_cache_bytes()) else None,
+        "huge_pages": huge_pages.state(),  # the backends' workers' (bench.decode.run_in_subprocess)
     }
