@@ -69,4 +69,3 @@ def traces_shared_by_workers(request: pytest.FixtureRequest,
     patch.setattr(streaming, "_trace", shared_trace)
     yield
     patch.undo()
-

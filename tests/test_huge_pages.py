@@ -1,8 +1,9 @@
 """Huge pages for the weights: when moedeploy asks glibc for them, and that asking gives them.
 
-The last tests check the effect itself, not the environment variable: a process started with
-`with_huge_pages` holds a freshly written buffer in 2 MB pages by the kernel's own count
-(AnonHugePages in /proc/self/smaps_rollup), and one started without it does not.
+The end-to-end tests (`needs_madvise`) check the effect itself, not the environment variable: a
+process started with `with_huge_pages`, or restarted by the command's entry point, holds a freshly
+written buffer in 2 MB pages by the kernel's own count (AnonHugePages in /proc/self/smaps_rollup),
+and one started without it does not.
 """
 
 from __future__ import annotations
