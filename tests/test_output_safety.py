@@ -205,9 +205,11 @@ def test_a_re_export_keeps_the_users_files_in_cache_and_engines_and_replaces_its
     assert not (out / "cache").exists() and not (out / "engines").exists()
 
 
-def test_bench_json_never_replaces_a_link_a_pipe_or_an_artifacts_file(rmsnorm_artifact: Path, tmp_path: Path) -> None:
-    """--json is written by rename: it turned a symlink or a FIFO into a regular file, and took
-    an artifact's manifest.json for a place to put a benchmark."""
+def test_bench_json_never_replaces_a_link_a_pipe_a_users_file_or_an_artifacts_file(rmsnorm_artifact: Path,
+                                                                                    tmp_path: Path) -> None:
+    """--json is written by rename: it turned a symlink or a FIFO into a regular file, a user's
+    own file into a benchmark, and took an artifact's manifest.json for a place to put one; a new
+    file inside an artifact made its next export refuse the folder."""
     from typer.testing import CliRunner
 
     from moedeploy.cli import app
@@ -216,16 +218,40 @@ def test_bench_json_never_replaces_a_link_a_pipe_or_an_artifacts_file(rmsnorm_ar
     shutil.copytree(rmsnorm_artifact, art)
     manifest = (art / "manifest.json").read_bytes()
     (tmp_path / "notes.json").write_text("mine")
+    other = '{"machine": "not a dict", "results": []}'  # JSON of the right keys, not of bench's making
+    (tmp_path / "other.json").write_text(other)
     (tmp_path / "link.json").symlink_to(tmp_path / "notes.json")
     os.mkfifo(tmp_path / "pipe.json")
     for target, message in ((tmp_path / "link.json", "exists and is not a regular file"),
                             (tmp_path / "pipe.json", "exists and is not a regular file"),
                             (art / "manifest.json", f"is inside the artifact {art}"),
-                            (art / "golden" / "inputs.json", f"is inside the artifact {art}")):
+                            (art / "golden" / "inputs.json", f"is inside the artifact {art}"),
+                            (art / "golden" / "new.json", f"is inside the artifact {art}"),
+                            (art / "bench.json", f"is inside the artifact {art}"),
+                            (tmp_path / "notes.json", "already exists and is not a report bench wrote"),
+                            (tmp_path / "other.json", "already exists and is not a report bench wrote")):
         result = CliRunner().invoke(app, ["bench", "tiny", "--backend", "ort", "--json", str(target)])
         assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
     assert (tmp_path / "link.json").is_symlink() and (tmp_path / "pipe.json").is_fifo()
     assert (art / "manifest.json").read_bytes() == manifest and (tmp_path / "notes.json").read_text() == "mine"
+    assert (tmp_path / "other.json").read_text() == other
+    assert not (art / "golden" / "new.json").exists() and not (art / "bench.json").exists()
+
+
+def test_bench_refuses_a_cache_that_cannot_be_a_folder_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    """MOEDEPLOY_CACHE naming a file failed after the trace and the golden outputs, with
+    "Not a directory" and no fix; it fails first, naming the variable to change."""
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    (tmp_path / "a-file").write_text("mine")
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "a-file"))
+    result = CliRunner().invoke(app, ["bench", "tiny", "--backend", "ort"])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 1 and "is not a folder; choose another MOEDEPLOY_CACHE" in message, result.output
+    assert "exporting" not in message  # before any work
+    assert (tmp_path / "a-file").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_compare_refuses_before_any_work_to_replace_a_report_folder_holding_user_files(
@@ -345,6 +371,42 @@ def test_sigterm_mid_write_removes_the_temp_folder(tmp_path: Path) -> None:
     writer.send_signal(signal.SIGTERM)
     assert writer.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_bug(monkeypatch) -> None:
+    """A SIGTERM while a C extension initialises (onnxruntime's import, say) reached the command
+    as ImportError("initialization failed"): reported as a bug in moedeploy, exit 1. It is the
+    signal's exit, 143, with no error line."""
+    import typer
+
+    from moedeploy import cli
+
+    monkeypatch.setitem(cli._state, "signal", None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        cli.exit_on_sigterm()
+
+        @cli.handle_errors
+        def command() -> None:
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except SystemExit as e:  # what a pybind11 module's initialisation makes of the handler's exit
+                raise ImportError("initialization failed") from e
+
+        with pytest.raises(typer.Exit) as exited:
+            command()
+        assert exited.value.exit_code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    @cli.handle_errors
+    def buggy() -> None:
+        raise ImportError("initialization failed")
+
+    monkeypatch.setitem(cli._state, "signal", None)  # without a signal, the same exception is still ours
+    with pytest.raises(typer.Exit) as exited:
+        buggy()
+    assert exited.value.exit_code == 1
 
 
 def _replace_then(monkeypatch: pytest.MonkeyPatch, when: str, then) -> None:

@@ -106,7 +106,7 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "signal": None}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,6 +144,9 @@ def handle_errors(fn: F) -> F:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
         except Exception as e:
+            if _state.get("signal"):  # the SIGTERM exit, turned into another exception by a library on
+                # its way out (an ImportError, when it arrived while a C extension initialised): not a bug
+                raise typer.Exit(128 + _state["signal"]) from None
             if _state["debug"]:
                 raise
             if not isinstance(e, _user_errors()):  # a bug of ours: one line that says so, the traceback on request
@@ -185,12 +188,25 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise UserError(f"cannot write to {path}: {problem}; choose another {option}")
 
 
+def check_cache_writable(target: str) -> None:
+    """bench exports a preset or checkpoint into its cache: a cache that cannot become a folder
+    (MOEDEPLOY_CACHE naming a file, or under /proc) fails here, not after the trace and the golden
+    outputs. An artifact folder is read where it is; a cache folder that exists is left to the
+    write itself (it may hold every export this run needs, and be read-only)."""
+    from moedeploy.bench.api import cache_dir
+
+    if (Path(target) / "manifest.json").is_file() or (cache_dir() / "bench").is_dir():
+        return
+    check_writable(cache_dir() / "bench", "MOEDEPLOY_CACHE")
+
+
 def check_json_target(path: Path) -> None:
-    """bench's --json, before any work: a new file, or a regular file to replace, in an existing
-    folder we can write, and not a file of an artifact. Replacing is by rename, which turned a
-    symlink, a FIFO or a device (/dev/full, as root) into a regular file, and an artifact's
-    manifest.json into a benchmark."""
-    from moedeploy.export.artifact import DERIVED_DIRS, MANIFEST
+    """bench's --json, before any work: a new file, or a benchmark report bench wrote before, in
+    an existing folder we can write, and nowhere inside an artifact. Replacing is by rename, which
+    turned a symlink, a FIFO or a device (/dev/full, as root) into a regular file, an artifact's
+    manifest.json into a benchmark, and a user's own file into one; a new file inside an artifact
+    made its next export refuse the folder as holding a file moedeploy did not write."""
+    from moedeploy.export.artifact import MANIFEST
 
     if path.is_dir() or not path.parent.is_dir():
         raise UserError(f"--json {path}: name a file in an existing folder")
@@ -199,11 +215,26 @@ def check_json_target(path: Path) -> None:
                         "writing would replace; name a new file")
     absolute = Path(os.path.abspath(path))
     for folder in list(absolute.parents)[:3]:  # an artifact's files lie at most two folders down
-        rel = absolute.relative_to(folder)
-        if (folder / MANIFEST).is_file() and (absolute.exists() or rel.parts[0] in (MANIFEST, *DERIVED_DIRS)):
+        if (folder / MANIFEST).is_file():
             raise UserError(f"--json {path} is inside the artifact {folder}, whose files export and compare own; "
                             "name a file outside it")
+    if path.exists() and not _is_bench_report(path):
+        raise UserError(f"--json {path} already exists and is not a report bench wrote, which moedeploy does not "
+                        "replace; name a new file, or move that one away first")
     check_writable(path.parent, "--json")
+
+
+def _is_bench_report(path: Path) -> bool:
+    """Whether `path` holds what bench's --json writes: a JSON object with its machine and results."""
+    import json
+
+    try:
+        if path.stat().st_size > 64 << 20:
+            return False
+        report = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and isinstance(report.get("machine"), dict) and isinstance(report.get("results"), list)
 
 
 def make_table(title: str | None, columns: list[str], text: tuple[str, ...] | None = None) -> Any:
@@ -304,7 +335,7 @@ def export_cmd(
     block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale along the input dimension (a power of two, at least 16, dividing it); the LM head's: --head-block-size."),
     symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="With --quantize: signed codes and no zero point (int8 is llama.cpp's q8_0; what TensorRT reads), or unsigned codes and a zero point per block (ONNX Runtime only)."),
     mixed: bool = typer.Option(True, "--mixed/--uniform", help="With --quantize int4: keep the LM head and attention K/V at int8, as llama.cpp's q4_0 does (--uniform: all int4)."),
-    head_block_size: int = typer.Option(None, "--head-block-size", help="With --quantize: the LM head's block size. Default: an int8 head (int8, mixed int4) in blocks of the largest power of two up to 256 dividing the hidden size (never below --block-size), which decoded the small preset 6-21% faster on ONNX Runtime than blocks of 32 at level KL; an int4 head in --block-size.", show_default=False),
+    head_block_size: int = typer.Option(None, "--head-block-size", help="With --quantize: the LM head's block size. Default: an int8 head (int8, mixed int4) in blocks of the largest power of two up to 256 dividing the hidden size (never below --block-size), which decoded the small preset 6-21% faster on ONNX Runtime than blocks of 32 at the same KL divergence from fp32; an int4 head in --block-size.", show_default=False),
 ) -> None:
     """Export a block or the MoE decoder to an artifact folder.
 
@@ -396,9 +427,11 @@ def _split_backends(value: str) -> list[str]:
     backends = [b.strip() for b in value.split(",") if b.strip()]
     if not backends:
         raise UserError(f"--backend needs at least one of: {choices}")
-    for b in backends:
+    for i, b in enumerate(backends):
         if b not in COMPARE_BACKENDS[1:]:
             raise UserError(f"unknown backend {b!r} in --backend; choose from: {choices}")
+        if b in backends[:i]:  # it ran twice, and the report listed it twice
+            raise UserError(f"backend {b!r} is listed twice in --backend; name each once")
     return backends
 
 
@@ -656,7 +689,7 @@ def bench_cmd(
                                    "(the first comes from the prefill: at least 2, so a decode step is timed)."),
     threads: int = typer.Option(2, "--threads", min=1, max=MAX_THREADS, help="Intra-op threads for every backend."),
     repeat: int = typer.Option(3, "--repeat", min=1, max=100, help="Timed generations per backend (min / median / max reported; a spread over 10% is flagged)."),
-    json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here."),
+    json_file: Path = typer.Option(None, "--json", help="Write {machine, results: [{backend, metric, value, unit}], spread, ...} here: a new file, or a report bench wrote before (anything else is refused, and so is a file inside an artifact)."),
     quantize: str = typer.Option(None, "--quantize", help="Comma-separated int8, int4: also export the preset or "
                                  "checkpoint weight-only quantized (cached beside its fp32 export) and time the "
                                  "ONNX Runtime backends on each, as rows '<backend> int8', each with its bytes on "
@@ -683,6 +716,7 @@ def bench_cmd(
         raise UserError("--quantize names int8, int4 or both, comma-separated")
     if not variants and given(ctx, "block_size"):
         raise UserError("--block-size applies with --quantize int8|int4 only")
+    check_cache_writable(target)
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
                        progress=progress, peers=peers, rounds=rounds, quantize=variants, block_size=block_size)
@@ -723,7 +757,7 @@ def bench_cmd(
         by_round = f" (paired by round: {paired_text(paired)})" if paired else ""
         out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}{by_round}, prefill time "
                   f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
-    if not report["greedy_tokens_agree"]:
+    if report["greedy_tokens_agree"] is False:  # None: the target is itself a quantized export (the note below)
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
     if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:
         out.print(f"note: the {' and '.join(differ)} rows' greedy tokens differ between backends: with int8 "
@@ -757,6 +791,7 @@ def exit_on_sigterm() -> None:
     import signal
 
     def terminate(signum: int, _frame: Any) -> None:
+        _state["signal"] = signum  # for handle_errors: the exit may reach it as another exception
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)

@@ -65,6 +65,18 @@ def test_unknown_backend_is_one_error_line(block):
     assert not (block / "report").exists()
 
 
+def test_a_backend_listed_twice_is_refused_before_any_work(block):
+    """It ran twice, and the report listed it twice; bench already refused the same."""
+    from typer.testing import CliRunner
+
+    from moedeploy.cli import app
+
+    result = CliRunner().invoke(app, ["compare", str(block), "--backend", "ort,ort-contrib,ort"])
+    assert result.exit_code == 1, result.output
+    assert "backend 'ort' is listed twice in --backend; name each once" in " ".join(result.output.split())
+    assert not (block / "report").exists()
+
+
 def test_negative_tolerance_is_one_usage_error_line(block):
     """Refused as the options are parsed: exit 2, as typer's own range checks."""
     result = run_cli("compare", block, "--atol", "-1")

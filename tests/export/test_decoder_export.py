@@ -136,7 +136,7 @@ def test_profile_positions_cap_and_max_seq_len() -> None:
     assert total(decoder_dynamic_ranges(131072, max_seq_len=32768)) == 32768
     assert total(decoder_dynamic_ranges(7)) == 7 and decoder_dynamic_ranges(1)["past_seq"].max == 0
     for bad in (0, 131073):
-        with pytest.raises(ValueError, match=r"max_seq_len must lie in \[1, max_positions=131072\]"):
+        with pytest.raises(ValueError, match=r"max_seq_len \(--max-seq-len\) must lie in \[1, max_positions=131072\]"):
             decoder_dynamic_ranges(131072, max_seq_len=bad)
 
 

@@ -411,13 +411,15 @@ def test_an_unquantized_session_is_unchanged_by_the_lowering(tmp_path_factory) -
 
 
 def test_bench_times_a_quantized_artifact_beside_its_dequantized_eager_twin(artifacts) -> None:
-    """bench's torch backend on a quantized artifact runs the dequantized weights: the same greedy tokens."""
+    """bench's torch backend on a quantized artifact runs the dequantized weights: the same greedy
+    tokens here, reported as a quantized export's are (ONNX Runtime's int8 activations may round
+    a token apart, which is no reason for bench's warning about backends of the same weights)."""
     from moedeploy.bench.api import bench
 
     artifact = artifacts["int4"]
     report = bench(str(artifact.path), ["torch", "ort"], prompt_len=8, new_tokens=4, repeat=1)
     assert not [r for r in report["raw"] if "error" in r], report["raw"]
-    assert report["greedy_tokens_agree"]
+    assert report["greedy_tokens_agree"] is None and report["quantized_tokens_agree"] == {"int4": True}
     # the memory ratio is against the quantized weights' bytes, not the data file's size (its
     # tensors are aligned for mapping)
     stored = external_initializer_bytes(artifact.model_path)

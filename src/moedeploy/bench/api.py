@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -253,6 +254,12 @@ def cache_export(folder: Path, **options: Any) -> Artifact:
         what = str(e).split(";")[0]  # what is in the way, without export's advice (--out, --force)
         raise OutputRefused(f"{what}; it is where bench caches this export: move what is yours out of it, or set "
                             "MOEDEPLOY_CACHE to another folder") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        what = (e.strerror or str(e)).split(";")[0]  # without export's advice (--out)
+        raise OSError(errno.ENOSPC, f"{what}; free space, or set MOEDEPLOY_CACHE to a folder on a disk with room "
+                                    "for bench's exports") from None
 
 
 def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress: Progress) -> Artifact:
@@ -426,7 +433,9 @@ def bench(
     def tokens_agree(variant: str) -> bool:
         return len({str(r["tokens"]) for r in ok if r["backend"] != "hf" and r["variant"] == variant}) <= 1
 
-    agree = tokens_agree(base)
+    # a quantized artifact given by folder is such an export too: its tokens go with the others'
+    quantized_base = base.startswith("int")
+    agree = None if quantized_base else tokens_agree(base)
     report = {
         "machine": machine,
         "settings": {"target": target, "artifact": str(artifact.path), "batch": batch, "prompt_len": prompt_len,
@@ -441,7 +450,7 @@ def bench(
         "warnings": warnings,
         "ratios": _ratios(ok) | _quantized_ratios(ok, {label: base for label, _, _, base in jobs if base}),
         "greedy_tokens_agree": agree,
-        "quantized_tokens_agree": {name: tokens_agree(name) for name in variants if name != base},
+        "quantized_tokens_agree": {name: tokens_agree(name) for name in variants if name != base or quantized_base},
         "peers_skipped": skipped_peers,
         "cache": cache_report(artifact, written),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
@@ -537,5 +546,5 @@ def cache_holds_step_warning(cache_mb: float | None, step_bytes: float) -> str |
     if not cache_mb or cache_mb * 2**20 < CACHE_SHARE_WARNED * step_bytes:
         return None
     return (f"this CPU's last-level cache ({cache_mb:.0f} MB) holds {min(cache_mb * 2**20 / step_bytes, 1):.0%} of a "
-            f"decode step's {step_bytes / 1e6:.0f} MB; weights re-read every step can come from it, so decode can "
+            f"decode step's {step_bytes / 1e6:.3g} MB; weights re-read every step can come from it, so decode can "
             "pass the DRAM-bandwidth bound ('of bound' over 100%); compare backends with each other here")

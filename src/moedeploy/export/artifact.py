@@ -539,7 +539,8 @@ class Artifact:
         """Every file the manifest lists has its recorded sha256, and model.onnx reads no other."""
         for rel, digest in self.manifest["files"].items():
             if sha256(self.check_inside(rel)) != digest:
-                raise ArtifactError(f"{self.path}: {rel} does not match its sha256 in {MANIFEST}; it was modified")
+                raise ArtifactError(f"{self.path}: {rel} does not match its sha256 in {MANIFEST}; it was modified "
+                                    "or cut short since export: re-export the artifact")
         self.check_external_data()
 
     def check_external_data(self) -> None:

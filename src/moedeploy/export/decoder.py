@@ -71,8 +71,8 @@ def profile_positions(max_positions: int, max_seq_len: int | None = None) -> int
         return min(max_positions, DEFAULT_MAX_SEQ_LEN)
     if not 1 <= max_seq_len <= max_positions:
         raise ValueError(
-            f"max_seq_len must lie in [1, max_positions={max_positions}] (the model has no position "
-            f"beyond that), got {max_seq_len}"
+            f"max_seq_len (--max-seq-len) must lie in [1, max_positions={max_positions}] (the model has no "
+            f"position beyond that), got {max_seq_len}"
         )
     return max_seq_len
 
