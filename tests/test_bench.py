@@ -280,8 +280,10 @@ def test_cache_warning_only_when_the_cache_holds_a_quarter_of_a_step() -> None:
     assert cache_holds_step_warning(8, 189e6) is None  # 8 MiB of 189 MB: 4%
     assert cache_holds_step_warning(45, 189e6) is None  # 47.2 MB: 24.96%, under a quarter
     half = cache_holds_step_warning(90, 189e6)  # 94.4 MB: 50%
-    assert half is not None and "(90 MB) holds 50% of a decode step's 189 MB" in half and "over 100%" in half
+    assert half is not None and "(90 MB) holds 50% of a decode step's 189.0 MB" in half and "over 100%" in half
     assert "holds 100% of" in cache_holds_step_warning(260, 189e6)  # more than the step: all of it
+    assert "of a decode step's 1.54 GB;" in cache_holds_step_warning(512, 1.54e9)  # not 1.54e+03 MB
+    assert "of a decode step's 0.5 MB;" in cache_holds_step_warning(48, 0.5e6)  # not 0 MB
 
 
 # --- what the command prints and its exit code, around one measured backend and one that failed

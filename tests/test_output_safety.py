@@ -221,6 +221,7 @@ def test_bench_json_never_replaces_a_link_a_pipe_a_users_file_or_an_artifacts_fi
     other = '{"machine": "not a dict", "results": []}'  # JSON of the right keys, not of bench's making
     (tmp_path / "other.json").write_text(other)
     (tmp_path / "link.json").symlink_to(tmp_path / "notes.json")
+    (tmp_path / "g").symlink_to(art / "golden")  # a folder link into the artifact
     os.mkfifo(tmp_path / "pipe.json")
     for target, message in ((tmp_path / "link.json", "exists and is not a regular file"),
                             (tmp_path / "pipe.json", "exists and is not a regular file"),
@@ -228,6 +229,8 @@ def test_bench_json_never_replaces_a_link_a_pipe_a_users_file_or_an_artifacts_fi
                             (art / "golden" / "inputs.json", f"is inside the artifact {art}"),
                             (art / "golden" / "new.json", f"is inside the artifact {art}"),
                             (art / "bench.json", f"is inside the artifact {art}"),
+                            (tmp_path / "g" / "new.json", f"is inside the artifact {art}"),
+                            (tmp_path / "g" / ".." / "new.json", f"is inside the artifact {art}"),
                             (tmp_path / "notes.json", "already exists and is not a report bench wrote"),
                             (tmp_path / "other.json", "already exists and is not a report bench wrote")):
         result = CliRunner().invoke(app, ["bench", "tiny", "--backend", "ort", "--json", str(target)])
@@ -236,6 +239,7 @@ def test_bench_json_never_replaces_a_link_a_pipe_a_users_file_or_an_artifacts_fi
     assert (art / "manifest.json").read_bytes() == manifest and (tmp_path / "notes.json").read_text() == "mine"
     assert (tmp_path / "other.json").read_text() == other
     assert not (art / "golden" / "new.json").exists() and not (art / "bench.json").exists()
+    assert not (art / "new.json").exists()
 
 
 def test_bench_refuses_a_cache_that_cannot_be_a_folder_before_any_work(tmp_path: Path, monkeypatch) -> None:

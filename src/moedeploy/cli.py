@@ -167,6 +167,7 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
 ) -> None:
     _state["debug"] = debug
+    _state["signal"] = None  # this invocation's own (main's handler records it)
 
 
 def check_writable(path: Path, option: str = "--out") -> None:
@@ -188,14 +189,16 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise UserError(f"cannot write to {path}: {problem}; choose another {option}")
 
 
-def check_cache_writable(target: str) -> None:
-    """bench exports a preset or checkpoint into its cache: a cache that cannot become a folder
-    (MOEDEPLOY_CACHE naming a file, or under /proc) fails here, not after the trace and the golden
-    outputs. An artifact folder is read where it is; a cache folder that exists is left to the
-    write itself (it may hold every export this run needs, and be read-only)."""
+def check_cache_writable(target: str, backends: list[str], peers: bool) -> None:
+    """bench exports a preset or checkpoint into its cache, and llama.cpp's GGUF of any target: a
+    cache that cannot become a folder (MOEDEPLOY_CACHE naming a file, or under /proc) fails here,
+    not after the trace and the golden outputs. An artifact folder timed on other backends is read
+    where it is; a cache folder that exists is left to the write itself (it may hold every export
+    this run needs, and be read-only)."""
     from moedeploy.bench.api import cache_dir
 
-    if (Path(target) / "manifest.json").is_file() or (cache_dir() / "bench").is_dir():
+    artifact = (Path(target) / "manifest.json").is_file()
+    if (artifact and not peers and "llama.cpp" not in backends) or (cache_dir() / "bench").is_dir():
         return
     check_writable(cache_dir() / "bench", "MOEDEPLOY_CACHE")
 
@@ -213,7 +216,8 @@ def check_json_target(path: Path) -> None:
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UserError(f"--json {path} exists and is not a regular file (a link, a pipe or a device), which "
                         "writing would replace; name a new file")
-    absolute = Path(os.path.abspath(path))
+    # the folder as the write will find it: a link to an artifact's golden/ (or `link/..`) is inside it
+    absolute = path.parent.resolve() / path.name
     for folder in list(absolute.parents)[:3]:  # an artifact's files lie at most two folders down
         if (folder / MANIFEST).is_file():
             raise UserError(f"--json {path} is inside the artifact {folder}, whose files export and compare own; "
@@ -716,7 +720,7 @@ def bench_cmd(
         raise UserError("--quantize names int8, int4 or both, comma-separated")
     if not variants and given(ctx, "block_size"):
         raise UserError("--block-size applies with --quantize int8|int4 only")
-    check_cache_writable(target)
+    check_cache_writable(target, backends, peers)
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,
                        progress=progress, peers=peers, rounds=rounds, quantize=variants, block_size=block_size)
@@ -760,7 +764,9 @@ def bench_cmd(
     if report["greedy_tokens_agree"] is False:  # None: the target is itself a quantized export (the note below)
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
     if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:
-        out.print(f"note: the {' and '.join(differ)} rows' greedy tokens differ between backends: with int8 "
+        whose = (f"this {differ[0]} export's backends'" if report["greedy_tokens_agree"] is None  # the target's own
+                 else f"the {' and '.join(differ)} rows'")
+        out.print(f"note: {whose} greedy tokens differ between backends: with int8 "
                   "activations each kernel rounds differently (`moedeploy compare` measures their accuracy)",
                   highlight=False)
     for peer, reason in report["peers_skipped"].items():

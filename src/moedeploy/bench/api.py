@@ -31,6 +31,7 @@ from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
 from moedeploy.utils.io import OutputRefused, atomic_write_json
+from moedeploy.utils.progress import size_text
 
 __all__ = ["BACKENDS", "bench", "cache_dir"]
 Progress = Callable[[str], None]
@@ -259,7 +260,7 @@ def cache_export(folder: Path, **options: Any) -> Artifact:
             raise
         what = (e.strerror or str(e)).split(";")[0]  # without export's advice (--out)
         raise OSError(errno.ENOSPC, f"{what}; free space, or set MOEDEPLOY_CACHE to a folder on a disk with room "
-                                    "for bench's exports") from None
+                                    "for bench's exports", e.filename) from None
 
 
 def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress: Progress) -> Artifact:
@@ -546,5 +547,5 @@ def cache_holds_step_warning(cache_mb: float | None, step_bytes: float) -> str |
     if not cache_mb or cache_mb * 2**20 < CACHE_SHARE_WARNED * step_bytes:
         return None
     return (f"this CPU's last-level cache ({cache_mb:.0f} MB) holds {min(cache_mb * 2**20 / step_bytes, 1):.0%} of a "
-            f"decode step's {step_bytes / 1e6:.3g} MB; weights re-read every step can come from it, so decode can "
+            f"decode step's {size_text(step_bytes)}; weights re-read every step can come from it, so decode can "
             "pass the DRAM-bandwidth bound ('of bound' over 100%); compare backends with each other here")
