@@ -200,7 +200,8 @@ def test_too_many_positions_fail_before_the_preset_is_exported(tmp_path: Path, m
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     _forbid_timing(monkeypatch)
     positions = preset("tiny").max_positions
-    with pytest.raises(ValueError, match=f"exceeds the model's {positions} positions"):
+    with pytest.raises(ValueError, match=rf"\({positions - 1} \+ 2\) exceeds the model's {positions} positions; "
+                                         rf"ask for at most {positions} in all"):
         bench("tiny", ["ort"], prompt_len=positions - 1, new_tokens=2)
     with pytest.raises(ValueError, match=r"--new-tokens must be >= 2 \(the first new token is the prefill's"):
         bench("tiny", ["ort"], new_tokens=1)

@@ -688,7 +688,7 @@ def bench_cmd(
     rounds: int = typer.Option(1, "--rounds", min=1, max=100, help="Run every backend this many times, each in a fresh process, the "
                                "backends interleaved and their order rotated each round, so a busy spell of the machine hits them alike; with 2 or more, each ratio is also given paired by round (the median of the rounds' ratios), the figure to trust on a busy machine."),
     batch: int = typer.Option(1, "--batch", min=1, max=MAX_BENCH_BATCH, help="Sequences decoded together."),
-    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="Prompt tokens (the prefill)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="Prompt tokens (the prefill); with --new-tokens, at most the model's positions (tiny: 256, small: 2048)."),
     new_tokens: int = typer.Option(64, "--new-tokens", min=2, help="Greedy tokens generated after the prompt "
                                    "(the first comes from the prefill: at least 2, so a decode step is timed)."),
     threads: int = typer.Option(2, "--threads", min=1, max=MAX_THREADS, help="Intra-op threads for every backend."),

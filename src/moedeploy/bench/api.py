@@ -115,7 +115,8 @@ def check_sizes(batch: int, prompt_len: int, new_tokens: int, threads: int, repe
 
 def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> None:
     if prompt_len + new_tokens > config.max_positions:
-        raise ValueError(f"--prompt-len + --new-tokens exceeds the model's {config.max_positions} positions")
+        raise ValueError(f"--prompt-len + --new-tokens ({prompt_len} + {new_tokens}) exceeds the model's "
+                         f"{config.max_positions} positions; ask for at most {config.max_positions} in all")
 
 
 def check_peers(config: DecoderConfig, backends: list[str], batch: int, optional: dict[str, str] | None = None,
