@@ -426,6 +426,20 @@ def test_bench_times_a_quantized_artifact_beside_its_dequantized_eager_twin(arti
     assert report["roofline"]["weight_bytes"] == stored < (artifact.path / MODEL_DATA_FILE).stat().st_size
     # an int4 artifact given by its folder is called int4, not by its activations' dtype
     assert list(report["variants"]) == ["int4"] and {r["variant"] for r in report["raw"]} == {"int4"}
+    # eager torch reads the dequantized fp32 weights: its bound is theirs, ONNX Runtime's the codes'
+    from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops
+    from moedeploy.models import DecoderConfig
+
+    config = DecoderConfig.from_manifest(artifact.manifest["config"])
+    context = 8 + 4 // 2
+    flops = decode_step_flops(config, 1, context)
+    rows = {r["backend"]: r for r in report["raw"]}
+    for backend, step_bytes in (("torch", decode_step_bytes(config, 1, context, 4, None)),
+                                ("ort", report["variants"]["int4"]["decode_step_bytes"])):
+        bound = 1 / max(step_bytes / (rows[backend]["bandwidth_gbs"] * 1e9),
+                        flops / (report["machine"]["gemm_gflops"] * 1e9))
+        assert rows[backend]["decode_bound_tokens_per_s"] == pytest.approx(bound, rel=1e-9), backend
+    assert report["variants"]["int4"]["decode_step_bytes"] < decode_step_bytes(config, 1, context, 4, None) / 3
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

@@ -312,6 +312,14 @@ def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, cont
             "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
 
 
+def dequantized_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int) -> dict[str, Any]:
+    """A quantized artifact's bytes as eager torch reads them: it runs the dequantized weights,
+    in the artifact's float dtype (its "of bound" and memory are set against these, not the codes')."""
+    itemsize = parse_dtype(artifact.dtype).itemsize
+    return {"weight_bytes": weight_bytes(config, itemsize),
+            "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, None)}
+
+
 def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
     """Where a preset's or a checkpoint's cached export lives and its size, measured after the run (the ort backend
     writes nothing there: a decoder's lowered graph reads the artifact's own weight file)."""
@@ -399,6 +407,11 @@ def bench(
     for roof in rooflines.values():
         roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"], roof["decode_step_bytes"]), 1)
     model_bytes = rooflines[base]["weight_bytes"]
+    # a quantized artifact given by folder: its torch row runs the dequantized float weights
+    float_roof = dequantized_roofline(artifact, config, batch, context) if base.startswith("int") else None
+    if float_roof is not None:
+        float_roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"],
+                                                                     float_roof["decode_step_bytes"]), 1)
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 
@@ -412,6 +425,8 @@ def bench(
                              ("backend_rss_mb", "MB")):
             results.append({"backend": r["backend"], "metric": metric, "value": round(r[metric], 3), "unit": unit})
         roof = rooflines[r["variant"]]
+        if float_roof is not None and r["backend"] not in QUANTIZED_BACKENDS:
+            roof = float_roof
         r["backend_rss_vs_weights"] = r["backend_rss_mb"] * 2**20 / roof["weight_bytes"]
         results.append({"backend": r["backend"], "metric": "backend_rss_vs_weights",
                         "value": round(r["backend_rss_vs_weights"], 3), "unit": ""})
