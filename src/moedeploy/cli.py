@@ -697,7 +697,9 @@ def bench_cmd(
     quantize: str = typer.Option(None, "--quantize", help="Comma-separated int8, int4: also export the preset or "
                                  "checkpoint weight-only quantized (cached beside its fp32 export) and time the "
                                  "ONNX Runtime backends on each, as rows '<backend> int8', each with its bytes on "
-                                 "disk, bytes read per decode step and bandwidth bound."),
+                                 "disk, bytes read per decode step and bandwidth bound. The exports are export's "
+                                 "defaults (symmetric; int4 mixed, its LM head and K/V at int8); a quantized "
+                                 "artifact of other options is benched by its folder."),
     block_size: int = typer.Option(32, "--block-size", help="With --quantize: weights per scale (a power of two, at least 16; an int8 LM head takes up to 256, as `export` does by default)."),
 ) -> None:
     """Benchmark prefill, decode and memory on each backend.
