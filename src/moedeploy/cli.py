@@ -144,7 +144,7 @@ def handle_errors(fn: F) -> F:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
         except Exception as e:
-            if _state.get("signal"):  # the SIGTERM exit, turned into another exception by a library on
+            if _state["signal"]:  # the SIGTERM exit, turned into another exception by a library on
                 # its way out (an ImportError, when it arrived while a C extension initialised): not a bug
                 raise typer.Exit(128 + _state["signal"]) from None
             if _state["debug"]:

@@ -302,22 +302,17 @@ def export_format(artifact: Artifact) -> str:
     return f"int{q['bits']}" if q else artifact.dtype
 
 
-def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int) -> dict[str, Any]:
+def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int,
+                     dequantized: bool = False) -> dict[str, Any]:
     """An artifact's bytes: its weights on disk (a quantized one's codes, scales and zero points)
-    and what one decode step reads (weights in their stored format and the KV cache)."""
+    and what one decode step reads (weights in their stored format and the KV cache).
+    `dequantized`: a quantized artifact's as eager torch reads them, its dequantized weights in
+    the artifact's float dtype."""
     itemsize = parse_dtype(artifact.dtype).itemsize
-    quantization = artifact.manifest.get("quantization")
+    quantization = None if dequantized else artifact.manifest.get("quantization")
     weights = artifact.stored_weight_bytes() if quantization else weight_bytes(config, itemsize)
     return {"artifact": str(artifact.path), "weight_bytes": weights,
             "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
-
-
-def dequantized_roofline(artifact: Artifact, config: DecoderConfig, batch: int, context: int) -> dict[str, Any]:
-    """A quantized artifact's bytes as eager torch reads them: it runs the dequantized weights,
-    in the artifact's float dtype (its "of bound" and memory are set against these, not the codes')."""
-    itemsize = parse_dtype(artifact.dtype).itemsize
-    return {"weight_bytes": weight_bytes(config, itemsize),
-            "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, None)}
 
 
 def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
@@ -396,6 +391,9 @@ def bench(
 
     context = prompt_len + new_tokens // 2  # the average decode step's history
     rooflines = {name: variant_roofline(a, config, batch, context) for name, a in variants.items()}
+    # a quantized artifact given by folder: its torch row runs the dequantized float weights
+    quantized_base = base.startswith("int")
+    float_roof = variant_roofline(artifact, config, batch, context, dequantized=True) if quantized_base else None
     step_bytes = rooflines[base]["decode_step_bytes"]
     step_flops = decode_step_flops(config, batch, context)
 
@@ -404,14 +402,9 @@ def bench(
         return batch / max(nbytes / (bandwidth_gbs * 1e9), step_flops / (machine["gemm_gflops"] * 1e9))
 
     bound_tps = decode_bound(machine["bandwidth_gbs"])
-    for roof in rooflines.values():
+    for roof in [*rooflines.values(), *([float_roof] if float_roof else [])]:
         roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"], roof["decode_step_bytes"]), 1)
     model_bytes = rooflines[base]["weight_bytes"]
-    # a quantized artifact given by folder: its torch row runs the dequantized float weights
-    float_roof = dequantized_roofline(artifact, config, batch, context) if base.startswith("int") else None
-    if float_roof is not None:
-        float_roof["decode_bound_tokens_per_s"] = round(decode_bound(machine["bandwidth_gbs"],
-                                                                     float_roof["decode_step_bytes"]), 1)
     prefill_flops = decode_step_flops(config, batch * prompt_len, prompt_len // 2)
     prefill_floor_ms = prefill_flops / (machine["gemm_gflops"] * 1e9) * 1e3
 
@@ -451,7 +444,6 @@ def bench(
         return len({str(r["tokens"]) for r in ok if r["backend"] != "hf" and r["variant"] == variant}) <= 1
 
     # a quantized artifact given by folder is such an export too: its tokens go with the others'
-    quantized_base = base.startswith("int")
     agree = None if quantized_base else tokens_agree(base)
     report = {
         "machine": machine,
