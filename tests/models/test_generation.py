@@ -149,6 +149,24 @@ def test_sampled_frequencies_match_formula(
     assert (freq[expected == 0] == 0).all()
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30])
+def test_a_vanishing_temperature_samples_the_largest_logits(temperature: float) -> None:
+    """logits / 1e-45 overflows (to +inf for a positive logit, -inf for every logit of a negative
+    row), which made softmax NaN and torch.multinomial raise, failing every request sharing the
+    server's batch. The limit T -> 0 is the argmax, ties sampled evenly: checked by hand on rows of
+    positive, negative and tied logits, and a row that does not overflow keeps logits / T."""
+    rows = torch.tensor([[1.0, 3.0, -2.0, 0.5], [-7.0, -3.0, -9.0, -5.0], [2.0, 4.0, 4.0, 1.0]])
+    n = 4000
+    g = torch.Generator().manual_seed(0)
+    tokens = next_token(rows.repeat_interleave(n, 0), SamplingConfig(temperature, seed=0), g).view(3, n)
+    assert (tokens[0] == 1).all() and (tokens[1] == 1).all()
+    tied = tokens[2]
+    assert set(tied.tolist()) == {1, 2} and abs((tied == 1).double().mean().item() - 0.5) < 0.05
+    from moedeploy.models.generation import scale_by_temperature
+
+    assert torch.equal(scale_by_temperature(LOGITS, 0.5), LOGITS / 0.5)  # transformers' division, untouched
+
+
 # ---------------------------------------------------------------- the loop, with a scripted model
 
 

@@ -382,6 +382,45 @@ def test_a_prompt_that_fails_in_the_backend_fails_alone(exported, scheduler) -> 
 
 
 @torch.no_grad()
+def test_a_row_whose_sampling_fails_fails_alone_and_a_vanishing_temperature_decodes_greedily(
+        exported, scheduler, monkeypatch) -> None:
+    """Sampling runs row by row after the shared step: a row whose next_token raises (injected
+    here for one sampling config) fails alone, its row freed, while the rows beside it get
+    transformers' greedy tokens. A temperature of 1e-45 (valid in the OpenAI API; it made softmax
+    NaN and failed every row of the batch) now samples the argmax: transformers' greedy tokens."""
+    import moedeploy.serving.inflight as inflight
+
+    hf, _ = exported
+    vocab = hf.config.vocab_size
+    doomed = SamplingConfig(temperature=0.123, seed=1)
+    real = inflight.next_token
+
+    def failing_for_doomed(logits, sampling, generator):
+        if sampling is doomed:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(inflight, "next_token", failing_for_doomed)
+    prompts = [_ids(vocab, 5, 61), _ids(vocab, 4, 62), _ids(vocab, 6, 63)]
+    runs = []
+    for prompt, sampling in zip(prompts, (SamplingConfig(), doomed, SamplingConfig(temperature=1e-45, seed=2)),
+                                strict=True):
+        events: list = []
+        done = threading.Event()
+        scheduler.submit(prompt, 12, sampling, lambda e, ev=events, d=done: (ev.append(e), isinstance(e, int) or d.set()))
+        runs.append((events, done))
+    for _, done in runs:
+        assert done.wait(30)
+    failed = runs[1][0]
+    assert isinstance(failed[-1], ServerError) and "generation failed: probability tensor" in str(failed[-1])
+    for i in (0, 2):
+        expected = hf.generate(torch.from_numpy(prompts[i])[None], max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False)[0, prompts[i].size:]
+        assert runs[i][0] == [*expected.tolist(), Finished("length")]
+    assert scheduler.running == 0
+
+
+@torch.no_grad()
 def test_a_prompt_that_fails_in_a_later_chunk_fails_alone(exported) -> None:
     """With prefill_chunk=2, a prompt whose third id is outside the vocabulary joins two
     decoding rows beside another prompt: its first chunk runs, its second fails the step.

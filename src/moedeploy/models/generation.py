@@ -118,8 +118,23 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     logits = logits.float()
     if sampling.greedy:
         return greedy_argmax(logits)
-    probs = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+    probs = filter_logits(scale_by_temperature(logits, sampling.temperature), sampling.top_k,
+                          sampling.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, as transformers' temperature warper divides, except in a row where
+    that overflows (a temperature such as 1e-45 is a valid request): there the row's largest
+    logit is subtracted first, which softmax does not see, so its largest logits scale to 0
+    and the rest to -inf, the distribution a temperature tending to 0 gives (its ties sampled
+    evenly). Without this the row's softmax is NaN (inf - inf) and sampling raises."""
+    scaled = logits / temperature
+    overflowed = ~torch.isfinite(scaled.amax(-1, keepdim=True))  # +inf in the row, or every value -inf
+    if bool(overflowed.any()):
+        shifted = (logits - logits.amax(-1, keepdim=True)) / temperature
+        scaled = torch.where(overflowed, shifted, scaled)
+    return scaled
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

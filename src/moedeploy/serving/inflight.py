@@ -350,7 +350,11 @@ class InflightScheduler:
         for s, row in zip(sequences, torch.from_numpy(logits), strict=True):
             if s.closed.is_set():
                 continue
-            token = int(next_token(row[None], s.sampling, s.generator)[0])
+            try:  # a row whose logits its sampling cannot take fails alone, its row freed after
+                token = int(next_token(row[None], s.sampling, s.generator)[0])
+            except Exception as e:
+                self._fail(s, e)
+                continue
             s.last = token
             s.produced += 1
             self.tokens_generated += 1
