@@ -99,10 +99,11 @@ def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     return False
 
 
-def post(url: str, body: bytes) -> tuple[int, str]:
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
     """POST a raw body as JSON, the way a hand-written client would: (status, text); (0, why)
-    when nothing answered (not listening yet, or any more)."""
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    when nothing answered (not listening yet, or any more). `headers`: added to Content-Type."""
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()

@@ -93,7 +93,18 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     assert refusal({**prompt, "stop": "x" * 1001}, model) == (
         "a stop string has 1,001 characters; the most is 1000", "stop")
     assert refusal({**prompt, "stop": ["ok", "\ud800"]}, model)[1] == "stop"
-    assert refusal({**prompt, "seed": 2**64}, model) == ("seed must fit in 64 bits, got 18446744073709551616", "seed")
+    assert refusal({**prompt, "seed": 2**64}, model) == (
+        "seed must be an integer in int64's range, got 18446744073709551616", "seed")
+    for top_p in (0, 1.5, -0.2):  # refused here, naming the field, not later by the stream model with no field
+        assert refusal({**prompt, "top_p": top_p}, model) == (f"top_p must be in (0, 1], got {top_p}", "top_p")
+    assert refusal({**prompt, "stream_options": {"include_usage": True}}, model) == (
+        "stream_options is only allowed when stream is true", "stream_options")
+    assert refusal({**prompt, "stream": True, "stream_options": [1]}, model)[1] == "stream_options"
+    assert refusal({**prompt, "stream": True, "stream_options": {"include_usage": "x"}}, model) == (
+        'stream_options.include_usage must be true or false, got "x"', "stream_options")
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    assert refusal({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}, model,
+                   chat=True) == ('messages[0].content[1] is a "image_url" part; this server takes text only', "messages")
     assert refusal({**prompt, "max_tokens": 2**70}, model)[1] == "max_tokens"
     assert refusal({**prompt, "temperature": float("nan")}, model) == (
         "temperature must be a number within float32's range, got nan", "temperature")
@@ -108,6 +119,16 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     assert refusal({**prompt, "max_tokens": 64 - n + 1}, model) == (
         f"the prompt ({n} tokens) and max_tokens ({64 - n + 1}) come to more than the model's 64 positions; "
         "shorten the prompt or ask for fewer tokens", "max_tokens")
+
+
+def test_openai_chat_content_as_text_parts_is_the_parts_joined_by_newlines(model: ServedModel) -> None:
+    """OpenAI's API takes a message's content as a list of text parts too; the prompt is the
+    template rendered on the parts' texts joined by newlines (vLLM's reading of it)."""
+    parts = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]
+    generation = parse_request({"model": "decoder", "messages": [{"role": "user", "content": parts}], "max_tokens": 2},
+                               {"decoder": model}, chat=True)
+    assert generation.ids == model.codec.chat_ids([{"role": "user", "content": "the cat\nsat"}])
+    assert generation.include_usage is False
 
 
 def test_openai_neutral_values_and_top_k_pass(model: ServedModel) -> None:

@@ -388,6 +388,63 @@ def test_openai_bad_requests_get_openai_errors(served, openai_client) -> None:
     assert openai_client.completions.create(model="decoder", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
+def _raw_answer(port: int, request: bytes) -> tuple[int, bytes]:
+    """Send raw HTTP bytes, read the first answer: (status, body). The socket's own timeout fails
+    the test if the server waits for a body instead of answering."""
+    import socket
+
+    with socket.create_connection((HOST, port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                next((line.split(b":")[1] for line in data.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                     b"0")):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_openai_port_refuses_bodies_it_cannot_read_in_its_error_object(served) -> None:
+    """An announced body over the limit (Expect: 100-continue) is refused before it is sent, as
+    the KServe port does (it answered 100 Continue and waited); JSON nested past Python's parser
+    and a body that is not the gzip it says were answered 500 with a traceback in the log."""
+    import gzip
+
+    server, *_ = served
+    port = int(server.openai_url.rsplit(":", 1)[1].split("/")[0])
+    status, body = _raw_answer(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: 999999999\r\nExpect: 100-continue\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert status == 413 and error["message"].startswith("the request body is over this server's limit of ")
+    request = urllib.request.Request(f"{server.openai_url}/completions", data=b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["message"] == "the request body is not valid JSON: it is nested too deep"
+    request = urllib.request.Request(f"{server.openai_url}/completions", data=b'{"model": "decoder"}',
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400 and "Content-Encoding (gzip)" in json.loads(e.value.read())["error"]["message"]
+    good = gzip.compress(json.dumps({"model": "decoder", "prompt": "the cat", "max_tokens": 2, "temperature": 0}).encode())
+    request = urllib.request.Request(f"{server.openai_url}/completions", data=good,
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 2
+
+
+def test_kserve_port_refuses_an_announced_body_over_the_limit_before_it_is_sent(served) -> None:
+    server, *_ = served
+    status, body = _raw_answer(server.options.http_port,
+                               b"POST /v2/models/decoder_generate/infer HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Length: 999999999\r\nExpect: 100-continue\r\n\r\n")
+    assert status == 413 and "moedeploy serve --max-request-mb raises it" in json.loads(body)["error"]
+
+
 def test_openai_port_without_a_tokenizer_is_refused_before_triton_starts(store) -> None:
     pytest.importorskip("pytriton", reason="serving needs nvidia-pytriton")
     from moedeploy.serving import ModelServer, ServeOptions, ServingError

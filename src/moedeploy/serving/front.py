@@ -16,7 +16,9 @@ last token.
   the memory of whatever it has buffered, so it never gets part of a refused body. A generate
   request's body is checked first (serving.generate_body: what Triton's own parser would answer
   500 gets 400), and its refusal before the first token comes back as one JSON line, 503 when
-  the server is busy. Every other status, header and body passes through unchanged. An
+  the server is busy. An inference request's body is read whole too and its JSON checked
+  (serving.infer_body: a shape its data does not fill would have Triton allocate what the shape
+  declares, and die of it). A body that is not what its Content-Encoding says gets 400. Every other status, header and body passes through unchanged. An
   inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton
   forwards to the model as a request parameter (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
   the id goes into the JSON body's "parameters" instead); when its client disconnects before
@@ -44,6 +46,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from moedeploy.serving.generate_body import checked_generate_body, error_message, error_status
+from moedeploy.serving.infer_body import JSON_LENGTH_HEADER, infer_body_problem
 from moedeploy.serving.specs import ServingError
 
 LOGGER = logging.getLogger("moedeploy.serving")
@@ -103,6 +106,23 @@ def too_big_message(limit: int, size: int | None) -> str:
     """The 413's reason: the body's size (None: a body of unknown length that passed the limit)."""
     body = f"the request body ({size} bytes)" if size is not None else "the request body (sent without a length, or compressed)"
     return f"{body} is over the server's limit of {limit} bytes ({limit / 2**20:g} MiB); {LIMIT_FLAG} raises it"
+
+
+async def expect_within(request, max_bytes: int, refuse: Callable[[int], Any]):
+    """An aiohttp expect handler: `Expect: 100-continue` with an announced body over `max_bytes`
+    gets refuse(its length), before the client sends it; otherwise what aiohttp's own expect
+    handler does (100 Continue)."""
+    from aiohttp import HttpVersion11, web
+
+    if request.content_length is not None and request.content_length > max_bytes:
+        return refuse(request.content_length)
+    expect = request.headers.get("Expect", "")
+    if request.version == HttpVersion11:
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+    return None
 
 
 class LoopServer:
@@ -199,19 +219,8 @@ class HttpFront(LoopServer):
         return web.json_response({"error": message}, status=status, headers=RETRY_AFTER if status == 503 else None)
 
     async def _expect(self, request):
-        """`Expect: 100-continue`: refuse an announced body over the limit before the client sends
-        it; otherwise what aiohttp's own expect handler does."""
-        from aiohttp import HttpVersion11, web
-
-        if request.content_length is not None and request.content_length > self.max_bytes:
-            return self._refusal(413, too_big_message(self.max_bytes, request.content_length))
-        expect = request.headers.get("Expect", "")
-        if request.version == HttpVersion11:
-            if expect.lower() != "100-continue":
-                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0
-        return None
+        return await expect_within(request, self.max_bytes,
+                                   lambda size: self._refusal(413, too_big_message(self.max_bytes, size)))
 
     async def _whole_body(self, request, max_bytes: int) -> bytearray | None:
         """A body of no stated length (chunked) or that aiohttp decompressed, read up to the limit;
@@ -226,6 +235,7 @@ class HttpFront(LoopServer):
 
     async def _handle(self, request):
         from aiohttp import ClientError, web
+        from aiohttp.web_protocol import RequestPayloadError
         from yarl import URL
 
         size = request.content_length
@@ -252,15 +262,28 @@ class HttpFront(LoopServer):
             # Triton forwards no header to a model through its generate extension: the id goes in
             # the request's JSON "parameters" instead, so that body is read whole (up to the limit)
             generate = request_id is not None and infer[2] != "infer"
-            if generate or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
+            # an inference request's JSON is checked before Triton allocates what its shapes declare
+            inference = request.method == "POST" and infer is not None and infer[2] == "infer"
+            if generate or inference or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
                 cap = min(self.max_bytes, limit or self.max_bytes)
-                body = await self._whole_body(request, cap)
+                try:
+                    body = await self._whole_body(request, cap)
+                except RequestPayloadError as e:  # not what its Content-Encoding says, or broken chunks
+                    return self._refusal(400, f"the request body is not valid {encoding} data, as its Content-Encoding "
+                                              "says; send it encoded so, or without that header" if encoding in _DECODED
+                                         else f"the request body could not be read: {_one_line(e)}")
                 if body is None:
-                    return self._refusal(413, too_big_message(cap, None))
+                    return self._refusal(413, too_big_message(cap, None) if cap == self.max_bytes else
+                                         f"a generate request to {model} of more than {cap:,} bytes (sent without a "
+                                         "length, or compressed) is larger than any prompt of its model's positions "
+                                         "needs; send a shorter prompt")
                 if generate:
                     body, problem = checked_generate_body(bytes(body), model, infer[2], (REQUEST_ID_HEADER, request_id))
                     if problem:
                         return self._refusal(400, problem)
+                elif inference and (problem := await asyncio.to_thread(
+                        infer_body_problem, bytes(body), request.headers.get(JSON_LENGTH_HEADER))):
+                    return self._refusal(400, problem)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
             else:  # streamed through; aiohttp stops at the stated length

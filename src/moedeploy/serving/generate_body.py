@@ -38,12 +38,9 @@ def checked_generate_body(body: bytes, model: str, endpoint: str, parameter: tup
     if endpoint == "generate" and model.endswith(STREAM_SUFFIX):
         return body, (f"{model} sends a response per token: POST to /v2/models/{model}/generate_stream, or to "
                       f"/v2/models/{model.removesuffix(STREAM_SUFFIX)}_generate/generate for one answer")
-    try:
-        payload = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        return body, "the request body is not UTF-8 text"
-    except ValueError as e:
-        return body, f"the request body is not valid JSON: {str(e).splitlines()[0]}"
+    payload, problem = parse_json(body)
+    if problem is not None:
+        return body, problem
     if not isinstance(payload, dict):
         return body, "the request body must be a JSON object of input names to values"
     parameters = payload.get("parameters", {})
@@ -56,6 +53,19 @@ def checked_generate_body(body: bytes, model: str, endpoint: str, parameter: tup
             return body, problem
     payload["parameters"] = {**parameters, parameter[0]: parameter[1]}
     return json.dumps(payload).encode(), None
+
+
+def parse_json(body: bytes) -> tuple[Any, str | None]:
+    """(the JSON value, None), or (None, why it is not valid JSON: one line). A body nested too
+    deep for Python's parser (RecursionError) is invalid JSON to the client, not a server error."""
+    try:
+        return json.loads(body.decode("utf-8")), None
+    except UnicodeDecodeError:
+        return None, "the request body is not UTF-8 text"
+    except ValueError as e:
+        return None, f"the request body is not valid JSON: {str(e).splitlines()[0]}"
+    except RecursionError:
+        return None, "the request body is not valid JSON: it is nested too deep"
 
 
 def generate_body_limit(max_positions: int, batch: int) -> int:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
-from moedeploy.serving.front import RETRY_AFTER, LoopServer
-from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, shown
+from moedeploy.serving.front import RETRY_AFTER, LoopServer, expect_within
+from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, parse_json, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_STOP_CHARS,
@@ -92,7 +92,7 @@ def _number(body: dict, name: str, kind: type, default: Any = None, low: float |
     if low is not None and value < low:
         raise ApiError(f"{name} must be >= {low}, got {shown(value)}", name)
     if kind is int and not INT64[0] <= value <= INT64[1]:
-        raise ApiError(f"{name} must fit in 64 bits, got {shown(value)}", name)
+        raise ApiError(f"{name} must be an integer in int64's range, got {shown(value)}", name)
     return value
 
 
@@ -143,6 +143,8 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     max_tokens = _number(body, limit, int, default, low=1)
     options = {"temperature": float(_number(body, "temperature", float, DEFAULT_TEMPERATURE, low=0.0))}
     if (top_p := _number(body, "top_p", float)) is not None:
+        if not 0 < top_p <= 1:  # the nucleus's probability mass: some, at most all
+            raise ApiError(f"top_p must be in (0, 1], got {shown(top_p)}", "top_p")
         options["top_p"] = float(top_p)
     if (top_k := _number(body, "top_k", int, low=1)) is not None:  # not OpenAI's; vLLM's and TensorRT-LLM's
         options["top_k"] = top_k
@@ -166,6 +168,7 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
                 role = message.get("role") if isinstance(message, dict) else None
                 if isinstance(role, str) and role not in CHAT_ROLES:
                     raise ApiError(f"messages[{i}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", field)
+            messages = [text_parts_joined(m, i) for i, m in enumerate(messages)] if isinstance(messages, list) else messages
             ids = model.codec.chat_ids(messages, max_tokens=model.max_positions)
         else:
             prompt = body.get("prompt")
@@ -183,9 +186,33 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be true or false", "stream")
-    stream_options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise ApiError("stream_options is only allowed when stream is true", "stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ApiError("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+    include_usage = (stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(f"stream_options.include_usage must be true or false, got {shown(include_usage)}",
+                       "stream_options")
     return Generation(model, ids, max_tokens, options, stream, include_usage, chat)
+
+
+def text_parts_joined(message: Any, index: int) -> Any:
+    """A chat message whose content is a list of text parts ([{"type": "text", "text": ...}], as
+    OpenAI's API allows) with that content as one string, the parts joined by newlines (as vLLM
+    joins them); a part of another type is refused by name. Anything else is returned as it is
+    (check_messages says what is wrong with it)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for j, part in enumerate(message["content"]):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {shown(kind)} part" if isinstance(kind, str) else "not a {\"type\": \"text\", \"text\": ...} part"
+            raise ApiError(f"messages[{index}].content[{j}] is {what}; this server takes text only", "messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 class OpenAIFront(LoopServer):
@@ -209,12 +236,19 @@ class OpenAIFront(LoopServer):
         app = web.Application(client_max_size=self.max_bytes, middlewares=[_openai_errors_middleware(self.max_bytes)])
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model}", self._model)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
+        app.router.add_post("/v1/chat/completions", self._chat_completions, expect_handler=self._expect)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                                      shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+
+    async def _expect(self, request):
+        """A body announced over the limit (`Expect: 100-continue`) is refused before it is sent."""
+        from aiohttp import web
+
+        error = ApiError(too_big_text(self.max_bytes), status=413)
+        return await expect_within(request, self.max_bytes, lambda size: web.json_response(error.body(), status=413))
 
     async def _list_models(self, request):
         from aiohttp import web
@@ -238,12 +272,18 @@ class OpenAIFront(LoopServer):
 
     async def _generate(self, request, chat: bool):
         from aiohttp import web
+        from aiohttp.web_protocol import RequestPayloadError
 
         try:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError("the request body is not valid JSON") from None
+                raw = await request.read()
+            except RequestPayloadError:  # aiohttp could not decode it as its Content-Encoding says
+                encoding = request.headers.get("Content-Encoding", "")
+                raise ApiError(f"the request body could not be read as its Content-Encoding ({encoding}) says; send "
+                               "it encoded so, or without that header") from None
+            body, problem = parse_json(raw)  # nested too deep is invalid JSON too, not a server error
+            if problem is not None:
+                raise ApiError(problem)
             # on a worker thread: encoding a long prompt must not hold up the other requests
             generation = await asyncio.to_thread(parse_request, body, self.models, chat)
             if generation.stream:
@@ -335,6 +375,10 @@ class OpenAIFront(LoopServer):
         return response
 
 
+def too_big_text(max_bytes: int) -> str:
+    return f"the request body is over this server's limit of {max_bytes:,} bytes (moedeploy serve --max-request-mb)"
+
+
 def _openai_errors_middleware(max_bytes: int):
     from aiohttp import web
 
@@ -349,8 +393,7 @@ def _openai_errors_middleware(max_bytes: int):
                 raise
             message = {404: f"no such endpoint: {request.method} {request.path}",
                        405: f"{request.path} does not take {request.method}",
-                       413: f"the request body is over this server's limit of {max_bytes:,} bytes "
-                            "(moedeploy serve --max-request-mb)"}.get(e.status, e.text or e.reason)
+                       413: too_big_text(max_bytes)}.get(e.status, e.text or e.reason)
             return web.json_response(ApiError(message, status=e.status).body(), status=e.status)
 
     return middleware
