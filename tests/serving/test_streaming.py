@@ -135,6 +135,18 @@ def test_generate_requests_triton_would_answer_500_get_400_from_the_front(served
     status, answer = post(f"{base}/{MODEL}/generate_stream", json.dumps({"text_input": "x" * 1_500_000}).encode())
     assert (status, answer["error"].split(" bytes is larger")[0]) == (
         413, f"a generate request to {MODEL} of 1,500,018")
+    # compressed, it is counted decompressed against the same limit, which the refusal names
+    # (it named --max-request-mb, which cannot raise it)
+    import gzip
+
+    request = urllib.request.Request(f"{base}/{MODEL}/generate_stream",
+                                     data=gzip.compress(json.dumps({"text_input": "x" * 1_500_000}).encode()),
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=60)
+    message = json.loads(e.value.read())["error"]
+    assert e.value.code == 413 and message.startswith(f"a generate request to {MODEL} of more than ")
+    assert message.endswith("is larger than any prompt of its model's positions needs; send a shorter prompt")
     # a refusal of the model's own, before its first token: one JSON line, 400
     assert post(f"{base}/{MODEL}/generate_stream", b'{"text_input": "hi", "max_tokens": 100000}') == (
         400, {"error": "prompt (3 tokens) + max_tokens (100000) exceeds max_positions 2048"})
