@@ -108,15 +108,20 @@ def fake_plan(artifact, tmp_path, aot: bool, max_batch: int = 16, name: str | No
     engines.mkdir(exist_ok=True)
     stem = name or f"nvidia-h100_trt10.13_fp32_{'aot' if aot else 'jit'}"
     (engines / f"{stem}.plan").write_bytes(b"placeholder, not a TensorRT plan")
-    meta = {"dtype": "fp32", "aot": aot, "profile": {"x": {"min": [1, 1, 64], "opt": [2, 16, 64], "max": [max_batch, 256, 64]}}}
+    seal = json.loads((copy / "manifest.json").read_text())["manifest_sha256"]  # what `build` records
+    meta = {"dtype": "fp32", "aot": aot, "artifact_manifest_sha256": seal,
+            "profile": {"x": {"min": [1, 1, 64], "opt": [2, 16, 64], "max": [max_batch, 256, 64]}}}
     (engines / f"{stem}.json").write_text(json.dumps(meta))
     return copy
+
+
+ELF_PLACEHOLDER = b"\x7fELF placeholder"  # a shared library's first bytes; nothing loads it here
 
 
 def test_tensorrt_repository_from_an_aot_plan(store, tmp_path) -> None:
     artifact = fake_plan(store.block("moe"), tmp_path, aot=True, max_batch=8)
     lib = tmp_path / "libextra_plugins.so"
-    lib.write_bytes(b"placeholder")
+    lib.write_bytes(ELF_PLACEHOLDER)
     result = write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=[lib]))
     config = parse(result.config)
     assert config.platform == "tensorrt_plan" and config.default_model_filename == "model.plan"
@@ -143,6 +148,44 @@ def test_tensorrt_repository_refusals(store, tmp_path, setup: str, options: dict
     with pytest.raises(ServingError, match=message):
         write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", **options))
     assert not (tmp_path / "repo" / "moe").exists()
+
+
+def test_a_plan_not_built_from_this_artifact_is_refused(store, tmp_path) -> None:
+    """A plan was taken on its file name: one from another artifact (by --engine), one with no
+    build record, or model.onnx itself was deployed as this artifact's plan, exit 0."""
+    import shutil
+
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
+    other = fake_plan(store.block("rmsnorm"), tmp_path / "other", aot=True)
+    foreign = next((other / "engines").glob("*.plan"))
+    with pytest.raises(ServingError, match=r"was not built from .* as it is now \(its build record names"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", engine=foreign))
+    with pytest.raises(ServingError, match=r"model\.onnx is not a TensorRT plan \(\.plan\); build one with"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", engine=artifact / "model.onnx"))
+    for record in (artifact / "engines").glob("*.json"):
+        record.unlink()
+    with pytest.raises(ServingError, match=r"has no build record \(nvidia-h100_trt10\.13_fp32_aot\.json\) beside it"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt"))
+    assert not (tmp_path / "repo").exists()
+    shutil.rmtree(other)
+
+
+def test_plugin_libraries_of_one_name_or_not_shared_libraries_are_refused(store, tmp_path) -> None:
+    """Two libraries named alike were copied to one plugins/<name> (the second kept, exit 0); a
+    text file was copied as a plugin library."""
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    libs = [tmp_path / "a" / "libp.so", tmp_path / "b" / "libp.so"]
+    for lib in libs:
+        lib.write_bytes(ELF_PLACEHOLDER)
+    with pytest.raises(ServingError, match=r"plugin libraries .*a/libp\.so and .*b/libp\.so have the same file name"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=libs))
+    text = tmp_path / "notes.txt"
+    text.write_text("not a library")
+    with pytest.raises(ServingError, match=r"notes\.txt is not a shared library \(no ELF header\)"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=[text]))
+    assert not (tmp_path / "repo").exists()
 
 
 def test_an_engine_for_the_onnxruntime_backend_is_refused_not_ignored(store, tmp_path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from moedeploy.export.artifact import Artifact
+from moedeploy.export.artifact import MANIFEST_DIGEST_KEY, Artifact
 from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 from moedeploy.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -51,6 +51,42 @@ def require_gpu() -> str:
     if not torch.cuda.is_available():
         raise TensorRTUnavailable("TensorRT needs an NVIDIA GPU and none is visible (torch.cuda.is_available() is False)")
     return torch.cuda.get_device_name()
+
+
+#: a plan's build record (<plan>.json) names the artifact it was built from by its manifest's seal
+RECORD_DIGEST_KEY = "artifact_manifest_sha256"
+
+
+def plan_record(plan: Path) -> dict | None:
+    """The build record `moedeploy build` writes beside a plan (<plan>.json), or None."""
+    import json
+
+    meta = plan.with_suffix(".json")
+    try:
+        record = json.loads(meta.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def plan_record_problem(artifact: Artifact, plan: Path) -> str | None:
+    """Why `plan` cannot be taken for `artifact`'s graph, or None: its build record must name
+    this artifact's manifest seal, which covers every file's sha256, so a plan built from
+    another artifact, another export of this one or other weights is refused, never run or
+    deployed as this one."""
+    rebuild = f"build one with `moedeploy build {artifact.path} --aot`"
+    if plan.suffix != ".plan":
+        return f"{plan} is not a TensorRT plan (.plan); {rebuild}"
+    record = plan_record(plan)
+    if record is None:
+        return (f"{plan} has no build record ({plan.with_suffix('.json').name}) beside it, so nothing ties it to "
+                f"{artifact.path}; {rebuild}")
+    if record.get(RECORD_DIGEST_KEY) != artifact.manifest[MANIFEST_DIGEST_KEY]:
+        built = record.get("artifact")
+        return (f"{plan} was not built from {artifact.path} as it is now (its build record names "
+                f"{built if isinstance(built, str) else 'another artifact'}, by another manifest, or was written "
+                f"before plans recorded one); {rebuild}")
+    return None
 
 
 def _slug(text: str) -> str:
@@ -154,7 +190,8 @@ def build_engine(
     meta_path = plan_path.with_suffix(".json")
     atomic_write_json(meta_path, {
         "artifact": artifact.name, "dtype": artifact.dtype, "gpu": gpu, "tensorrt": trt.__version__,
-        "aot": aot, "profile": {k: dict(zip(("min", "opt", "max"), v, strict=True)) for k, v in profile_shapes(artifact).items()},
+        "aot": aot, RECORD_DIGEST_KEY: artifact.manifest[MANIFEST_DIGEST_KEY],
+        "profile": {k: dict(zip(("min", "opt", "max"), v, strict=True)) for k, v in profile_shapes(artifact).items()},
         "workspace_mb": workspace_mb, "built": started.isoformat(timespec="seconds"),
         "build_seconds": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
     })
@@ -168,6 +205,8 @@ def find_engine(artifact: Artifact) -> Path:
     for aot in (True, False):
         plan = artifact.path / ENGINES_DIR / engine_name(gpu, trt.__version__, artifact.dtype, aot)
         if plan.is_file():
+            if problem := plan_record_problem(artifact, plan):
+                raise TensorRTUnavailable(problem)
             return plan
     raise TensorRTUnavailable(
         f"no TensorRT engine for {gpu} / TensorRT {trt.__version__} under {artifact.path / ENGINES_DIR}; "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact, model_name_problem
+from moedeploy.runtime.tensorrt import plan_record, plan_record_problem
 from moedeploy.serving.specs import (
     ModelSpec,
     ServingError,
@@ -91,17 +92,12 @@ def config_text(
 
 
 def _plan_metadata(plan: Path) -> dict:
-    meta = plan.with_suffix(".json")
-    if not meta.is_file():
-        return {}
-    try:
-        return json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return plan_record(plan) or {}
 
 
 def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path, dict]:
-    """The plan to deploy and its build metadata, without importing TensorRT (no GPU needed here)."""
+    """The plan to deploy and its build metadata, without importing TensorRT (no GPU needed here).
+    A plan is taken only with a build record naming this artifact (`plan_record_problem`)."""
     build_hint = f"build one on the target GPU with `moedeploy build {artifact.path} --aot`"
     if engine is not None:
         if not engine.is_file():
@@ -110,6 +106,9 @@ def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path,
     else:
         candidates = [_inside(artifact, p) for p in sorted((artifact.path / "engines").glob("*.plan"))]
         candidates = [p for p in candidates if _plan_metadata(p).get("dtype", artifact.dtype) == artifact.dtype]
+    for plan in candidates:
+        if problem := plan_record_problem(artifact, plan):
+            raise ServingError(problem)
     aot = [p for p in candidates if _plan_metadata(p).get("aot", p.stem.endswith("_aot"))]
     if not aot:
         if candidates:
@@ -122,6 +121,11 @@ def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path,
         names = ", ".join(p.name for p in aot)
         raise ServingError(f"{artifact.path / 'engines'} holds several AOT plans ({names}); choose one with --engine")
     return aot[0], _plan_metadata(aot[0])
+
+
+def _is_shared_library(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"\x7fELF"
 
 
 def _inside(artifact: Artifact, plan: Path) -> Path:
@@ -190,9 +194,15 @@ def write_repository(
         raise ServingError(f"--instances must be >= 1, got {options.instances}")
     if options.max_queue_delay_us < 0:
         raise ServingError(f"--max-queue-delay-us must be >= 0, got {options.max_queue_delay_us}")
-    for lib in options.plugin_libs:
+    for i, lib in enumerate(options.plugin_libs):
         if not lib.is_file():
             raise ServingError(f"plugin library {lib} does not exist")
+        if not _is_shared_library(lib):
+            raise ServingError(f"plugin library {lib} is not a shared library (no ELF header); name the .so your "
+                               "TensorRT plugins are built into")
+        if same := [o for o in options.plugin_libs[:i] if o.name == lib.name]:  # both would be plugins/<name>
+            raise ServingError(f"plugin libraries {same[0]} and {lib} have the same file name, and the model folder "
+                               "holds one file of a name; rename one")
     if options.plugin_libs and options.backend != "tensorrt":
         raise ServingError("--plugin-lib is for TensorRT plans; the onnxruntime backend loads no plugins")
     if options.engine is not None and options.backend != "tensorrt":
