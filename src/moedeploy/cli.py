@@ -10,6 +10,7 @@ import contextlib
 import functools
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -144,8 +145,10 @@ def handle_errors(fn: F) -> F:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
         except Exception as e:
-            if _state["signal"]:  # the SIGTERM exit, turned into another exception by a library on
-                # its way out (an ImportError, when it arrived while a C extension initialised): not a bug
+            if _state["signal"]:  # the SIGTERM exit or Ctrl-C, turned into another exception by a library
+                # on its way out (an ImportError, when it arrived while a C extension initialised): not a bug
+                if _state["signal"] == signal.SIGINT:
+                    err.print("[red]interrupted[/red]")
                 raise typer.Exit(128 + _state["signal"]) from None
             if _state["debug"]:
                 raise
@@ -795,14 +798,21 @@ def main() -> None:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit(143), so it unwinds like Ctrl-C: a write in progress removes
     its temp folder on the way out instead of leaving it beside the output (`kill`, a CI
-    timeout or a container stop all send SIGTERM)."""
-    import signal
+    timeout or a container stop all send SIGTERM). Both it and Ctrl-C are recorded for
+    handle_errors, which may see them as another exception (ImportError, from a C extension's
+    initialisation they interrupted)."""
 
     def terminate(signum: int, _frame: Any) -> None:
-        _state["signal"] = signum  # for handle_errors: the exit may reach it as another exception
+        _state["signal"] = signum
         raise SystemExit(128 + signum)
 
+    def interrupt(signum: int, frame: Any) -> None:
+        _state["signal"] = signum
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as Python's own handler
+
     signal.signal(signal.SIGTERM, terminate)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+        signal.signal(signal.SIGINT, interrupt)
 
 
 if __name__ == "__main__":
