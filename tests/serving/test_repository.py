@@ -10,6 +10,7 @@ chosen and what is written, never a TensorRT run.
 from __future__ import annotations
 
 import json
+import shlex
 
 import onnxruntime as ort
 import pytest
@@ -129,7 +130,22 @@ def test_tensorrt_repository_from_an_aot_plan(store, tmp_path) -> None:
     assert pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_GPU"
     assert result.model_file.read_bytes() == b"placeholder, not a TensorRT plan"
     assert (result.model_dir / "plugins" / lib.name).is_file()
-    assert f'--backend-config=tensorrt,plugins="{(result.model_dir / "plugins" / lib.name).resolve()}"' in result.launch
+    assert shlex.split(result.launch) == ["tritonserver", f"--model-repository={(tmp_path / 'repo').resolve()}",
+                                          f"--backend-config=tensorrt,plugins={(result.model_dir / 'plugins' / lib.name).resolve()}"]
+
+
+def test_the_launch_line_pastes_into_a_shell_with_spaces_and_quotes_in_paths(store, tmp_path) -> None:
+    """The printed command named `--model-repository=/tmp/ü dir/re po` unquoted: pasted, the
+    shell split it into three arguments."""
+    artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
+    libs = tmp_path / "my libs"
+    libs.mkdir()
+    lib = libs / "lib'p.so"
+    lib.write_bytes(ELF_PLACEHOLDER)
+    out = tmp_path / "ü dir" / "re po"
+    result = write_repository(artifact, out, RepositoryOptions(backend="tensorrt", plugin_libs=[lib]))
+    assert shlex.split(result.launch) == ["tritonserver", f"--model-repository={out.resolve()}",
+                                          f"--backend-config=tensorrt,plugins={(result.model_dir / 'plugins' / lib.name).resolve()}"]
 
 
 @pytest.mark.parametrize(("setup", "options", "message"), [

@@ -139,4 +139,4 @@ def register(app: typer.Typer) -> None:
         )
         result = write_repository(artifact, out_dir, options, force=force)
         out.print(f"[green]wrote[/green] {result.model_dir} ({result.config.name}, {result.model_file.relative_to(result.model_dir)})", highlight=False)
-        out.print(f"start it with: {escape(result.launch)}", highlight=False)
+        out.print(f"start it with: {escape(result.launch)}", highlight=False, soft_wrap=True)  # one line to copy

@@ -17,6 +17,7 @@ models of other artifacts.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,8 +252,9 @@ def write_repository(
                 shutil.copyfile(lib, tmp / PLUGINS_DIR / lib.name)
         (tmp / CONFIG_FILE).write_text(config_text(spec, options.backend, options, kind, model_file))
 
-    launch = f"tritonserver --model-repository={out.resolve()}"
+    # a shell command to paste: each argument quoted where a path has spaces or quotes
+    launch = f"tritonserver {shlex.quote(f'--model-repository={out.resolve()}')}"
     if options.plugin_libs:
         libs = ";".join(str((model_dir / PLUGINS_DIR / lib.name).resolve()) for lib in options.plugin_libs)
-        launch += f" --backend-config=tensorrt,plugins=\"{libs}\""
+        launch += f" {shlex.quote(f'--backend-config=tensorrt,plugins={libs}')}"
     return RepositoryResult(model_dir, model_dir / CONFIG_FILE, model_dir / VERSION / model_file, launch)
