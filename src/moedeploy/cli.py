@@ -593,6 +593,7 @@ def all_cmd(
 @app.command("build")
 @handle_errors
 def build_cmd(
+    ctx: typer.Context,
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     aot: bool = typer.Option(True, "--aot/--jit", help="AOT plugins (engine runs without Python) or JIT plugins (Python at run time)."),
     workspace: int = typer.Option(None, "--workspace", min=1, max=MAX_WORKSPACE_MB,
@@ -620,6 +621,7 @@ def build_cmd(
     from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
 
     loaded = Artifact.load(artifact)
+    refuse_experts_option_unquantized(ctx, loaded)
     require_tensorrt()
     require_gpu()
     if aot and (note := aot_moe_note(loaded)):
@@ -630,9 +632,18 @@ def build_cmd(
     out.print(f"[green]built[/green] {result.plan} (log: {result.log.name})", highlight=False)
 
 
+def refuse_experts_option_unquantized(ctx: typer.Context, artifact: Any) -> None:
+    """--experts-on-codes/--experts-dequantized picks how a quantized artifact's experts reach
+    TensorRT; on a float artifact it would be ignored, so it is refused."""
+    if given(ctx, "experts_on_codes") and "quantization" not in artifact.manifest:
+        raise UserError(f"--experts-on-codes/--experts-dequantized applies to quantized artifacts; {artifact.path} "
+                        "holds float weights, so drop it")
+
+
 @app.command("check")
 @handle_errors
 def check_cmd(
+    ctx: typer.Context,
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     target: str = typer.Option("trt", "--target", help="Deployment target to check against (trt)."),
     experts_on_codes: bool = typer.Option(
@@ -647,11 +658,14 @@ def check_cmd(
     take (from its published operator support matrix, kept as data in moedeploy) and, for each
     custom node, the plugin that implements it. Exit code 1 when something cannot build.
     """
+    from moedeploy.export import Artifact
     from moedeploy.export.preflight import check_tensorrt
 
     if target != "trt":
         raise UserError(f"unknown --target {target!r}; the pre-flight check knows: trt")
-    report = check_tensorrt(artifact, experts_on_codes=experts_on_codes)
+    loaded = Artifact.load(artifact)
+    refuse_experts_option_unquantized(ctx, loaded)
+    report = check_tensorrt(loaded, experts_on_codes=experts_on_codes)
     out.print(f"TensorRT {report.tensorrt_version} ONNX parser ({report.source})", highlight=False)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.op_counts.items()))
     out.print(f"[dim]{sum(report.op_counts.values())} nodes: {ops}[/dim]", highlight=False)

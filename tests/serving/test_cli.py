@@ -84,11 +84,20 @@ def error_cases(store, taken_port: int, tmp_path) -> dict[str, tuple[list[str], 
                                 "no TensorRT plan for fp32"),
         "repo unknown kind": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--kind", "tpu"],
                               "unknown instance kind 'tpu'"),
+        # options that would be ignored, or take the model past what was exported: refused, not dropped
+        "repo delay without batching": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--no-dynamic-batching",
+                                         "--max-queue-delay-us", "500"],
+                                        "--max-queue-delay-us is the dynamic batcher's; with --no-dynamic-batching"),
+        "repo batch past the range": (["triton-repo", moe, "--out", str(tmp_path / "repo"), "--max-batch-size", "1000"],
+                                      "--max-batch-size 1000 exceeds the artifact's batch range (at most 16"),
+        "check experts option on floats": (["check", moe, "--experts-dequantized"],
+                                           "--experts-on-codes/--experts-dequantized applies to quantized artifacts"),
     }
 
 
 CASES = ["missing artifact", "unknown backend", "bf16", "port in use", "same port twice", "batch size 0",
-         "no instances", "repo no instances", "stream interval 0", "negative prefill chunk", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind"]
+         "no instances", "repo no instances", "stream interval 0", "negative prefill chunk", "packed weights", "accuracy level", "repo without --out", "repo without a plan", "repo unknown kind",
+         "repo delay without batching", "repo batch past the range", "check experts option on floats"]
 
 
 USAGE_ERRORS = {"batch size 0", "no instances", "repo no instances"}

@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
     """Add the serving commands to `app`."""
     from rich.markup import escape
 
-    from moedeploy.cli import UserError, check_writable, err, handle_errors, make_table, out
+    from moedeploy.cli import UserError, check_writable, err, given, handle_errors, make_table, out
 
     @app.command("serve")
     @handle_errors
@@ -109,6 +109,7 @@ def register(app: typer.Typer) -> None:
     @app.command("triton-repo")
     @handle_errors
     def triton_repo_cmd(
+        ctx: typer.Context,
         artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
         out_dir: Path = typer.Option(None, "--out", "-o", help="Model repository folder; <out>/<name>/ is (re)written, other models stay."),
         backend: str = typer.Option("onnxruntime", "--backend", help="Triton backend: onnxruntime (model.onnx) or tensorrt (an AOT plan)."),
@@ -131,6 +132,9 @@ def register(app: typer.Typer) -> None:
 
         if out_dir is None:
             raise UserError("missing --out DIR: the model repository folder to write")
+        if not dynamic_batching and given(ctx, "max_queue_delay_us"):
+            raise UserError("--max-queue-delay-us is the dynamic batcher's; with --no-dynamic-batching it would be "
+                            "ignored, so drop one of them")
         check_writable(out_dir)
         options = RepositoryOptions(
             backend=backend, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,

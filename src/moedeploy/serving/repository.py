@@ -224,6 +224,10 @@ def write_repository(
             raise ServingError(f"--max-batch-size {max_batch} exceeds the plan's optimisation profile (batch <= {limit})")
         sources, model_file = [(plan, PLAN_FILE)], PLAN_FILE
     else:
+        if max_batch is not None and max_batch > (most := default_max_batch_size(artifact)):
+            # moedeploy serve holds requests to the same range: past it nothing was exported or compared
+            raise ServingError(f"--max-batch-size {max_batch} exceeds the artifact's batch range (at most {most}, "
+                               "the range it was exported and compared for); choose at most that")
         # exactly the files the manifest hashed (Artifact.load checked they lie inside the folder)
         sources = [(artifact.check_inside(name), name) for name in artifact.model_files()]
         model_file = MODEL_FILE
