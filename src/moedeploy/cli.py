@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -184,10 +183,9 @@ def check_writable(path: Path, option: str = "--out") -> None:
     if not ancestor.is_dir():
         problem = f"{ancestor} is not a folder"
     else:
-        try:  # os.access says yes to root everywhere; a real probe does not lie
-            os.rmdir(tempfile.mkdtemp(prefix=".moedeploy-probe-", dir=ancestor))
-        except OSError as e:
-            problem = f"{ancestor} does not accept new folders ({e.strerror})"
+        from moedeploy.utils.io import new_folder_problem
+
+        problem = new_folder_problem(ancestor)
     if problem:
         raise UserError(f"cannot write to {path}: {problem}; choose another {option}")
 

@@ -113,3 +113,29 @@ def test_polygraphy_logging_is_restored_after_compare(block, tmp_path):
     severity, colors = G_LOGGER.module_severity.get(), G_LOGGER.colors
     compare(fresh_copy(block, tmp_path / "rmsnorm"), iterations=1)
     assert (G_LOGGER.module_severity.get(), G_LOGGER.colors) == (severity, colors)
+
+
+def test_an_artifact_that_takes_no_new_files_is_refused_before_the_work(block, tmp_path, monkeypatch):
+    """A read-only artifact (a mount, or one a user may not write) ran the whole comparison, then
+    failed writing the report: "Permission denied: .report.<pid>.tmp", no fix named. The folder is
+    probed first. (Root writes through any mode, so the refusal is simulated at the probe, the
+    same call a read-only folder fails in.)"""
+    import errno
+    import tempfile
+
+    from moedeploy.compare.api import compare
+    from moedeploy.utils.io import OutputRefused
+
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    real = tempfile.mkdtemp
+
+    def read_only(*args, **kwargs):
+        if Path(kwargs.get("dir", "")) == folder:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(OutputRefused, match=r"compare writes its report into .*rmsnorm/report, but .*rmsnorm does not "
+                                             r"accept new folders \(Permission denied\); make the artifact writable"):
+        compare(folder, ["ort"])
+    assert sorted(p.name for p in folder.iterdir()) == ["golden", "manifest.json", "model.onnx", "reference.safetensors"]

@@ -52,6 +52,7 @@ from moedeploy.utils.io import (
     atomic_write_json,
     atomic_write_text,
     few_names,
+    new_folder_problem,
 )
 
 RUN_RESULTS = "run_results.json"
@@ -314,6 +315,9 @@ def report_folder_is_ours(folder: Path) -> bool:
 def check_report_folder(folder: Path) -> None:
     """compare replaces report/ whole on every run: refuse, before any work, when it holds
     anything compare did not write, which replacing would delete."""
+    if problem := new_folder_problem(folder.parent):  # the report is written last (a temp folder beside it)
+        raise OutputRefused(f"compare writes its report into {folder}, but {problem}; make the artifact writable, or "
+                            "copy it somewhere writable")
     if not folder.exists() and not folder.is_symlink():
         return
     if not folder.is_dir() or folder.is_symlink():

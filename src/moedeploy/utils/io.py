@@ -121,6 +121,18 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
     return old
 
 
+
+def new_folder_problem(folder: Path) -> str | None:
+    """Why a new folder cannot be made in `folder` (an existing folder), or None: a real probe,
+    made and removed at once, since os.access says yes to root everywhere and nothing about a
+    read-only mount."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moedeploy-probe-", dir=folder))
+    except OSError as e:
+        return f"{folder} does not accept new folders ({e.strerror})"
+    return None
+
+
 @contextlib.contextmanager
 def signals_deferred(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
     """Hold these signals' Python handlers until the block ends, then deliver what came, in order.
