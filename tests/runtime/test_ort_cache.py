@@ -156,3 +156,19 @@ def save_externally(folder: Path, scale: float) -> None:
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"].update({rel: digest(folder / rel) for rel in ("model.onnx", "model.onnx.data")})
     rewrite_manifest(folder, manifest)
+
+
+def test_a_cache_folder_linked_out_of_the_artifact_is_neither_written_nor_read(store, tmp_path, caplog) -> None:
+    """cache/ as a link to a folder elsewhere: the lowered graph was written there (ort_cpu_*.onnx
+    in someone else's folder). It is lowered in memory instead, with a warning, and the linked
+    folder is left as it was."""
+    folder = tmp_path / "moe"
+    shutil.copytree(store.block("moe").path, folder, ignore=shutil.ignore_patterns(CACHE_DIR, "report"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    (folder / CACHE_DIR).symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING):
+        assert golden_error(Artifact.load(folder)) <= 1e-5
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
+    assert "keeps its ONNX Runtime cache inside the artifact only" in caplog.text

@@ -256,11 +256,17 @@ def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELower
     they were made from, so a re-exported model never meets a stale cache; deleting the
     folder is always safe. The cache is checked like the artifact: its sidecar records the sha256 of
     every cache file, and a cache that no longer matches is rebuilt, never loaded. Raises
-    OSError when the cache must be (re)written and the folder is read-only.
+    OSError when the cache must be (re)written and the folder is read-only, or when cache/ is a
+    link (it would read and write files outside the artifact).
     """
     origin = cache_origin(artifact)
     name = cache_name(origin, provider, moe_lowering)
     folder = artifact.path / CACHE_DIR
+    if folder.is_symlink():  # the cache is the artifact's: never read from or written through a link elsewhere
+        log.warning("%s is a link (to %s); moedeploy keeps its ONNX Runtime cache inside the artifact only, so it "
+                    "lowers %s in memory (remove the link: deleting cache/ is always safe)", folder, folder.resolve(),
+                    MODEL_FILE)
+        raise NotADirectoryError(f"{folder} is a link out of the artifact")  # the caller lowers in memory
     sidecar = folder / f"{name}.json"
     record = read_sidecar(sidecar, origin)
     if record is not None:
