@@ -105,8 +105,9 @@ def test_a_mount_point_is_refused_before_any_work(tmp_path: Path) -> None:
 def test_a_symlinked_out_is_refused(tmp_path: Path) -> None:
     mine = _user_folder(tmp_path / "mine")
     (tmp_path / "link").symlink_to(mine)
-    with pytest.raises(OutputRefused, match="not a folder moedeploy wrote"):
-        _write_one(tmp_path / "link", owned=lambda p: True)
+    for force in (False, True):  # the message said 'not a folder moedeploy wrote', as if --force would do
+        with pytest.raises(OutputRefused, match=r"is a link \(to .*mine\), which moedeploy never replaces, --force or not"):
+            _write_one(tmp_path / "link", owned=lambda p: True, force=force)
     assert (mine / "important.txt").exists() and (tmp_path / "link").is_symlink()
 
 

@@ -159,7 +159,8 @@ def check_run_folder(out: Path, force: bool = False) -> None:
     if strangers := strangers_in_run_folder(out):
         raise OutputRefused(
             f"{out} already holds {few_names(strangers)}, which `moedeploy all` did not write; choose another --out, "
-            "or pass --force to write the artifacts into it (folders named like a target are replaced)"
+            "or pass --force to write the artifacts into it (folders named like a target, index.html and summary.json "
+            "are replaced)"
         )
 
 

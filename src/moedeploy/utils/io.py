@@ -199,7 +199,10 @@ def check_replaceable(path: str | Path, owned: Callable[[Path], bool] | None = N
     if not path.exists() and not path.is_symlink():
         return
     resolved = path.resolve()
-    if not path.is_dir() or path.is_symlink():
+    if path.is_symlink():  # replacing it would replace the link, not what it points to: never done
+        raise OutputRefused(f"output path {path} is a link (to {resolved}), which moedeploy never replaces, --force or "
+                            "not; choose another --out, or name the folder it points to")
+    if not path.is_dir():
         raise OutputRefused(f"output path {path} exists and is not a folder moedeploy wrote; choose another --out")
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents or resolved == Path.home().resolve() or resolved == resolved.parent:
