@@ -91,14 +91,17 @@ def set_field(path: str | tuple[str, ...], value: Any) -> Edit:
     """m[a][b]... = value for path 'a.b...' (a tuple when a key holds a dot); DELETE removes the key."""
     *parents, last = path.split(".") if isinstance(path, str) else path
 
+    def at(target: Any, key: str) -> Any:  # a list's entries by number ('outputs.0.name')
+        return int(key) if isinstance(target, list) else key
+
     def edit(m: dict[str, Any], folder: Path) -> None:
         target = m
         for key in parents:
-            target = target[key]
+            target = target[at(target, key)]
         if value is DELETE:
-            del target[last]
+            del target[at(target, last)]
         else:
-            target[last] = value
+            target[at(target, last)] = value
     return edit
 
 
@@ -170,10 +173,15 @@ BLOCK_CASES: list[tuple[str, Edit, str]] = [
     ("config-a-list", set_field("config", []), "config is not an object"),
     ("block-name-missing", set_field("config.block", DELETE), "config.block"),
     ("custom-ops-a-dict", set_field("custom_ops", {}), "custom_ops is not a list"),
+    ("output-renamed", set_field("outputs.0.name", "z"), "manifest.json's outputs are not model.onnx's"),
+    ("input-dim", set_field("inputs.0.shape.1", 32), "manifest.json's inputs are not model.onnx's"),
     ("external-data-dotdot", name_outside_external_data("../weights.bin"), "from '../weights.bin', outside the artifact folder"),
     ("external-data-absolute", name_outside_external_data("{tmp}/weights.bin"), "weights.bin', outside the artifact folder"),
 ]
 DECODER_CASES: list[tuple[str, Edit, str]] = [
+    # valid by the schema, but not the graph's: triton-repo wrote a config for them, compare failed inside
+    ("output-renamed", set_field("outputs.0.name", "z"), "manifest.json's outputs are not model.onnx's"),
+    ("input-dtype", set_field("inputs.0.dtype", "int32"), "manifest.json's inputs are not model.onnx's"),
     ("config-field-missing", set_field("config.vocab_size", DELETE), "config lacks the decoder fields vocab_size"),
     ("config-field-a-string", set_field("config.n_layers", "two"), "config fields n_layers are not integers"),
     ("config-field-a-float", set_field("config.vocab_size", 256.0), "config fields vocab_size are not integers"),

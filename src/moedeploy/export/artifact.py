@@ -105,6 +105,11 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+#: a model.onnx with its weights inline (a block's) is parsed on every verified load to hold the
+#: manifest's I/O to the graph's only up to this size (a large one is checked by its sha256 alone)
+INLINE_GRAPH_CHECKED_BYTES = 64 * 2**20
+
+
 def io_spec(values: Any) -> list[dict[str, Any]]:
     """[{name, dtype, shape}] of ONNX graph inputs/outputs, symbolic dims as their names."""
     spec = []
@@ -549,18 +554,26 @@ class Artifact:
 
         Parsing a graph with inline weights costs a second of every load on the small
         decoder; a tensor can name external data only with the key "location" in the
-        file's bytes, so a graph without those bytes (or the digest's key) is not parsed at all.
+        file's bytes, so a large graph without those bytes (or the digest's key) is not parsed
+        at all. A parsed graph's inputs and outputs must be the manifest's (a manifest edited
+        and sealed again made triton-repo write a config for outputs the graph does not have).
         """
         recorded = _mentions(self.model_path, QUANTIZATION_DIGEST_KEY.encode())
         if "quantization" in self.manifest and not recorded and not _mentions(self.model_path, b"DequantizeLinear"):
             raise ArtifactError(f"{self.path}: {MANIFEST} has a quantization section but {MODEL_FILE} reads no "
                                 "quantized weight (no DequantizeLinear); the manifest was edited: re-export the artifact")
-        if not _mentions(self.model_path, b"location") and not recorded:
+        if not _mentions(self.model_path, b"location") and not recorded \
+                and self.model_path.stat().st_size > INLINE_GRAPH_CHECKED_BYTES:
             return
         try:
             model = onnx.load(str(self.model_path), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError and onnx's own errors share no base class
             raise ArtifactError(f"{self.model_path} is not a readable ONNX model ({e}); re-export the artifact") from None
+        for side, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+            # what serving configs, golden I/O and compare's feeds are made from: the graph's own
+            if self.manifest[side] != io_spec(values):
+                raise ArtifactError(f"{self.path}: {MANIFEST}'s {side} are not {MODEL_FILE}'s (names, dtypes or "
+                                    "shapes; the manifest was edited); re-export the artifact")
         if problem := next(_external_data_problems(model, self.manifest["files"]), None):
             raise ArtifactError(f"{self.path}: {problem}; re-export the artifact")
         digest = {p.key: p.value for p in model.metadata_props}.get(QUANTIZATION_DIGEST_KEY)
