@@ -398,6 +398,11 @@ def export_cmd(
     if quantize_as is not None and target != DECODER:
         raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
+    if quantization is not None and not symmetric and dtype == "bf16":
+        # ONNX Runtime's CUDA provider may run it (not verified: no GPU here), so a warning, not a refusal
+        err.print("[yellow]warning:[/yellow] --asymmetric with --dtype bf16: ONNX Runtime's CPU provider has no bf16 "
+                  "kernels and TensorRT takes symmetric codes only, so neither runs this artifact; drop --asymmetric, "
+                  "or export with --dtype fp32 or fp16", highlight=False, soft_wrap=True)
     check_writable(out_dir)
 
     with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:

@@ -174,8 +174,19 @@ def test_a_plan_not_built_from_this_artifact_is_refused(store, tmp_path) -> None
     artifact = fake_plan(store.block("moe"), tmp_path, aot=True)
     other = fake_plan(store.block("rmsnorm"), tmp_path / "other", aot=True)
     foreign = next((other / "engines").glob("*.plan"))
-    with pytest.raises(ServingError, match=r"was not built from .* as it is now \(its build record names"):
+    with pytest.raises(ServingError, match=r"was not built from .* as it is now: its build record names another "
+                                           r"manifest, sha256 [0-9a-f]{12}\.\.\., where this artifact's is"):
         write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", engine=foreign))
+    # a stale plan beside a fresh one (an old JIT plan whose record predates the seal) is left out
+    # of the choice, not a reason to refuse the fresh one
+    stale = artifact / "engines" / "nvidia-h100_trt10.13_fp32_jit"
+    stale.with_suffix(".plan").write_bytes(b"old")
+    stale.with_suffix(".json").write_text(json.dumps({"dtype": "fp32", "aot": False}))
+    result = write_repository(artifact, tmp_path / "fresh", RepositoryOptions(backend="tensorrt"))
+    assert result.model_file.read_bytes() == b"placeholder, not a TensorRT plan"
+    with pytest.raises(ServingError, match=r"its build record, from before plans recorded their artifact, cannot say"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt",
+                                                                        engine=stale.with_suffix(".plan")))
     with pytest.raises(ServingError, match=r"model\.onnx is not a TensorRT plan \(\.plan\); build one with"):
         write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", engine=artifact / "model.onnx"))
     for record in (artifact / "engines").glob("*.json"):
@@ -197,6 +208,8 @@ def test_plugin_libraries_of_one_name_or_not_shared_libraries_are_refused(store,
         lib.write_bytes(ELF_PLACEHOLDER)
     with pytest.raises(ServingError, match=r"plugin libraries .*a/libp\.so and .*b/libp\.so have the same file name"):
         write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=libs))
+    with pytest.raises(ServingError, match=r"plugin library .*a/libp\.so is named twice in --plugin-lib; name it once"):
+        write_repository(artifact, tmp_path / "repo", RepositoryOptions(backend="tensorrt", plugin_libs=[libs[0]] * 2))
     text = tmp_path / "notes.txt"
     text.write_text("not a library")
     with pytest.raises(ServingError, match=r"notes\.txt is not a shared library \(no ELF header\)"):

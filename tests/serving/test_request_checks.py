@@ -203,3 +203,31 @@ def test_error_answers_read_as_one_line_and_busy_is_503() -> None:
 def test_only_empty_stop_strings_hold_nothing_back() -> None:
     matcher = StopStrings(["", ""])
     assert (matcher.push("abc"), matcher.flush(), matcher.stopped) == ("abc", "", False)
+
+
+def test_an_inference_body_is_checked_within_bounded_time() -> None:
+    """infer_body: a JSON part up to PARSED_JSON_BYTES is parsed and every input's values
+    counted; past it (parsing holds the GIL, stalling the front's loop) only the declared shapes
+    are held to the body's size, which still refuses the shape that made Triton allocate 25 GB.
+    A length header that is not ASCII digits ("²" is a digit to str.isdigit, not to int) is a
+    400, not an exception."""
+    from moedeploy.serving.infer_body import (
+        JSON_LENGTH_HEADER,
+        PARSED_JSON_BYTES,
+        infer_body_problem,
+    )
+
+    values = PARSED_JSON_BYTES // 4  # "0.5," is 4 bytes a value: a body past the parsed size
+    good = json.dumps({"inputs": [{"name": "x", "shape": [1, values // 64, 64], "datatype": "FP32",
+                                   "data": [0.5] * (values // 64 * 64)}]}).encode()
+    assert len(good) > PARSED_JSON_BYTES and infer_body_problem(good, None) is None
+    lie = good.replace(b'"shape": [1, ', b'"shape": [100000, ', 1)
+    assert infer_body_problem(lie, None) == (
+        f"a shape declares {100000 * (values // 64) * 64:,} values, more than the {len(lie):,}-byte request can hold; "
+        "send as many values as the shape holds")
+    small = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}).encode()
+    assert infer_body_problem(small, None) is None
+    assert infer_body_problem(small + b"\x00\x01", str(len(small))) is None  # binary data after the JSON part
+    for header in ("\u00b2", "-1", "12a", str(len(small) + 3)):
+        assert infer_body_problem(small, header) == (
+            f"{JSON_LENGTH_HEADER} must be the length of the body's JSON part, at most {len(small)}"), header

@@ -50,7 +50,7 @@ def read_lowered(artifact: Artifact):
     import openvino as ov
 
     from moedeploy.runtime.lowering import LoweringError
-    from moedeploy.runtime.ort import CACHE_DIR, CPU, lowered_model
+    from moedeploy.runtime.ort import CACHE_DIR, CPU, cache_link_problem, lowered_model
 
     try:
         graph, _ = lowered_model(artifact, CPU, "experts", logits="last")
@@ -60,6 +60,8 @@ def read_lowered(artifact: Artifact):
     if not isinstance(graph, bytes):  # a block: its weights are inside the file
         return ov.Core().read_model(graph)
     cache = artifact.path / CACHE_DIR
+    if problem := cache_link_problem(cache):
+        raise ValueError(f"OpenVINO reads the graph beside its weights, in {cache}: {problem}")
     try:
         cache.mkdir(exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="openvino-", dir=cache))

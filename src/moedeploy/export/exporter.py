@@ -167,12 +167,6 @@ def export(
         if quantization is None:
             raise ValueError("--head-block-size applies with --quantize int8|int4 only")
         parse_scheme(quantization.name, head_block_size, quantization.symmetric, flag="--head-block-size")
-    if quantization is not None and not quantization.symmetric and parse_dtype(dtype) == torch.bfloat16:
-        # an artifact no backend runs: ONNX Runtime's CPU provider has no bf16 kernels (compare's
-        # route for bf16 is TensorRT), and TensorRT's DequantizeLinear takes no nonzero zero point
-        raise ValueError("--asymmetric with --dtype bf16 makes an artifact nothing runs: ONNX Runtime's CPU provider "
-                         "has no bf16 kernels and TensorRT takes symmetric codes only; drop --asymmetric, or export "
-                         "with --dtype fp32 or fp16")
     if checkpoint is not None:
         check_out_spares(out, checkpoint)
     check_artifact_out(out, force)

@@ -125,15 +125,15 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
 
 def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature, as transformers' temperature warper divides, except in a row where
-    that overflows (a temperature such as 1e-45 is a valid request): there the row's largest
-    logit is subtracted first, which softmax does not see, so its largest logits scale to 0
-    and the rest to -inf, the distribution a temperature tending to 0 gives (its ties sampled
-    evenly). Without this the row's softmax is NaN (inf - inf) and sampling raises."""
+    that overflows (a temperature such as 1e-45 is a valid request, and one below float32's
+    least, 1e-46, divides by 0): there the row's largest logits become 0 and the rest -inf, the
+    distribution a temperature tending to 0 gives (its ties sampled evenly). Without this the
+    row's softmax is NaN (inf - inf) and sampling raises."""
     scaled = logits / temperature
     overflowed = ~torch.isfinite(scaled.amax(-1, keepdim=True))  # +inf in the row, or every value -inf
     if bool(overflowed.any()):
-        shifted = (logits - logits.amax(-1, keepdim=True)) / temperature
-        scaled = torch.where(overflowed, shifted, scaled)
+        largest = torch.where(logits == logits.amax(-1, keepdim=True), 0.0, float("-inf"))
+        scaled = torch.where(overflowed, largest, scaled)
     return scaled
 
 

@@ -262,11 +262,9 @@ def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELower
     origin = cache_origin(artifact)
     name = cache_name(origin, provider, moe_lowering)
     folder = artifact.path / CACHE_DIR
-    if folder.is_symlink():  # the cache is the artifact's: never read from or written through a link elsewhere
-        log.warning("%s is a link (to %s); moedeploy keeps its ONNX Runtime cache inside the artifact only, so it "
-                    "lowers %s in memory (remove the link: deleting cache/ is always safe)", folder, folder.resolve(),
-                    MODEL_FILE)
-        raise NotADirectoryError(f"{folder} is a link out of the artifact")  # the caller lowers in memory
+    if problem := cache_link_problem(folder):
+        log.warning("%s, so %s is lowered in memory", problem, MODEL_FILE)
+        raise NotADirectoryError(problem)  # the caller lowers in memory
     sidecar = folder / f"{name}.json"
     record = read_sidecar(sidecar, origin)
     if record is not None:
@@ -275,6 +273,15 @@ def lowered_model_path(artifact: Artifact, provider: str, moe_lowering: MoELower
             return folder / f"{name}.onnx", record["lowering"]
         log.warning("%s; it is not used: %s is lowered again", problem, MODEL_FILE)
     return write_cache(artifact, folder, name, provider, moe_lowering, origin)
+
+
+def cache_link_problem(folder: Path) -> str | None:
+    """Why moedeploy must not use `folder` (an artifact's cache/) as its cache, or None: a link
+    would have it read and write files outside the artifact, in a folder moedeploy did not make."""
+    if folder.is_symlink():
+        return (f"{folder} is a link (to {folder.resolve()}), and moedeploy keeps its caches inside the artifact only "
+                "(remove the link: deleting cache/ is always safe)")
+    return None
 
 
 def cache_name(made_from: dict[str, Any], provider: str, moe_lowering: MoELowering) -> str:

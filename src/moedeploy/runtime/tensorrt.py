@@ -81,11 +81,15 @@ def plan_record_problem(artifact: Artifact, plan: Path) -> str | None:
     if record is None:
         return (f"{plan} has no build record ({plan.with_suffix('.json').name}) beside it, so nothing ties it to "
                 f"{artifact.path}; {rebuild}")
-    if record.get(RECORD_DIGEST_KEY) != artifact.manifest[MANIFEST_DIGEST_KEY]:
-        built = record.get("artifact")
-        return (f"{plan} was not built from {artifact.path} as it is now (its build record names "
-                f"{built if isinstance(built, str) else 'another artifact'}, by another manifest, or was written "
-                f"before plans recorded one); {rebuild}")
+    if (recorded := record.get(RECORD_DIGEST_KEY)) != artifact.manifest[MANIFEST_DIGEST_KEY]:
+        if recorded is None:
+            why = "its build record, from before plans recorded their artifact, cannot say what it was built from"
+        else:
+            built = record.get("artifact")
+            of = f" (of {built!r})" if isinstance(built, str) and built != artifact.name else ""
+            why = (f"its build record names another manifest{of}, sha256 {str(recorded)[:12]}..., where this "
+                   f"artifact's is {artifact.manifest[MANIFEST_DIGEST_KEY][:12]}...")
+        return f"{plan} was not built from {artifact.path} as it is now: {why}; {rebuild}"
     return None
 
 
@@ -202,12 +206,13 @@ def find_engine(artifact: Artifact) -> Path:
     """The plan built for this GPU, TensorRT version and dtype (AOT preferred)."""
     trt = require_tensorrt()
     gpu = require_gpu()
+    problem = None
     for aot in (True, False):
         plan = artifact.path / ENGINES_DIR / engine_name(gpu, trt.__version__, artifact.dtype, aot)
-        if plan.is_file():
-            if problem := plan_record_problem(artifact, plan):
-                raise TensorRTUnavailable(problem)
+        if plan.is_file() and (problem := plan_record_problem(artifact, plan)) is None:
             return plan
+    if problem is not None:  # plans there, none built from this artifact as it is
+        raise TensorRTUnavailable(problem)
     raise TensorRTUnavailable(
         f"no TensorRT engine for {gpu} / TensorRT {trt.__version__} under {artifact.path / ENGINES_DIR}; "
         f"build one with `moedeploy build {artifact.path}`"

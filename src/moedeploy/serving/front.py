@@ -257,13 +257,13 @@ class HttpFront(LoopServer):
             request_id = uuid.uuid4().hex
             headers.append((REQUEST_ID_HEADER, request_id))
         body: Any = None
+        # an inference request's JSON is checked before Triton allocates what its shapes declare
+        inference = request.method == "POST" and infer is not None and infer[2] == "infer"
         if request.body_exists:
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
             # Triton forwards no header to a model through its generate extension: the id goes in
             # the request's JSON "parameters" instead, so that body is read whole (up to the limit)
             generate = request_id is not None and infer[2] != "infer"
-            # an inference request's JSON is checked before Triton allocates what its shapes declare
-            inference = request.method == "POST" and infer is not None and infer[2] == "infer"
             if generate or inference or size is None or encoding in _DECODED:  # aiohttp hands us decompressed bytes: count and send those
                 cap = min(self.max_bytes, limit or self.max_bytes)
                 try:
@@ -282,12 +282,14 @@ class HttpFront(LoopServer):
                     if problem:
                         return self._refusal(400, problem)
                 elif inference and (problem := await asyncio.to_thread(
-                        infer_body_problem, bytes(body), request.headers.get(JSON_LENGTH_HEADER))):
+                        infer_body_problem, body, request.headers.get(JSON_LENGTH_HEADER))):
                     return self._refusal(400, problem)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
             else:  # streamed through; aiohttp stops at the stated length
                 body = request.content.iter_any()
+        elif inference:  # Content-Length 0: nothing Triton could run either
+            return self._refusal(400, 'the request body is empty; send a JSON object with "inputs"')
         answered = False
         response: web.StreamResponse | None = None
         try:

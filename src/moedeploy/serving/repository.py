@@ -107,9 +107,10 @@ def find_aot_plan(artifact: Artifact, engine: Path | None = None) -> tuple[Path,
     else:
         candidates = [_inside(artifact, p) for p in sorted((artifact.path / "engines").glob("*.plan"))]
         candidates = [p for p in candidates if _plan_metadata(p).get("dtype", artifact.dtype) == artifact.dtype]
-    for plan in candidates:
-        if problem := plan_record_problem(artifact, plan):
-            raise ServingError(problem)
+    problems = {p: problem for p in candidates if (problem := plan_record_problem(artifact, p))}
+    if problems and (engine is not None or len(problems) == len(candidates)):  # none left to choose from
+        raise ServingError(next(iter(problems.values())))
+    candidates = [p for p in candidates if p not in problems]  # plans of earlier exports stay out of the choice
     aot = [p for p in candidates if _plan_metadata(p).get("aot", p.stem.endswith("_aot"))]
     if not aot:
         if candidates:
@@ -202,6 +203,8 @@ def write_repository(
             raise ServingError(f"plugin library {lib} is not a shared library (no ELF header); name the .so your "
                                "TensorRT plugins are built into")
         if same := [o for o in options.plugin_libs[:i] if o.name == lib.name]:  # both would be plugins/<name>
+            if same[0].resolve() == lib.resolve():
+                raise ServingError(f"plugin library {lib} is named twice in --plugin-lib; name it once")
             raise ServingError(f"plugin libraries {same[0]} and {lib} have the same file name, and the model folder "
                                "holds one file of a name; rename one")
     if options.plugin_libs and options.backend != "tensorrt":
