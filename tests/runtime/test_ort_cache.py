@@ -171,4 +171,4 @@ def test_a_cache_folder_linked_out_of_the_artifact_is_neither_written_nor_read(s
     with caplog.at_level(logging.WARNING):
         assert golden_error(Artifact.load(folder)) <= 1e-5
     assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
-    assert "keeps its ONNX Runtime cache inside the artifact only" in caplog.text
+    assert "moedeploy keeps its caches inside the artifact only" in caplog.text and "lowered in memory" in caplog.text
