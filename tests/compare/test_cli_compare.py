@@ -86,10 +86,14 @@ def test_negative_tolerance_is_one_usage_error_line(block):
     assert not (block / "report").exists()
 
 
-def test_trt_backend_without_an_engine_is_one_error_line(block):
-    """No TensorRT, no GPU or no engine built: each is a user error naming TensorRT."""
+def test_trt_backend_without_an_engine_is_one_error_line(block, tmp_path):
+    """No TensorRT, no GPU or no engine built: each is a user error naming TensorRT, said before
+    any other backend runs, and nothing is written into the artifact."""
     assert_one_error_line(run_cli("compare", block, "--backend", "trt"), "TensorRT")
     assert not (block / "report").exists()
+    folder = fresh_copy(block, tmp_path / "rmsnorm")
+    assert_one_error_line(run_cli("compare", folder, "--backend", "trt,ort"), "TensorRT")
+    assert sorted(p.name for p in folder.iterdir()) == ["golden", "manifest.json", "model.onnx", "reference.safetensors"]
 
 
 def test_only_moedeploy_speaks(block, tmp_path):

@@ -216,6 +216,10 @@ def compare(
                          f"{artifact.path} is not quantized (compare it without them)")
     if reason := not_runnable_here(artifact.dtype, backends):
         raise SessionError(f"cannot compare {artifact.path} ({artifact.dtype}): {reason}")
+    if "trt" in backends:  # TensorRT, a GPU and this artifact's plan, before any other backend writes its cache
+        from moedeploy.runtime.tensorrt import find_engine
+
+        find_engine(artifact)
     quiet_polygraphy()
     tolerances = resolve_tolerances(artifact, atol, rtol)
     loader = ArtifactDataLoader(artifact, iterations, seed)
