@@ -105,6 +105,8 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     assert refusal({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}, model,
                    chat=True) == ('messages[0].content[1] is a "image_url" part; this server takes text only', "messages")
+    assert refusal({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, model, chat=True) == (
+        'messages[0].content[0] is a text part without a "text" string', "messages")
     assert refusal({**prompt, "max_tokens": 2**70}, model)[1] == "max_tokens"
     assert refusal({**prompt, "temperature": float("nan")}, model) == (
         "temperature must be a number within float32's range, got nan", "temperature")

@@ -269,9 +269,10 @@ class HttpFront(LoopServer):
                 try:
                     body = await self._whole_body(request, cap)
                 except RequestPayloadError as e:  # not what its Content-Encoding says, or broken chunks
-                    return self._refusal(400, f"the request body is not valid {encoding} data, as its Content-Encoding "
-                                              "says; send it encoded so, or without that header" if encoding in _DECODED
-                                         else f"the request body could not be read: {_one_line(e)}")
+                    return unreadable_body_answer(request, self._refusal(
+                        400, f"the request body is not valid {encoding} data, as its Content-Encoding says; send it "
+                             "encoded so, or without that header" if encoding in _DECODED
+                        else f"the request body could not be read: {_one_line(e)}"))
                 if body is None:
                     return self._refusal(413, too_big_message(cap, None) if cap == self.max_bytes else
                                          f"a generate request to {model} of more than {cap:,} bytes (sent without a "
@@ -326,6 +327,16 @@ class HttpFront(LoopServer):
             LOGGER.warning("http front: no answer from Triton for %s %s: %s", request.method, request.path,
                            _one_line(e))
             return self._refusal(503, f"the model server is unavailable ({_one_line(e)}); retry")
+
+
+def unreadable_body_answer(request, response):
+    """`response` to a request whose body aiohttp failed to read (RequestPayloadError), sent on a
+    connection that then closes. Without this aiohttp drains the rest of the body after the
+    answer, meets the same error and logs it as an "Unhandled exception" of three tracebacks,
+    one per bad request: a log any client could flood."""
+    request.content.feed_eof()  # nothing more will be read: no draining after the answer
+    response.force_close()  # where the body's bytes end on the connection is unknown now
+    return response
 
 
 def _one_line(error: BaseException) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
-from moedeploy.serving.front import RETRY_AFTER, LoopServer, expect_within
+from moedeploy.serving.front import RETRY_AFTER, LoopServer, expect_within, unreadable_body_answer
 from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, parse_json, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -208,7 +208,9 @@ def text_parts_joined(message: Any, index: int) -> Any:
     texts = []
     for j, part in enumerate(message["content"]):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise ApiError(f"messages[{index}].content[{j}] is a text part without a \"text\" string", "messages")
+        if kind != "text":
             what = f"a {shown(kind)} part" if isinstance(kind, str) else "not a {\"type\": \"text\", \"text\": ...} part"
             raise ApiError(f"messages[{index}].content[{j}] is {what}; this server takes text only", "messages")
         texts.append(part["text"])
@@ -279,8 +281,9 @@ class OpenAIFront(LoopServer):
                 raw = await request.read()
             except RequestPayloadError:  # aiohttp could not decode it as its Content-Encoding says
                 encoding = request.headers.get("Content-Encoding", "")
-                raise ApiError(f"the request body could not be read as its Content-Encoding ({encoding}) says; send "
-                               "it encoded so, or without that header") from None
+                error = ApiError(f"the request body could not be read as its Content-Encoding ({encoding}) says; send "
+                                 "it encoded so, or without that header")
+                return unreadable_body_answer(request, web.json_response(error.body(), status=error.status))
             body, problem = parse_json(raw)  # nested too deep is invalid JSON too, not a server error
             if problem is not None:
                 raise ApiError(problem)
