@@ -26,10 +26,14 @@ def decoder(tmp_path_factory) -> Artifact:
 
 
 def _replace_model(artifact: Artifact, model: onnx.ModelProto) -> None:
-    """Swap the artifact's graph and re-sign it, as a (buggy) exporter would have written it."""
+    """Swap the artifact's graph and re-sign it, as a (buggy) exporter would have written it: the
+    manifest's inputs and outputs are the new graph's, as export takes them."""
+    from moedeploy.export.artifact import io_spec
+
     onnx.save(model, str(artifact.model_path))
     manifest = json.loads((artifact.path / MANIFEST).read_text())
     manifest["files"]["model.onnx"] = sha256(artifact.model_path)
+    manifest["inputs"], manifest["outputs"] = io_spec(model.graph.input), io_spec(model.graph.output)
     rewrite_manifest(artifact.path, manifest)
 
 
@@ -77,7 +81,7 @@ def test_attention_with_two_d_mask_is_restricted(decoder: Artifact, tmp_path: Pa
     copy = Path(shutil.copytree(decoder.path, tmp_path / "dec", ignore=DERIVED))
     model = onnx.load(str(copy / "model.onnx"))
     attention = next(n for n in model.graph.node if n.op_type == "Attention")
-    mask2d = helper.make_tensor_value_info("mask2d", TensorProto.BOOL, ["s", "t"])
+    mask2d = helper.make_tensor_value_info("mask2d", TensorProto.BOOL, ["seq", "past_seq"])  # dims the manifest ranges
     model.graph.input.append(mask2d)
     attention.input[3] = "mask2d"
     _replace_model(Artifact.load(copy, verify=False), model)
