@@ -378,6 +378,34 @@ def test_sigterm_mid_write_removes_the_temp_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def _exit_when_a_library_turns(signum: int, caught: type[BaseException]) -> int:
+    """The exit code of a command in which `signum` arrives, with main's handlers, while a C
+    extension initialises: `caught` (what the handler raised: SystemExit for SIGTERM,
+    KeyboardInterrupt for Ctrl-C) comes out of the import as ImportError("initialization failed")."""
+    import typer
+
+    from moedeploy import cli
+
+    previous = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts a program
+    try:
+        cli.exit_on_sigterm()
+
+        @cli.handle_errors
+        def command() -> None:
+            try:
+                signal.raise_signal(signum)
+            except caught as e:  # what a pybind11 module's initialisation makes of the handler's exception
+                raise ImportError("initialization failed") from e
+
+        with pytest.raises(typer.Exit) as exited:
+            command()
+        return exited.value.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
 def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_bug(monkeypatch) -> None:
     """A SIGTERM while a C extension initialises (onnxruntime's import, say) reached the command
     as ImportError("initialization failed"): reported as a bug in moedeploy, exit 1. It is the
@@ -387,22 +415,7 @@ def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_
     from moedeploy import cli
 
     monkeypatch.setitem(cli._state, "signal", None)
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        cli.exit_on_sigterm()
-
-        @cli.handle_errors
-        def command() -> None:
-            try:
-                signal.raise_signal(signal.SIGTERM)
-            except SystemExit as e:  # what a pybind11 module's initialisation makes of the handler's exit
-                raise ImportError("initialization failed") from e
-
-        with pytest.raises(typer.Exit) as exited:
-            command()
-        assert exited.value.exit_code == 128 + signal.SIGTERM
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    assert _exit_when_a_library_turns(signal.SIGTERM, SystemExit) == 128 + signal.SIGTERM
 
     @cli.handle_errors
     def buggy() -> None:
@@ -418,30 +431,11 @@ def test_ctrl_c_that_a_library_turns_into_another_exception_exits_130_as_interru
     """Ctrl-C while export imported onnxruntime (a pybind11 module's initialisation) reached the
     command as ImportError("initialization failed"): "internal error ... a bug in moedeploy",
     exit 1, in 4 of 6 tries. It is "interrupted", exit 130, as any other Ctrl-C."""
-    import typer
-
     from moedeploy import cli
 
     monkeypatch.setitem(cli._state, "signal", None)
-    previous = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts a program
-    try:
-        cli.exit_on_sigterm()
-
-        @cli.handle_errors
-        def command() -> None:
-            try:
-                signal.raise_signal(signal.SIGINT)
-            except KeyboardInterrupt as e:  # what the module's initialisation makes of it
-                raise ImportError("initialization failed") from e
-
-        with pytest.raises(typer.Exit) as exited:
-            command()
-        assert exited.value.exit_code == 128 + signal.SIGINT
-        assert "interrupted" in capsys.readouterr().err
-    finally:
-        signal.signal(signal.SIGTERM, previous[0])
-        signal.signal(signal.SIGINT, previous[1])
+    assert _exit_when_a_library_turns(signal.SIGINT, KeyboardInterrupt) == 128 + signal.SIGINT
+    assert "interrupted" in capsys.readouterr().err
 
 
 def _replace_then(monkeypatch: pytest.MonkeyPatch, when: str, then) -> None:

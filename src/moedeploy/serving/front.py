@@ -18,8 +18,8 @@ last token.
   500 gets 400), and its refusal before the first token comes back as one JSON line, 503 when
   the server is busy. An inference request's body is read whole too and its JSON checked
   (serving.infer_body: a shape its data does not fill would have Triton allocate what the shape
-  declares, and die of it). A body that is not what its Content-Encoding says gets 400. Every other status, header and body passes through unchanged. An
-  inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton
+  declares, and die of it). A body that is not what its Content-Encoding says gets 400. Every
+  other status, header and body passes through unchanged. An inference request to a generation model gets a fresh `REQUEST_ID_HEADER`, which Triton
   forwards to the model as a request parameter (`--http-header-forward-pattern`; through the generate extension, which forwards no header,
   the id goes into the JSON body's "parameters" instead); when its client disconnects before
   the answer (or, streaming, before the last token), the id is marked in `CancelledRequests`,

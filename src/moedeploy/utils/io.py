@@ -121,7 +121,6 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
     return old
 
 
-
 def new_folder_problem(folder: Path) -> str | None:
     """Why a new folder cannot be made in `folder` (an existing folder), or None: a real probe,
     made and removed at once, since os.access says yes to root everywhere and nothing about a
