@@ -773,6 +773,22 @@ def test_quantization_thresholds_judge_and_are_checked(artifacts, tmp_path_facto
     assert result.exit_code == 1 and "is not quantized (compare it without them)" in " ".join(result.output.split())
 
 
+def test_a_quantized_decoder_is_never_passed_on_backends_that_cannot_measure_its_accuracy(artifacts) -> None:
+    """ort-inflight (and trt) have no teacher-forced stream: with only them, the quantization section
+    had no rows and passed any --max-kl-mean / --min-top1. Now refused before any work, report untouched."""
+    from moedeploy.cli import app
+
+    report = artifacts["int4"].path / "report"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in report.iterdir()) if report.exists() else None
+    result = CliRunner().invoke(app, ["compare", str(artifacts["int4"].path), "--backend", "ort-inflight",
+                                      "--max-kl-mean", "0", "--min-top1", "1"])
+    assert result.exit_code == 1 and "PASS" not in result.output and "Traceback" not in result.output
+    assert "cannot measure a quantized decoder's accuracy" in " ".join(result.output.split())
+    assert "--backend ort,ort-inflight" in " ".join(result.output.split())
+    after = sorted((p.name, p.stat().st_mtime_ns) for p in report.iterdir()) if report.exists() else None
+    assert after == before
+
+
 @pytest.mark.parametrize("lowering", ["auto", "contrib"])
 def test_int4_experts_leave_qmoe_where_the_runtime_refuses_it(lowering, artifacts, checkpoint, monkeypatch) -> None:
     """Where runtime/qmoe_check finds this ONNX Runtime's QMoE refusing the lowering's node (as

@@ -42,6 +42,7 @@ from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsuppo
 from moedeploy.runtime.runners import (
     BACKENDS,
     DECODER_ONLY,
+    ORT_LOWERINGS,
     TorchRunner,
     lowering_text,
     make_runner,
@@ -211,9 +212,14 @@ def compare(
         raise ValueError(f"--atol and --rtol must be finite numbers >= 0; got {atol} and {rtol} (NaN fails every "
                          "output, infinity passes any)")
     check_report_folder(artifact.path / REPORT_DIR)  # before the minutes of work, not after
-    if quantization_thresholds and not (artifact.kind == "decoder" and artifact.manifest.get("quantization")):
+    quantized = artifact.kind == "decoder" and bool(artifact.manifest.get("quantization"))
+    if quantization_thresholds and not quantized:
         raise ValueError(f"--max-kl-mean and --min-top1 judge a quantized decoder against its float model; "
                          f"{artifact.path} is not quantized (compare it without them)")
+    if quantized and not any(b in ORT_LOWERINGS for b in backends):  # else its accuracy would pass unmeasured
+        raise ValueError(f"--backend {','.join(backends)} cannot measure a quantized decoder's accuracy against its "
+                         f"float model (KL, top-1, greedy tokens): add one of {', '.join(ORT_LOWERINGS)}, "
+                         f"e.g. --backend ort,{','.join(backends)}")
     if reason := not_runnable_here(artifact.dtype, backends):
         raise SessionError(f"cannot compare {artifact.path} ({artifact.dtype}): {reason}")
     if "trt" in backends:  # TensorRT, a GPU and this artifact's plan, before any other backend writes its cache

@@ -161,5 +161,8 @@ def quantization_accuracy(
             result["accuracy_level"] = level
             section["backends"][name] = result
             del quantized  # one session's weights at a time
+    if not section["backends"]:  # compare refuses this up front; never a pass over nothing measured
+        raise ValueError(f"no ONNX Runtime backend among {', '.join(backends) or 'none'} to measure the quantized "
+                         f"decoder on; add one of {', '.join(ORT_LOWERINGS)}")
     section["passed"] = all(r["passed"] for r in section["backends"].values())
     return section
