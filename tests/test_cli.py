@@ -457,6 +457,31 @@ def test_ctrl_c_while_the_cli_loads_is_one_line_not_a_traceback(tmp_path: Path) 
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")
 
 
+SIGNAL_AT_EXIT = """
+import atexit, os, signal, sys, time
+sys.argv = ["moedeploy", *sys.argv[1:]]
+from moedeploy.cli import main
+
+def signal_while_shutting_down():  # as a Ctrl-C that lands while torch's own atexit hooks run
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+
+atexit.register(signal_while_shutting_down)
+main()
+"""
+
+
+@pytest.mark.parametrize(("argv", "status"), [(["version"], 0), (["check", "no-such-artifact"], 1)])
+def test_ctrl_c_after_the_command_finished_keeps_its_exit_status_without_a_traceback(argv, status, tmp_path) -> None:
+    """A Ctrl-C during the interpreter's shutdown, the command's work done, printed 'Exception
+    ignored in atexit callback' with a KeyboardInterrupt traceback, and the exit status said 0."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_AT_EXIT, *argv], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+    assert ("moedeploy" in result.stdout) if status == 0 else ("no-such-artifact" in result.stderr)
+
+
 def test_the_cli_loads_without_torch_or_onnx() -> None:
     """`moedeploy --help` and option errors took 3.6 s: moedeploy.serving imported its server, and
     with it torch and ONNX, as the CLI registered the serving commands. The commands import them

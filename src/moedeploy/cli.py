@@ -809,7 +809,28 @@ register_serving(app)
 
 def main() -> None:
     exit_on_sigterm()
-    app()
+    try:
+        app()  # standalone: always ends in SystemExit
+    except SystemExit as e:
+        quiet_after_the_command(e.code)
+        raise
+
+
+def quiet_after_the_command(code: Any) -> None:
+    """Once the command has finished, Ctrl-C or SIGTERM during the interpreter's shutdown (torch's
+    atexit hooks take a moment) ends the process with the command's own exit status, its work
+    done: not with an 'Exception ignored in atexit callback' traceback and exit 0."""
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+
+    def finished(_signum: int, _frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    signal.signal(signal.SIGTERM, finished)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, finished)
 
 
 def exit_on_sigterm() -> None:
