@@ -43,18 +43,23 @@ OPENVINO_BITS = {"int8": (8.0, 8.0), "int4": (4.5, 8.0)}
 
 
 def llama_quantized(f32_gguf: Path, kind: str) -> Path:
-    """llama.cpp's own quantization of the f32 GGUF (llama_model_quantize), cached beside it."""
+    """llama.cpp's own quantization of the f32 GGUF (llama_model_quantize), cached beside it: reused
+    while it is newer than the f32 file and its bytes are those written (its sha256 sidecar)."""
     import llama_cpp
+
+    from moedeploy.bench.gguf import digest_problem, record_digest
 
     out = f32_gguf.with_name(f32_gguf.name.replace("-f32.gguf", f"-{kind}.gguf"))
     if out.is_file() and out.stat().st_mtime >= f32_gguf.stat().st_mtime:
-        return out
+        if (problem := digest_problem(out)) is None:
+            return out
+        print(f"llama.cpp: {problem}: quantizing again")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
     tmp = out.with_suffix(".partial")
     if llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {f32_gguf} to {kind}")
-    tmp.replace(out)
+    record_digest(tmp, out)
     return out
 
 

@@ -76,7 +76,7 @@ def test_gguf_holds_every_weight_and_the_hyperparameters_llama_cpp_reads(tmp_pat
     torch.manual_seed(0)
     model = MoEDecoder(config).eval()
     path = write_gguf(config, ModuleWeights(model), tmp_path / "m.gguf", "f" * 64)
-    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.sha256"]  # no temp file left
     assert recorded_fingerprint(path) == "f" * 64
     reader = GGUFReader(path)
     fields = {name: reader.get_field(name).contents() for name in (
@@ -298,3 +298,36 @@ def test_openvino_refuses_what_is_not_the_fp32_comparison() -> None:
     with pytest.raises(ValueError, match="not this fp16 artifact's"):
         check_config("openvino", preset("tiny"), batch=1, dtype="fp16")
     check_config("openvino", preset("tiny"), batch=4)  # any batch: the state is made for the step's
+    with pytest.raises(ValueError, match=r"backend 'llama.cpp' is the fp32 comparison .* not this fp16 artifact's"):
+        check_config("llama.cpp", preset("tiny"), batch=1, dtype="fp16")  # was: "re-export it", which cannot help
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed (pip install gguf)")
+def test_a_cached_gguf_damaged_in_its_tensor_data_is_written_again(tiny_fp32, tmp_path: Path) -> None:
+    """The fingerprint a GGUF records is a header field: a file damaged in its tensors kept it, and
+    llama.cpp was timed on other weights. The sha256 sidecar written with the file catches that."""
+    import hashlib
+
+    from moedeploy.bench.gguf import recorded_fingerprint
+    from moedeploy.bench.peers import gguf_file
+
+    lines: list[str] = []
+    path = gguf_file(tiny_fp32, tmp_path, lines.append)
+    good = path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".sha256"]
+    assert (tmp_path / (path.name + ".sha256")).read_text().strip() == hashlib.sha256(good).hexdigest()
+    written = path.stat().st_mtime_ns
+    assert gguf_file(tiny_fp32, tmp_path, lines.append) == path and path.stat().st_mtime_ns == written  # reused
+
+    damaged = bytearray(good)
+    damaged[-4096:] = bytes(4096)  # the last tensor's values zeroed; the header is untouched
+    assert damaged != good
+    path.write_bytes(bytes(damaged))
+    assert recorded_fingerprint(path) == tiny_fp32.manifest["config"]["source"]["weights_sha256"]
+    lines.clear()
+    assert gguf_file(tiny_fp32, tmp_path, lines.append) == path
+    assert path.read_bytes() == good
+    assert any("does not match the sha256 recorded when it was written" in line for line in lines), lines
+    (tmp_path / (path.name + ".sha256")).unlink()  # a file from before the sidecar: written again too
+    gguf_file(tiny_fp32, tmp_path, lines.append)
+    assert path.read_bytes() == good and (tmp_path / (path.name + ".sha256")).is_file()

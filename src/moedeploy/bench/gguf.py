@@ -10,7 +10,8 @@ different model.
 
 The file is written one tensor at a time (header first, from shapes alone), so a model is
 never held twice, and atomically. It records the weights fingerprint of the artifact it was
-made for; a cached file is reused only when that record matches.
+made for, and a sidecar `<file>.sha256` the digest of its bytes: a cached file is reused only
+when both match (the fingerprint is a header field, so a file damaged in its tensor data kept it).
 """
 
 from __future__ import annotations
@@ -90,6 +91,35 @@ def _vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens[:vocab_size], [int(t) for t in types[:vocab_size]]
 
 
+def digest_sidecar(path: Path) -> Path:
+    return path.with_name(f"{path.name}.sha256")
+
+
+def record_digest(tmp: Path, path: Path) -> None:
+    """Move the finished `tmp` to `path` with its sha256 in the sidecar: the old sidecar goes first
+    and the new one comes last, so no reader ever finds a digest beside bytes it was not made of."""
+    from moedeploy.export.artifact import sha256
+    from moedeploy.utils.io import atomic_write_text
+
+    digest = sha256(tmp)
+    digest_sidecar(path).unlink(missing_ok=True)
+    os.replace(tmp, path)
+    atomic_write_text(digest_sidecar(path), digest + "\n")
+
+
+def digest_problem(path: Path) -> str | None:
+    """Why the cached `path` is not the file written there (None: its bytes are the recorded ones)."""
+    from moedeploy.export.artifact import sha256
+
+    try:
+        recorded = digest_sidecar(path).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return f"{path} has no readable {digest_sidecar(path).name} (the digest written with it)"
+    if sha256(path) != recorded:
+        return f"{path} does not match the sha256 recorded when it was written"
+    return None
+
+
 def recorded_fingerprint(path: Path) -> str | None:
     """The weights fingerprint a GGUF file written here records (None: unreadable or not ours)."""
     try:
@@ -151,7 +181,7 @@ def write_gguf(config: DecoderConfig, weights: WeightSource, path: Path, weights
             if progress and n % 11 == 0:
                 progress(f"writing {path.name}: {n + 1}/{len(plan)} tensors")
         writer.close()
-        os.replace(tmp, path)
+        record_digest(tmp, path)
     finally:
         writer.close()  # idempotent
         tmp.unlink(missing_ok=True)

@@ -43,6 +43,9 @@ def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool =
         if quantized:
             raise ValueError("backend 'llama.cpp' runs the unquantized weights (an f32 GGUF), not this quantized "
                              "artifact's; compare quantized formats with `python benchmarks/quantized.py`")
+        if dtype != "fp32":  # its GGUF is f32: it would neither run these weights nor match their fingerprint
+            raise ValueError(f"backend 'llama.cpp' is the fp32 comparison (an f32 GGUF of the same weights), not "
+                             f"this {dtype} artifact's; bench the fp32 export of the same weights beside it")
         from moedeploy.bench.gguf import require_llama_shaped
 
         require_llama_shaped(config)
@@ -57,10 +60,11 @@ def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool =
 def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) -> Path:
     """The artifact's weights as an f32 GGUF in the cache, written once per weights fingerprint.
 
-    A cached file is reused only when the fingerprint it records is the artifact's; the weights
-    written are checked against that fingerprint first (an eager rebuild that differs is refused).
+    A cached file is reused only when the fingerprint it records is the artifact's and its bytes
+    are those written (its sha256 sidecar); the weights written are checked against that
+    fingerprint first (an eager rebuild that differs is refused).
     """
-    from moedeploy.bench.gguf import recorded_fingerprint, write_gguf
+    from moedeploy.bench.gguf import digest_problem, recorded_fingerprint, write_gguf
     from moedeploy.models.checkpoint import CheckpointWeights
     from moedeploy.models.weights import ModuleWeights, fingerprint
 
@@ -71,8 +75,10 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) 
                          "not be checked; re-export it with this moedeploy version")
     path = cache / f"gguf-{expected[:16]}-f32.gguf"
     if path.is_file() and recorded_fingerprint(path) == expected:
-        progress(f"llama.cpp: reading the cached {path} (it records this artifact's weights fingerprint)")
-        return path
+        if (problem := digest_problem(path)) is None:
+            progress(f"llama.cpp: reading the cached {path} (this artifact's weights fingerprint, its bytes as written)")
+            return path
+        progress(f"llama.cpp: {problem}: writing it again")
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
     if checkpoint := source.get("checkpoint"):
         weights = CheckpointWeights(checkpoint)
