@@ -208,6 +208,29 @@ def test_too_many_positions_fail_before_the_preset_is_exported(tmp_path: Path, m
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_presets_cache_folder_holding_another_export_is_not_timed_as_the_preset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    """Any sealed decoder copied into decoder-tiny-fp32-seed0 loaded, and bench timed it as the
+    fp32 'tiny' preset (an fp16 export, a quantized one, another seed). The preset's own export
+    is used; another one is named and exported again."""
+    from moedeploy.bench.api import existing_artifact, preset_folder
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    store = ArtifactStore.for_session(tmp_path_factory)
+    folder = preset_folder("tiny")
+    folder.parent.mkdir(parents=True)
+    shutil.copytree(store.decoder("fp32").path, folder)  # the tiny preset at seed 0, in fp32: what bench exports
+    assert existing_artifact("tiny").path == folder
+    shutil.rmtree(folder)
+    shutil.copytree(store.decoder("fp16").path, folder)
+    lines: list[str] = []
+    assert existing_artifact("tiny", lines.append) is None
+    assert lines == [f"the cached export {folder} cannot be used (it holds a fp16 'decoder', not the fp32 "
+                     "decoder): exporting again"]
+    assert existing_artifact("small", lines.append) is None  # nothing cached for it: nothing to say
+    assert len(lines) == 1
+
+
 # --- the cache: where (XDG), how much, how to remove it
 
 def test_cache_folder_follows_moedeploy_cache_then_xdg_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -68,8 +68,9 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def existing_artifact(target: str) -> Artifact | None:
-    """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None).
+def existing_artifact(target: str, progress: Progress | None = None) -> Artifact | None:
+    """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None,
+    and `progress` hears why a cached one cannot be used).
 
     A checkpoint folder is not an artifact: `prepare_checkpoint` handles it.
     """
@@ -85,12 +86,34 @@ def existing_artifact(target: str) -> Artifact | None:
         raise ValueError(f"{target!r} is neither an artifact folder, a checkpoint folder nor a preset "
                          f"({', '.join(PRESETS)})")
     folder = preset_folder(target)
-    if (folder / "manifest.json").is_file():
-        try:
-            return Artifact.load(folder)
-        except ValueError:
-            pass  # stale or damaged: export again
+    if not (folder / "manifest.json").is_file():
+        return None
+    try:
+        artifact = Artifact.load(folder)  # every file against its recorded sha256
+    except (ValueError, OSError) as e:
+        why = f"it does not load: {e}"
+    else:
+        if not (why := preset_cache_problem(artifact, target)):
+            return artifact
+    if progress:
+        progress(f"the cached export {folder} cannot be used ({why}): exporting again")
     return None
+
+
+def preset_cache_problem(artifact: Artifact, name: str) -> str:
+    """Why a sound artifact in a preset's cache folder is not the export bench makes there (the preset
+    in fp32, unquantized, at seed 0), or ''. Any sealed export copied into that folder loaded, and was
+    timed under the preset's name."""
+    if artifact.kind != "decoder" or artifact.dtype != "fp32" or artifact.manifest.get("quantization"):
+        what = "a quantized" if artifact.manifest.get("quantization") else f"a {artifact.dtype}"
+        return f"it holds {what} {artifact.kind!r}, not the fp32 decoder"
+    if artifact.manifest["config"].get("source", {}).get("preset") != name or artifact.manifest.get("seed") != 0:
+        return f"it is not the {name!r} preset at seed 0"
+    try:
+        same_config = config_of(artifact) == preset(name)
+    except (TypeError, ValueError):
+        same_config = False
+    return "" if same_config else f"its config is not the {name!r} preset's"
 
 
 def config_of(artifact: Artifact) -> DecoderConfig:
@@ -210,7 +233,7 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
     """
     if is_checkpoint(target):
         return prepare_checkpoint(target, backends, batch, prompt_len, new_tokens, progress, optional_peers)
-    artifact = existing_artifact(target)
+    artifact = existing_artifact(target, progress)
     config = config_of(artifact) if artifact else preset(target)
     check_positions(config, prompt_len, new_tokens)
     check_peers(config, backends, batch, optional_peers,
