@@ -16,10 +16,23 @@ import statistics
 import sys
 from pathlib import Path
 
-from moedeploy.bench.api import cache_dir, existing_artifact, export_preset, merge_rounds
+from moedeploy.bench.api import (
+    cache_dir,
+    check_positions,
+    config_of,
+    existing_artifact,
+    export_preset,
+    merge_rounds,
+)
 from moedeploy.bench.checks import require_backends
 from moedeploy.bench.decode import Settings, run_in_subprocess
 from moedeploy.bench.peers import gguf_file
+from moedeploy.bench.report_file import (
+    at_least,
+    run_script,
+    script_report_check,
+    write_script_report,
+)
 
 
 def main() -> int:
@@ -33,8 +46,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    at_least(parser, args, {"--contexts": 1, "--new-tokens": 2, "--threads": 1, "--repeat": 1, "--rounds": 1})
+    script_report_check(parser, args.json, "context_scaling")
     backends = require_backends([b.strip() for b in args.backend.split(",") if b.strip()])
-    artifact = existing_artifact(args.target) or export_preset(args.target, print)
+    artifact = existing_artifact(args.target, print) or export_preset(args.target, print)
+    check_positions(config_of(artifact), max(args.contexts), args.new_tokens, "the longest of --contexts + --new-tokens")
     peer_model = str(gguf_file(artifact, cache_dir() / "bench", print)) if "llama.cpp" in backends else None
     runs: dict[tuple[int, str], list[dict]] = {(c, b): [] for c in args.contexts for b in backends}
     for round_no in range(1, args.rounds + 1):
@@ -61,10 +77,10 @@ def main() -> int:
         print(f"{b:<12}" + "".join(f"{r:>10.1f}" for r in rates) + "   "
               + ", ".join(f"{c}: x{r / rates[0]:.2f}" for c, r in zip(args.contexts[1:], rates[1:], strict=True)))
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "base_context": base,
-                                         "results": summary}, indent=1))
+        write_script_report(args.json, "context_scaling", {"settings": vars(args) | {"json": str(args.json)},
+                                                           "base_context": base, "results": summary})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

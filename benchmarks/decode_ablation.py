@@ -41,7 +41,6 @@ interleaved over the rounds, the differences paired by round:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -52,6 +51,8 @@ import onnx
 import onnxruntime as ort
 from decode_profile import artifact_for
 from onnx import helper, numpy_helper
+
+from moedeploy.bench.report_file import script_report_check, write_script_report
 
 Edit = Callable[[onnx.ModelProto], int]
 #: positions a step-mode cache holds beyond the prompt (the timed step re-runs at the first of them)
@@ -260,8 +261,7 @@ def main() -> None:
             parser.error(f"{option} must be at least 1, got {value}")
     if args.generate is not None and args.generate < 2:
         parser.error(f"--generate must be at least 2 (a prefill and one timed step), got {args.generate}")
-    if args.json is not None and not args.json.parent.is_dir():
-        parser.error(f"--json {args.json}: no folder {args.json.parent} to write it in")
+    script_report_check(parser, args.json, "decode_ablation")
     try:
         measure(args)
     except ValueError as e:  # the target, or a graph this script cannot take apart
@@ -313,8 +313,7 @@ def measure(args: argparse.Namespace) -> None:
     for name, values in times.items():
         paired = statistics.median(v - s for v, s in zip(values, step, strict=True))
         print(f"{name:12s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_script_report(args.json, "decode_ablation", report)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
+
+from moedeploy.bench.report_file import (
+    at_least,
+    run_script,
+    script_report_check,
+    write_script_report,
+)
 
 
 def artifact_for(target: str):
@@ -29,7 +35,7 @@ def artifact_for(target: str):
     once, then reused, as bench does). Raises ValueError naming what `target` is not."""
     from moedeploy.bench.api import existing_artifact, export_preset
 
-    return existing_artifact(target) or export_preset(target, print)
+    return existing_artifact(target, print) or export_preset(target, print)
 
 
 def floors_ms(config, bandwidth_gbs: float) -> dict[str, float]:
@@ -91,6 +97,8 @@ def main() -> None:
     parser.add_argument("--moe", choices=("auto", "contrib"), default="auto", help="the MoE lowering")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    at_least(parser, args, {"--context": 1, "--steps": 1, "--threads": 1})
+    script_report_check(parser, args.json, "decode_profile")
 
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
 
@@ -109,9 +117,8 @@ def main() -> None:
             floor = floors.get(op)
             extra = f"  {floor:8.2f}  {floor / figures['ms']:7.0%}" if floor else ""
             print(f"  {op:28s} {figures['ms']:7.3f} {figures['ms'] / p['kernel_ms']:6.1%} {figures['nodes']:5.0f}{extra}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_script_report(args.json, "decode_profile", report)
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from decode_profile import artifact_for
 
+from moedeploy.bench.api import check_positions, config_of
+from moedeploy.bench.report_file import at_least, run_script
+
 
 def generation(decoder, prompt: torch.Tensor, new_tokens: int, in_graph: bool) -> tuple[float, list[int]]:
     """Decode tokens/s of one greedy generation after the prompt, and its tokens."""
@@ -47,11 +50,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    at_least(parser, args, {"--rounds": 1, "--new-tokens": 2, "--prompt-len": 1, "--threads": 1})
 
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
     artifact = artifact_for(args.target)
+    check_positions(config_of(artifact), args.prompt_len, args.new_tokens)
     decoder = OrtDecoder(artifact, threads=args.threads, attention_lowering="gqa", logits="greedy",
                          kv_cache="inplace", nbits_accuracy=RUN_ACCURACY)
     vocab = decoder.vocab_size
@@ -74,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import statistics
 from pathlib import Path
 
@@ -120,6 +119,10 @@ def main() -> None:
     parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    from moedeploy.bench.report_file import at_least, script_report_check, write_script_report
+
+    at_least(parser, args, {"--rounds": 1, "--repeat": 1, "--threads": 1, "--stream": 2})
+    script_report_check(parser, args.json, "quantized")
 
     from moedeploy.bench.api import (
         cache_dir,
@@ -232,9 +235,10 @@ def main() -> None:
                     and (paired := paired_ratio(ours, timed[peer])):
                 pairs[f"moedeploy {kind} / {peer}"] = paired
                 print(f"  moedeploy {kind} / {peer}: decode paired by round {paired_text(paired)}")
-    if args.json:
-        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows, "paired": pairs}, indent=2))
+    write_script_report(args.json, "quantized", {"bandwidth_gbs": bandwidth, "rows": rows, "paired": pairs})
 
 
 if __name__ == "__main__":
-    main()
+    from moedeploy.bench.report_file import run_script
+
+    run_script(main)

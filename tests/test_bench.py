@@ -636,3 +636,57 @@ def test_bench_quantize_never_replaces_a_folder_it_did_not_write(tmp_path: Path,
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
     assert "holds something moedeploy did not write: move it, or set MOEDEPLOY_CACHE" in " ".join(result.output.split())
     assert (mine / "notes.txt").read_text() == "the user's"
+
+
+# --- the scripts under benchmarks/: their arguments and --json, as bench's
+
+
+def test_a_scripts_json_replaces_only_its_own_report(tmp_path: Path) -> None:
+    from moedeploy.bench.report_file import SCRIPT_KEY, report_target_problem, write_script_report
+
+    def ours(report: dict) -> bool:
+        return report.get(SCRIPT_KEY) == "quantized"
+
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    assert "already exists and is not a report quantized wrote" in report_target_problem(notes, ours, "quantized")
+    artifact = tmp_path / "art"
+    artifact.mkdir()
+    (artifact / "manifest.json").write_text("{}")
+    assert "is inside the artifact" in report_target_problem(artifact / "manifest.json", ours, "quantized")
+    report = tmp_path / "q.json"
+    assert report_target_problem(report, ours, "quantized") == ""
+    write_script_report(report, "quantized", {"rows": [1]})
+    assert json.loads(report.read_text()) == {"benchmark": "quantized", "rows": [1]}
+    assert report_target_problem(report, ours, "quantized") == ""  # its own report: a rerun replaces it
+    assert "is not a report decode_profile wrote" in report_target_problem(
+        report, lambda r: r.get(SCRIPT_KEY) == "decode_profile", "decode_profile")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [
+    ("context_scaling.py", ["--json", "{art}/manifest.json"], "is inside the artifact"),
+    ("context_scaling.py", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("context_scaling.py", ["--contexts", "16", "300"], "the longest of --contexts + --new-tokens (300 + 64) exceeds"),
+    ("quantized.py", ["--rounds", "-1"], "--rounds must be at least 1, got -1"),
+    ("decode_profile.py", ["--steps", "-1"], "--steps must be at least 1, got -1"),
+    ("decode_ablation.py", ["--json", "{art}/golden/x.json"], "is inside the artifact"),
+    ("greedy_token.py", ["--new-tokens", "0"], "--new-tokens must be at least 2, got 0"),
+    ("greedy_token.py", ["--prompt-len", "250"], "--prompt-len + --new-tokens (250 + 64) exceeds"),
+])
+def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, args, message, tmp_path_factory,
+                                                                          tmp_path: Path) -> None:
+    """They ran past the model's positions (context_scaling: exit 0), overwrote any file with
+    --json (an artifact's manifest.json included), and ended bad counts in IndexError or
+    ZeroDivisionError tracebacks."""
+    artifact = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+    manifest = (artifact.path / "manifest.json").read_bytes()
+    argv = [a.format(art=artifact.path) for a in [str(artifact.path), *args]]
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *argv], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env={**os.environ, "MOEDEPLOY_CACHE": str(tmp_path / "cache")})
+    assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # argparse's usage may come before its one error line
+    assert "error: " in last and message in last, result.stderr
+    assert (artifact.path / "manifest.json").read_bytes() == manifest and not (tmp_path / "cache").exists()

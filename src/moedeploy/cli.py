@@ -205,41 +205,17 @@ def check_cache_writable(target: str, backends: list[str], peers: bool) -> None:
 
 
 def check_json_target(path: Path) -> None:
-    """bench's --json, before any work: a new file, or a benchmark report bench wrote before, in
-    an existing folder we can write, and nowhere inside an artifact. Replacing is by rename, which
-    turned a symlink, a FIFO or a device (/dev/full, as root) into a regular file, an artifact's
-    manifest.json into a benchmark, and a user's own file into one; a new file inside an artifact
-    made its next export refuse the folder as holding a file moedeploy did not write."""
-    from moedeploy.export.artifact import MANIFEST
+    """bench's --json, before any work (moedeploy.bench.report_file: the rule the scripts under
+    benchmarks/ share): a new file, or a benchmark report bench wrote before."""
+    from moedeploy.bench.report_file import report_target_problem
 
-    if path.is_dir() or not path.parent.is_dir():
-        raise UserError(f"--json {path}: name a file in an existing folder")
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise UserError(f"--json {path} exists and is not a regular file (a link, a pipe or a device), which "
-                        "writing would replace; name a new file")
-    # the folder as the write will find it: a link to an artifact's golden/ (or `link/..`) is inside it
-    absolute = path.parent.resolve() / path.name
-    for folder in list(absolute.parents)[:3]:  # an artifact's files lie at most two folders down
-        if (folder / MANIFEST).is_file():
-            raise UserError(f"--json {path} is inside the artifact {folder}, whose files export and compare own; "
-                            "name a file outside it")
-    if path.exists() and not _is_bench_report(path):
-        raise UserError(f"--json {path} already exists and is not a report bench wrote, which moedeploy does not "
-                        "replace; name a new file, or move that one away first")
-    check_writable(path.parent, "--json")
+    if problem := report_target_problem(path, _is_bench_report, "bench"):
+        raise UserError(problem)
 
 
-def _is_bench_report(path: Path) -> bool:
-    """Whether `path` holds what bench's --json writes: a JSON object with its machine and results."""
-    import json
-
-    try:
-        if path.stat().st_size > 64 << 20:
-            return False
-        report = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(report, dict) and isinstance(report.get("machine"), dict) and isinstance(report.get("results"), list)
+def _is_bench_report(report: dict[str, Any]) -> bool:
+    """Whether a JSON object is what bench's --json writes: its machine and results."""
+    return isinstance(report.get("machine"), dict) and isinstance(report.get("results"), list)
 
 
 def make_table(title: str | None, columns: list[str], text: tuple[str, ...] | None = None) -> Any:

@@ -136,9 +136,10 @@ def check_sizes(batch: int, prompt_len: int, new_tokens: int, threads: int, repe
             raise ValueError(f"{option} must be >= {least}{why}, got {value}")
 
 
-def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int) -> None:
+def check_positions(config: DecoderConfig, prompt_len: int, new_tokens: int,
+                    options: str = "--prompt-len + --new-tokens") -> None:
     if prompt_len + new_tokens > config.max_positions:
-        raise ValueError(f"--prompt-len + --new-tokens ({prompt_len} + {new_tokens}) exceeds the model's "
+        raise ValueError(f"{options} ({prompt_len} + {new_tokens}) exceeds the model's "
                          f"{config.max_positions} positions; ask for at most {config.max_positions} in all")
 
 
