@@ -266,6 +266,17 @@ def test_error_unsupported_hf_config(change: dict, message: str, hf_folder: Path
     assert message in _load_error(hf_folder)
 
 
+def test_a_null_expert_count_is_named_not_a_python_type_error(hf_folder: Path) -> None:
+    """"num_local_experts": null read as "'<' not supported between instances of 'NoneType' and 'int'"."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["num_local_experts"] = None
+    config["head_dim"] = None  # a field a config may leave null is not blamed
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    message = _load_error(hf_folder)
+    assert "num_local_experts is null where a number is needed; give it a value" in message
+    assert "NoneType" not in message and "head_dim" not in message
+
+
 def test_error_zero_heads_is_a_checkpoint_error(hf_folder: Path) -> None:
     config = json.loads((hf_folder / "config.json").read_text())
     config["num_attention_heads"] = 0

@@ -121,8 +121,8 @@ def _dequantize_restriction(node: onnx.NodeProto, ranks: dict[str, int], ops: di
     name = onnx.TensorProto.DataType.Name(elem) if elem is not None else None
     if name is not None and name not in allowed:
         return (f"its codes are {name}; TensorRT's DequantizeLinear takes {', '.join(allowed)} with a zero point of 0: "
-                "export with --symmetric (the default), which writes signed codes (artifacts from before "
-                "moedeploy's quantization format 2 have unsigned ones: export them again)")
+                "export again with --symmetric (the default), which writes signed codes (an --asymmetric export "
+                "has unsigned ones, and so has one from before moedeploy's quantization format 2)")
     if len(node.input) > 2 and node.input[2]:
         return "it has a zero-point input; TensorRT takes none but zeros: export with --symmetric (the default)"
     block = next((a.i for a in node.attribute if a.name == "block_size"), 0)

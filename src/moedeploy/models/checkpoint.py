@@ -101,10 +101,28 @@ def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None 
         raise CheckpointError(f"{path / 'config.json'}: {family.title if family else 'moedeploy'}: {e}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        if isinstance(e, TypeError) and "NoneType" in detail and (nulls := _null_numeric_fields(path)):
+            detail = f"{', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null where a number is needed; give it a value"
         if family is not None:
             names = {**HF_FIELD_NAMES, "n_experts": family.experts_key}
             detail = _FIELD_NAME.sub(lambda m: names[m.group(1)], detail)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
+
+
+def _null_numeric_fields(path: Path) -> list[str]:
+    """The sizes config.json sets to null that no family may leave unset (a null expert count
+    reached a comparison as None); fields a config may leave null (head_dim, ...) are not named."""
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [key for key in SIZES_NEVER_NULL if isinstance(hf, dict) and key in hf and hf[key] is None]
+
+
+#: config.json sizes that, where a config has them, must hold a number
+SIZES_NEVER_NULL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts",
+                    "intermediate_size", "moe_intermediate_size", "max_position_embeddings", "rms_norm_eps")
 
 
 def _read_config(path: Path) -> dict:
