@@ -340,6 +340,33 @@ def test_an_older_artifact_without_the_digest_is_checked_against_its_graphs_form
         assert message in str(e.value), str(e.value)
 
 
+def test_a_manifest_forged_with_its_digest_is_still_held_to_the_graphs_formats(artifacts, tmp_path) -> None:
+    """A section edited (the LM head claimed int4 over its int8 codes) with the digest in
+    model.onnx rewritten to match passed the digest check, and bench labelled and rooflined the
+    artifact by the forged section. The graph's own formats are checked whatever the digest says."""
+    import json
+
+    from moedeploy.export.artifact import (
+        QUANTIZATION_DIGEST_KEY,
+        ArtifactError,
+        section_digest,
+        sha256,
+    )
+
+    folder = _edited(artifacts["int8"], tmp_path / "forged", _set(("quantization", "tensors", "lm_head.weight"), 4))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    entry = next(p for p in model.metadata_props if p.key == QUANTIZATION_DIGEST_KEY)
+    entry.value = section_digest(manifest["quantization"])
+    onnx.save_model(model, str(folder / "model.onnx"))
+    manifest["files"]["model.onnx"] = sha256(folder / "model.onnx")
+    rewrite_manifest(folder, manifest)
+    with pytest.raises(ArtifactError, match="re-export the artifact") as e:
+        Artifact.load(folder)
+    assert "lists int4 in blocks of 64, int8 in blocks of 32, but model.onnx stores int8 in blocks of 32, int8 in " \
+           "blocks of 64 (the manifest was edited)" in str(e.value), str(e.value)
+
+
 def test_a_quantization_section_added_to_a_float_artifact_is_refused(tmp_path, tmp_path_factory) -> None:
     from moedeploy.export.artifact import ArtifactError
 

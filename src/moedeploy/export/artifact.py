@@ -577,17 +577,19 @@ class Artifact:
         if problem := next(_external_data_problems(model, self.manifest["files"]), None):
             raise ArtifactError(f"{self.path}: {problem}; re-export the artifact")
         digest = {p.key: p.value for p in model.metadata_props}.get(QUANTIZATION_DIGEST_KEY)
-        if digest is None:  # a float artifact, or a quantized one from before the digest: its formats against the graph's
-            stored, listed = graph_formats(model), manifest_formats_listed(self.manifest.get("quantization"))
-            if stored != listed:
-                said = f"lists {_formats_text(listed)}" if listed else "has no quantization section"
-                raise ArtifactError(f"{self.path}: {MANIFEST} {said}, but {MODEL_FILE} stores {_formats_text(stored)} "
-                                    "(the manifest was edited); re-export the artifact")
-        elif ("quantization" not in self.manifest or section_digest(self.manifest["quantization"]) != digest):
+        if digest is not None and ("quantization" not in self.manifest
+                                   or section_digest(self.manifest["quantization"]) != digest):
             what = "lost the quantization section" if "quantization" not in self.manifest else \
                 "holds a quantization section other than the one"
             raise ArtifactError(f"{self.path}: {MANIFEST} {what} {MODEL_FILE} was exported with (the manifest was "
                                 "edited), so the weights' formats cannot be trusted; re-export the artifact")
+        # always, digest or not: a manifest and a digest both rewritten (int8 claimed over int4 codes) pass the
+        # digest, not the graph's own formats
+        stored, listed = graph_formats(model), manifest_formats_listed(self.manifest.get("quantization"))
+        if stored != listed:
+            said = f"lists {_formats_text(listed)}" if listed else "has no quantization section"
+            raise ArtifactError(f"{self.path}: {MANIFEST} {said}, but {MODEL_FILE} stores {_formats_text(stored)} "
+                                "(the manifest was edited); re-export the artifact")
 
     def model_files(self) -> list[str]:
         """The files a runtime needs to load the graph: model.onnx and, when listed, its data."""
