@@ -331,3 +331,22 @@ def test_a_cached_gguf_damaged_in_its_tensor_data_is_written_again(tiny_fp32, tm
     (tmp_path / (path.name + ".sha256")).unlink()  # a file from before the sidecar: written again too
     gguf_file(tiny_fp32, tmp_path, lines.append)
     assert path.read_bytes() == good and (tmp_path / (path.name + ".sha256")).is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed (pip install gguf)")
+def test_a_moved_checkpoints_gguf_is_written_from_where_it_is_now(tmp_path: Path) -> None:
+    """The GGUF was rebuilt from the folder the export was first made from: a checkpoint moved (or
+    copied and the original removed) failed with "checkpoint folder ... does not exist" though
+    bench was given its new place."""
+    from moedeploy.bench.peers import gguf_file
+    from moedeploy.export import export
+    from tests.models.helpers import tiny_mixtral
+
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    tiny_mixtral(seed=3).save_pretrained(first)
+    artifact = export("decoder", tmp_path / "artifact", checkpoint=first)
+    first.rename(moved)
+    with pytest.raises(Exception, match="does not exist"):
+        gguf_file(artifact, tmp_path / "cache", lambda _: None)
+    path = gguf_file(artifact, tmp_path / "cache", lambda _: None, checkpoint=moved)
+    assert path.is_file() and path.with_name(path.name + ".sha256").is_file()

@@ -396,7 +396,8 @@ def bench(
     for scheme in schemes:
         variants[scheme.name] = quantized_variant(artifact, scheme, target, progress)
         jobs += [(f"{b} {scheme.name}", scheme.name, b, b) for b in backends if b in QUANTIZED_BACKENDS]
-    peer_model = gguf_file(artifact, cache_dir() / "bench", progress) if "llama.cpp" in backends else None
+    peer_model = gguf_file(artifact, cache_dir() / "bench", progress, checkpoint=target if is_checkpoint(target) else None) \
+        if "llama.cpp" in backends else None
     progress("measuring the machine (memory bandwidth, GEMM rate)")
     machine = describe(threads)
 

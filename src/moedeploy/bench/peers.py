@@ -57,12 +57,14 @@ def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool =
                          "int8/int4 are compared in `python benchmarks/quantized.py`")
 
 
-def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) -> Path:
+def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
+              checkpoint: str | Path | None = None) -> Path:
     """The artifact's weights as an f32 GGUF in the cache, written once per weights fingerprint.
 
     A cached file is reused only when the fingerprint it records is the artifact's and its bytes
     are those written (its sha256 sidecar); the weights written are checked against that
-    fingerprint first (an eager rebuild that differs is refused).
+    fingerprint first (an eager rebuild that differs is refused). `checkpoint`: where the
+    checkpoint is now (bench's target), when it is not where the export was made from.
     """
     from moedeploy.bench.gguf import digest_problem, recorded_fingerprint, write_gguf
     from moedeploy.models.checkpoint import CheckpointWeights
@@ -80,7 +82,7 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None]) 
             return path
         progress(f"llama.cpp: {problem}: writing it again")
     config = DecoderConfig.from_manifest(artifact.manifest["config"])
-    if checkpoint := source.get("checkpoint"):
+    if checkpoint := checkpoint or source.get("checkpoint"):
         weights = CheckpointWeights(checkpoint)
     else:
         from moedeploy.export.reference import build_decoder
