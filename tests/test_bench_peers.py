@@ -350,3 +350,30 @@ def test_a_moved_checkpoints_gguf_is_written_from_where_it_is_now(tmp_path: Path
         gguf_file(artifact, tmp_path / "cache", lambda _: None)
     path = gguf_file(artifact, tmp_path / "cache", lambda _: None, checkpoint=moved)
     assert path.is_file() and path.with_name(path.name + ".sha256").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed (pip install gguf)")
+def test_a_cache_that_cannot_take_the_gguf_is_named_with_the_fix(tiny_fp32, tmp_path: Path, monkeypatch) -> None:
+    """The errors named the temporary file the write failed on ('Permission denied: .../.gguf-...tmp',
+    'Is a directory: ...tmp'), with no fix. A folder in the file's place is left as it is."""
+    import errno
+
+    import moedeploy.bench.gguf as gguf_module
+    from moedeploy.bench.peers import gguf_file
+
+    expected = tiny_fp32.manifest["config"]["source"]["weights_sha256"]
+    in_the_way = tmp_path / f"gguf-{expected[:16]}-f32.gguf"
+    (in_the_way / "mine").mkdir(parents=True)
+    with pytest.raises(OSError, match=r"is a folder, where bench keeps its GGUF file; move it away, or set "
+                                      r"MOEDEPLOY_CACHE") as e:
+        gguf_file(tiny_fp32, tmp_path, lambda _: None)
+    assert str(in_the_way) in str(e.value) and ".tmp" not in str(e.value)
+    assert (in_the_way / "mine").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [in_the_way.name]
+
+    def denied(*_args, **_kwargs):  # what a cache folder of another user gives (root writes anywhere here)
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "other" / ".gguf-x.tmp"))
+
+    monkeypatch.setattr(gguf_module, "write_gguf", denied)
+    with pytest.raises(OSError, match=rf"cannot write bench's cache {tmp_path / 'other'} \(Permission denied\); "
+                                      r"set MOEDEPLOY_CACHE to a folder you can write"):
+        gguf_file(tiny_fp32, tmp_path / "other", lambda _: None)

@@ -271,6 +271,17 @@ def parse_variants(quantize: list[str] | None, block_size: int, backends: list[s
     return schemes
 
 
+#: errors that say bench's cache folder cannot be written (not a fault of the export itself)
+CACHE_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def cache_not_writable(e: OSError, folder: Path) -> OSError:
+    """The error for a cache bench may not write: the folder and the fix, not the temporary file
+    the write failed on."""
+    return OSError(e.errno, f"cannot write bench's cache {folder} ({e.strerror or e}); set MOEDEPLOY_CACHE to a "
+                            "folder you can write")
+
+
 def cache_export(folder: Path, **options: Any) -> Artifact:
     """`export("decoder", folder, ...)` into bench's cache, whose refusal to replace a folder
     holding the user's files gives bench's advice (bench has no --out or --force)."""
@@ -281,6 +292,8 @@ def cache_export(folder: Path, **options: Any) -> Artifact:
         raise OutputRefused(f"{what}; it is where bench caches this export: move what is yours out of it, or set "
                             "MOEDEPLOY_CACHE to another folder") from None
     except OSError as e:
+        if e.errno in CACHE_NOT_WRITABLE:
+            raise cache_not_writable(e, folder.parent) from None
         if e.errno != errno.ENOSPC:
             raise
         what = (e.strerror or str(e)).split(";")[0]  # without export's advice (--out)

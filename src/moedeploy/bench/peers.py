@@ -8,6 +8,7 @@ command in the report) and refused in one line when named in `--backend`.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -95,7 +96,17 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
 
     require_free_space(path, weight_bytes(config))  # f32: the GGUF is the weights plus a small header
     progress(f"llama.cpp: writing the weights once as an f32 GGUF into the cache {path}")
-    return write_gguf(config, weights, path, expected, progress)
+    try:
+        return write_gguf(config, weights, path, expected, progress)
+    except OSError as e:
+        from moedeploy.bench.api import CACHE_NOT_WRITABLE, cache_not_writable
+
+        if e.errno in CACHE_NOT_WRITABLE:
+            raise cache_not_writable(e, cache) from None
+        if e.errno == errno.EISDIR:
+            raise OSError(e.errno, f"{path} is a folder, where bench keeps its GGUF file; move it away, or set "
+                                   "MOEDEPLOY_CACHE to another folder") from None
+        raise
 
 
 def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int) -> Stepper:
