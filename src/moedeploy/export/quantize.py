@@ -169,7 +169,8 @@ def block_size_problem(weights: list[tuple[str, list[int]]], scheme: QuantScheme
             head = name.endswith(LM_HEAD) and head_block_size is not None
             dims = {s[-1] for n, s in (advice_from or weights) if n.endswith(LM_HEAD) == head or not head_block_size}
             fits = [b for b in (16, 32, 64, 128, 256, 512) if all(d % b == 0 for d in dims)]
-            advice = f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them all"
+            advice = (f"choose {' or '.join(map(str, fits))}" if fits else "no block size of 16 or more divides them "
+                      "all, so this model cannot be quantized in blocks: export it without --quantize")
             return (f"weight {name}: its input dimension {shape[-1]} is not a multiple of "
                     f"{'--head-block-size' if head else '--block-size'} {block}; {advice}")
     return None
