@@ -406,16 +406,17 @@ def _exit_when_a_library_turns(signum: int, caught: type[BaseException]) -> int:
         signal.signal(signal.SIGINT, previous[1])
 
 
-def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_bug(monkeypatch) -> None:
+def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_bug(monkeypatch, capsys) -> None:
     """A SIGTERM while a C extension initialises (onnxruntime's import, say) reached the command
     as ImportError("initialization failed"): reported as a bug in moedeploy, exit 1. It is the
-    signal's exit, 143, with no error line."""
+    signal's exit, 143, with "terminated" and no error line."""
     import typer
 
     from moedeploy import cli
 
     monkeypatch.setitem(cli._state, "signal", None)
     assert _exit_when_a_library_turns(signal.SIGTERM, SystemExit) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "terminated"
 
     @cli.handle_errors
     def buggy() -> None:
@@ -425,6 +426,27 @@ def test_sigterm_that_a_library_turns_into_another_exception_exits_143_not_as_a_
     with pytest.raises(typer.Exit) as exited:
         buggy()
     assert exited.value.exit_code == 1
+
+
+def test_a_sigterm_during_a_command_says_terminated(monkeypatch, capsys) -> None:
+    """Ctrl-C said "interrupted"; SIGTERM (a CI timeout, `kill`) ended a command with exit 143 and
+    no line at all."""
+    from moedeploy import cli
+
+    monkeypatch.setitem(cli._state, "signal", None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        cli.exit_on_sigterm()
+
+        @cli.handle_errors
+        def command() -> None:
+            signal.raise_signal(signal.SIGTERM)
+
+        with pytest.raises(SystemExit) as exited:
+            command()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 128 + signal.SIGTERM and capsys.readouterr().err.strip() == "terminated"
 
 
 def test_ctrl_c_that_a_library_turns_into_another_exception_exits_130_as_interrupted(monkeypatch, capsys) -> None:

@@ -143,11 +143,14 @@ def handle_errors(fn: F) -> F:
         except KeyboardInterrupt:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
+        except SystemExit:
+            if _state["signal"] == signal.SIGTERM:  # exit_on_sigterm's: said, as Ctrl-C's "interrupted" is
+                err.print("[red]terminated[/red]")
+            raise
         except Exception as e:
             if _state["signal"]:  # the SIGTERM exit or Ctrl-C, turned into another exception by a library
                 # on its way out (an ImportError, when it arrived while a C extension initialised): not a bug
-                if _state["signal"] == signal.SIGINT:
-                    err.print("[red]interrupted[/red]")
+                err.print("[red]interrupted[/red]" if _state["signal"] == signal.SIGINT else "[red]terminated[/red]")
                 raise typer.Exit(128 + _state["signal"]) from None
             if _state["debug"]:
                 raise
