@@ -297,6 +297,24 @@ def test_last_level_cache_is_the_largest_level_in_sysfs(tmp_path: Path) -> None:
     assert last_level_cache_bytes(tmp_path / "missing") is None
 
 
+def test_the_cache_line_names_the_quantized_exports_bench_wrote_beside_the_float_one() -> None:
+    """After --quantize, the line named only the fp32 folder: its int8 and int4 exports (tens of
+    MB each) were left in the cache unmentioned."""
+    from moedeploy.bench.summary import cache_line
+
+    report = {"settings": {"target": "tiny"}, "cache": {
+        "path": "/c/bench/decoder-tiny-fp32-seed0", "bytes": 2_000_000, "written": True,
+        "quantized": [{"path": "/c/bench/decoder-tiny-fp32-seed0-int8b32", "bytes": 700_000},
+                      {"path": "/c/bench/decoder-tiny-fp32-seed0-int4b32", "bytes": 500_000}]}}
+    assert cache_line(report) == (
+        "the 'tiny' decoder was exported into the cache /c/bench/decoder-tiny-fp32-seed0 (2.0 MB), its quantized "
+        "exports beside it (1.2 MB); remove them with `rm -r /c/bench/decoder-tiny-fp32-seed0 "
+        "/c/bench/decoder-tiny-fp32-seed0-int8b32 /c/bench/decoder-tiny-fp32-seed0-int4b32`, or set MOEDEPLOY_CACHE "
+        "to keep it elsewhere")
+    del report["cache"]["quantized"]
+    assert "remove it with `rm -r /c/bench/decoder-tiny-fp32-seed0`," in cache_line(report)
+
+
 def test_cache_warning_only_when_the_cache_holds_a_quarter_of_a_step() -> None:
     from moedeploy.bench.api import cache_holds_step_warning
 

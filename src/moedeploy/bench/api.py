@@ -352,12 +352,16 @@ def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, cont
             "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
 
 
-def cache_report(artifact: Artifact, written: bool | None) -> dict[str, Any] | None:
+def cache_report(artifact: Artifact, written: bool | None, quantized: list[Artifact] = ()) -> dict[str, Any] | None:
     """Where a preset's or a checkpoint's cached export lives and its size, measured after the run (the ort backend
-    writes nothing there: a decoder's lowered graph reads the artifact's own weight file)."""
+    writes nothing there: a decoder's lowered graph reads the artifact's own weight file); with `--quantize`,
+    the quantized exports cached beside it too."""
     if written is None:
         return None
-    return {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
+    report: dict[str, Any] = {"path": str(artifact.path), "bytes": folder_bytes(artifact.path), "written": written}
+    if quantized:
+        report["quantized"] = [{"path": str(q.path), "bytes": folder_bytes(q.path)} for q in quantized]
+    return report
 
 
 def bench(
@@ -499,7 +503,7 @@ def bench(
         "greedy_tokens_agree": agree,
         "quantized_tokens_agree": {name: tokens_agree(name) for name in variants if name != base or quantized_base},
         "peers_skipped": skipped_peers,
-        "cache": cache_report(artifact, written),
+        "cache": cache_report(artifact, written, [v for name, v in variants.items() if name != base]),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
     }
     if json_path:

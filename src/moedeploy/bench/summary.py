@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 
@@ -37,6 +38,10 @@ def cache_line(report: dict[str, Any]) -> str | None:
     if cache is None:
         return None
     done = "exported into" if cache["written"] else "read from"
+    quantized = cache.get("quantized", [])
+    paths = " ".join(shlex.quote(str(c["path"])) for c in [cache, *quantized])
+    beside = (f", its quantized exports beside it ({readable_size(sum(q['bytes'] for q in quantized))})"
+              if quantized else "")
     return (f"the {report['settings']['target']!r} decoder was {done} the cache {cache['path']} "
-            f"({readable_size(cache['bytes'])}); remove it with `rm -r {cache['path']}`, "
+            f"({readable_size(cache['bytes'])}){beside}; remove {'them' if quantized else 'it'} with `rm -r {paths}`, "
             "or set MOEDEPLOY_CACHE to keep it elsewhere")
