@@ -949,3 +949,7 @@ def test_asymmetric_codes_in_bf16_are_exported_with_a_warning(tmp_path, dtype) -
     assert ("warning: --asymmetric with --dtype bf16: ONNX Runtime's CPU provider has no bf16 kernels and TensorRT "
             "takes symmetric codes only, so neither runs this artifact" in said) == (dtype == "bf16")
     assert Artifact.load(out).manifest["quantization"]["symmetric"] is False
+    if dtype == "bf16":  # compare's refusal offered TensorRT, which takes no zero points either
+        result = CliRunner().invoke(app, ["compare", str(out)])
+        said = " ".join(result.output.split())
+        assert result.exit_code == 1 and "export with --dtype fp32 or fp16" in said and "trt" not in said, said

@@ -86,17 +86,19 @@ def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | Non
     return result
 
 
-def not_runnable_here(dtype: str, backends: Iterable[str]) -> str | None:
+def not_runnable_here(dtype: str, backends: Iterable[str], unsigned_codes: bool = False) -> str | None:
     """Why `backends` cannot run `dtype` graphs on this machine, or None when they can.
 
     ONNX Runtime's CPU provider has no bfloat16 kernels (runtime/ort.py refuses such a
     session). Saying so before any work replaces a Polygraphy traceback in `compare` and 15
-    failed rows in `moedeploy all`.
+    failed rows in `moedeploy all`. `unsigned_codes` (an --asymmetric quantized export):
+    TensorRT takes none either, so it is not offered.
     """
     on_ort = [b for b in backends if b.startswith("ort")]
     if on_ort and (reason := dtype_unsupported(dtype, default_providers()[0])):
+        elsewhere = "" if unsigned_codes else "compare them with --backend trt on a GPU, or "
         return (f"{reason}, so {dtype} graphs do not run on --backend {on_ort[0]} on this machine; "
-                "compare them with --backend trt on a GPU, or export with --dtype fp32 or fp16")
+                f"{elsewhere}export with --dtype fp32 or fp16")
     return None
 
 
@@ -220,7 +222,8 @@ def compare(
         raise ValueError(f"--backend {','.join(backends)} cannot measure a quantized decoder's accuracy against its "
                          f"float model (KL, top-1, greedy tokens): add one of {', '.join(ORT_LOWERINGS)}, "
                          f"e.g. --backend ort,{','.join(backends)}")
-    if reason := not_runnable_here(artifact.dtype, backends):
+    unsigned = quantized and artifact.manifest["quantization"].get("symmetric") is False
+    if reason := not_runnable_here(artifact.dtype, backends, unsigned_codes=unsigned):
         raise SessionError(f"cannot compare {artifact.path} ({artifact.dtype}): {reason}")
     if "trt" in backends:  # TensorRT, a GPU and this artifact's plan, before any other backend writes its cache
         from moedeploy.runtime.tensorrt import find_engine
