@@ -231,6 +231,20 @@ def test_a_presets_cache_folder_holding_another_export_is_not_timed_as_the_prese
     assert len(lines) == 1
 
 
+def test_a_block_size_the_model_cannot_take_fails_before_the_float_export(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """It failed only after the fp32 export that --quantize starts from (13 s for tiny; for a real
+    checkpoint, the export of tens of GB). The tiny preset's projections read 64 inputs."""
+    from moedeploy.bench.api import bench
+
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    _forbid_timing(monkeypatch)
+    assert preset("tiny").hidden_size == 64
+    with pytest.raises(ValueError, match=r"input dimension 64 is not a multiple of --block-size 128; choose 16 or 32"):
+        bench("tiny", ["ort"], quantize=["int8"], block_size=128)
+    assert not (tmp_path / "cache").exists()
+
+
 # --- the cache: where (XDG), how much, how to remove it
 
 def test_cache_folder_follows_moedeploy_cache_then_xdg_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -282,6 +282,24 @@ def cache_not_writable(e: OSError, folder: Path) -> OSError:
                             "folder you can write")
 
 
+def block_size_problem_for(target: str, scheme: QuantScheme) -> str | None:
+    """What export would refuse in `scheme`'s block size for the preset or checkpoint `target`
+    (export's defaults: int4 mixed), found from the weights' shapes alone: a checkpoint's
+    headers, a preset's modules on the meta device."""
+    from moedeploy.export.quantize import block_size_problem, maybe_quantized, surely_quantized
+    from moedeploy.models import MoEDecoder
+    from moedeploy.models.weights import ModuleWeights
+
+    if is_checkpoint(target):
+        weights = CheckpointWeights(target)
+    elif target in PRESETS:
+        with torch.device("meta"):
+            weights = ModuleWeights(MoEDecoder(preset(target)))
+    else:
+        return None
+    return block_size_problem(surely_quantized(weights), scheme, scheme.bits == 4, None, maybe_quantized(weights))
+
+
 def cache_export(folder: Path, **options: Any) -> Artifact:
     """`export("decoder", folder, ...)` into bench's cache, whose refusal to replace a folder
     holding the user's files gives bench's advice (bench has no --out or --force)."""
@@ -403,6 +421,9 @@ def bench(
     if schemes and (Path(target).is_dir() and not is_checkpoint(target)):
         raise ValueError(f"--quantize exports a preset or a checkpoint in int8/int4; {target} is an artifact folder: "
                          "bench a quantized artifact by its folder, or pass the preset or checkpoint")
+    for scheme in schemes:  # before the float export (minutes, or hours for a large checkpoint), not after it
+        if problem := block_size_problem_for(target, scheme):
+            raise ValueError(problem)
     artifact, written = prepare(target, backends, batch, prompt_len, new_tokens, progress, skipped_peers if peers else None)
     skipped_peers = {peer: why for peer, why in skipped_peers.items() if why}  # the others run
     config = config_of(artifact)
