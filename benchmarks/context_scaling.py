@@ -19,10 +19,10 @@ from pathlib import Path
 from moedeploy.bench.api import (
     cache_dir,
     check_positions,
-    config_of,
     existing_artifact,
     export_preset,
     merge_rounds,
+    target_config,
 )
 from moedeploy.bench.checks import require_backends
 from moedeploy.bench.decode import Settings, run_in_subprocess
@@ -49,8 +49,9 @@ def main() -> int:
     at_least(parser, args, {"--contexts": 1, "--new-tokens": 2, "--threads": 1, "--repeat": 1, "--rounds": 1})
     script_report_check(parser, args.json, "context_scaling")
     backends = require_backends([b.strip() for b in args.backend.split(",") if b.strip()])
+    check_positions(target_config(args.target), max(args.contexts), args.new_tokens,
+                    "the longest of --contexts + --new-tokens")  # before any export
     artifact = existing_artifact(args.target, print) or export_preset(args.target, print)
-    check_positions(config_of(artifact), max(args.contexts), args.new_tokens, "the longest of --contexts + --new-tokens")
     peer_model = str(gguf_file(artifact, cache_dir() / "bench", print)) if "llama.cpp" in backends else None
     runs: dict[tuple[int, str], list[dict]] = {(c, b): [] for c in args.contexts for b in backends}
     for round_no in range(1, args.rounds + 1):

@@ -30,11 +30,15 @@ from moedeploy.bench.report_file import (
 )
 
 
-def artifact_for(target: str):
+def artifact_for(target: str, positions: tuple[int, int, str] | None = None):
     """A decoder artifact folder, or a preset's export in `moedeploy bench`'s cache (exported there
-    once, then reused, as bench does). Raises ValueError naming what `target` is not."""
-    from moedeploy.bench.api import existing_artifact, export_preset
+    once, then reused, as bench does). Raises ValueError naming what `target` is not, or, before
+    any export, where `positions` (tokens before, tokens after, the options that set them) exceed
+    the model's."""
+    from moedeploy.bench.api import check_positions, existing_artifact, export_preset, target_config
 
+    if positions is not None:
+        check_positions(target_config(target), *positions)
     return existing_artifact(target, print) or export_preset(target, print)
 
 
@@ -102,7 +106,7 @@ def main() -> None:
 
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
 
-    artifact = artifact_for(args.target)
+    artifact = artifact_for(args.target, (args.context, args.steps, "--context + --steps"))
     bandwidth = measure_bandwidth_gbs(args.threads)
     print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.2f} GB/s; decode steps after {args.context} tokens")
     report = {"bandwidth_gbs": bandwidth, "context": args.context, "profiles": {}}

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from decode_profile import artifact_for
 
-from moedeploy.bench.api import check_positions, config_of
 from moedeploy.bench.report_file import at_least, run_script
 
 
@@ -55,8 +54,7 @@ def main() -> None:
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.quantized import RUN_ACCURACY
 
-    artifact = artifact_for(args.target)
-    check_positions(config_of(artifact), args.prompt_len, args.new_tokens)
+    artifact = artifact_for(args.target, (args.prompt_len, args.new_tokens, "--prompt-len + --new-tokens"))
     decoder = OrtDecoder(artifact, threads=args.threads, attention_lowering="gqa", logits="greedy",
                          kv_cache="inplace", nbits_accuracy=RUN_ACCURACY)
     vocab = decoder.vocab_size

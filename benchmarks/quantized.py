@@ -126,11 +126,13 @@ def main() -> None:
 
     from moedeploy.bench.api import (
         cache_dir,
+        is_checkpoint,
         merge_rounds,
         paired_ratio,
         prepare,
         quantized_variant,
         rotated,
+        target_config,
     )
     from moedeploy.bench.decode import Settings, run_in_subprocess
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
@@ -143,6 +145,9 @@ def main() -> None:
     from moedeploy.models.config import DecoderConfig
 
     progress = print
+    positions = target_config(args.preset).max_positions  # before any export
+    if args.stream > positions:
+        raise ValueError(f"--stream {args.stream} exceeds the model's {positions} positions; ask for at most {positions}")
     fp32, _ = prepare(args.preset, [args.backend], 1, 128, 64, progress)
     config = DecoderConfig.from_manifest(fp32.manifest["config"])
     schemes = {"int8": QuantScheme(8, args.block_size), "int4": QuantScheme(4, args.block_size)}
@@ -152,7 +157,7 @@ def main() -> None:
     if not args.no_llama and not use_llama:
         progress(f"llama.cpp left out: {missing('llama.cpp')}")
     if use_llama:
-        f32 = gguf_file(fp32, cache_dir() / "bench", progress)
+        f32 = gguf_file(fp32, cache_dir() / "bench", progress, checkpoint=args.preset if is_checkpoint(args.preset) else None)
         systems["llama.cpp f32"] = (fp32, "llama.cpp", f32, None)
         for kind, kind_bits, head_bits in LLAMA_FORMATS.values():
             systems[f"llama.cpp {kind}"] = (fp32, "llama.cpp", llama_quantized(f32, kind), (kind_bits, head_bits))

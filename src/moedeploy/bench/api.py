@@ -105,7 +105,8 @@ def preset_cache_problem(artifact: Artifact, name: str) -> str:
     in fp32, unquantized, at seed 0), or ''. Any sealed export copied into that folder loaded, and was
     timed under the preset's name."""
     if artifact.kind != "decoder" or artifact.dtype != "fp32" or artifact.manifest.get("quantization"):
-        what = "a quantized" if artifact.manifest.get("quantization") else f"a {artifact.dtype}"
+        what = "a quantized" if artifact.manifest.get("quantization") else \
+            f"{'an' if artifact.dtype.startswith('f') else 'a'} {artifact.dtype}"  # an fp16, a bf16
         return f"it holds {what} {artifact.kind!r}, not the fp32 decoder"
     if artifact.manifest["config"].get("source", {}).get("preset") != name or artifact.manifest.get("seed") != 0:
         return f"it is not the {name!r} preset at seed 0"
@@ -118,6 +119,16 @@ def preset_cache_problem(artifact: Artifact, name: str) -> str:
 
 def config_of(artifact: Artifact) -> DecoderConfig:
     return DecoderConfig.from_manifest(artifact.manifest["config"])
+
+
+def target_config(target: str) -> DecoderConfig:
+    """The model config of a bench target without exporting it: a checkpoint's config.json, an
+    artifact's manifest, a preset's own (what the scripts under benchmarks/ check sizes against
+    before their first export)."""
+    if is_checkpoint(target):
+        return CheckpointWeights(target).config
+    artifact = existing_artifact(target)
+    return config_of(artifact) if artifact is not None else preset(target)
 
 
 def export_preset(name: str, progress: Progress) -> Artifact:
@@ -275,6 +286,11 @@ def parse_variants(quantize: list[str] | None, block_size: int, backends: list[s
 CACHE_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def in_cache(e: OSError, folder: Path) -> bool:
+    """Whether `e` is a refused write inside bench's cache `folder` (not a checkpoint shard it read)."""
+    return e.errno in CACHE_NOT_WRITABLE and (not e.filename or str(e.filename).startswith(str(folder)))
+
+
 def cache_not_writable(e: OSError, folder: Path) -> OSError:
     """The error for a cache bench may not write: the folder and the fix, not the temporary file
     the write failed on."""
@@ -310,7 +326,7 @@ def cache_export(folder: Path, **options: Any) -> Artifact:
         raise OutputRefused(f"{what}; it is where bench caches this export: move what is yours out of it, or set "
                             "MOEDEPLOY_CACHE to another folder") from None
     except OSError as e:
-        if e.errno in CACHE_NOT_WRITABLE:
+        if in_cache(e, folder.parent):
             raise cache_not_writable(e, folder.parent) from None
         if e.errno != errno.ENOSPC:
             raise
@@ -331,7 +347,8 @@ def quantized_variant(fp32: Artifact, scheme: QuantScheme, target: str, progress
             q = cached.manifest.get("quantization") or {}
             head = manifest_formats(q).get(LM_HEAD) if "tensors" in q else None
             hidden = fp32.manifest["config"]["hidden_size"]
-            if (q.get("format"), q.get("bits"), q.get("block_size"), q.get("symmetric"), q.get("mixed")) == (
+            if cached.dtype == fp32.dtype and (q.get("format"), q.get("bits"), q.get("block_size"), q.get("symmetric"),
+                                               q.get("mixed")) == (
                     QUANT_FORMAT, scheme.bits, scheme.block_size, scheme.symmetric, scheme.bits == 4) \
                     and (head is None or head.block_size == head_block(scheme.block_size, head.bits, hidden)) \
                     and cached.manifest["config"]["source"].get("weights_sha256") == weights_sha256:

@@ -99,9 +99,9 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
     try:
         return write_gguf(config, weights, path, expected, progress)
     except OSError as e:
-        from moedeploy.bench.api import CACHE_NOT_WRITABLE, cache_not_writable
+        from moedeploy.bench.api import cache_not_writable, in_cache
 
-        if e.errno in CACHE_NOT_WRITABLE:
+        if in_cache(e, cache):
             raise cache_not_writable(e, cache) from None
         if e.errno == errno.EISDIR:
             raise OSError(e.errno, f"{path} is a folder, where bench keeps its GGUF file; move it away, or set "

@@ -82,9 +82,11 @@ def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, least: d
 
 
 def run_script(main: Callable[[], int | None]) -> None:
-    """Run a benchmark script's main: a target or model it cannot take (ValueError) ends in one line
-    and exit 1, not a traceback."""
+    """Run a benchmark script's main: a target or model it cannot take (ValueError), or a file it
+    cannot read or write (OSError), ends in one line and exit 1, not a traceback."""
     try:
         sys.exit(main())
     except ValueError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
