@@ -124,7 +124,8 @@ def check_same_config(artifact: Artifact, config: DecoderConfig, checkpoint: str
     if changed := [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(recorded, f.name)]:
         name = changed[0]
         raise ArtifactError(
-            f"the config.json of checkpoint {checkpoint} no longer describes the model {artifact.path} was exported "
+            f"the config.json of checkpoint {checkpoint} does not describe the model {artifact.path} was exported "
             f"from ({name}: {getattr(recorded, name)!r} at export, {getattr(config, name)!r} now"
             + (f"; {len(changed) - 1} more fields differ" if len(changed) > 1 else "")
-            + "); restore it, or re-export the artifact")
+            + "); if it is that model's checkpoint, restore its config.json or re-export the artifact, else pass "
+            "the checkpoint the artifact was exported from")
