@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +68,10 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def existing_artifact(target: str, progress: Progress | None = None) -> Artifact | None:
+def existing_artifact(target: str, progress: Progress | None = None, verify: bool = True) -> Artifact | None:
     """The decoder artifact `target` names if it exists: a folder, or a preset's cached export (else None,
-    and `progress` hears why a cached one cannot be used).
+    and `progress` hears why a cached one cannot be used). `verify=False`: a folder's files are not
+    hashed (its manifest is read for a check that comes before the load that hashes them).
 
     A checkpoint folder is not an artifact: `prepare_checkpoint` handles it.
     """
@@ -78,7 +79,7 @@ def existing_artifact(target: str, progress: Progress | None = None) -> Artifact
         if not (Path(target) / "manifest.json").is_file():
             raise ValueError(f"{target} is neither a decoder artifact (no manifest.json) nor a checkpoint folder "
                              "(no config.json); pass an artifact folder, a checkpoint folder or a preset")
-        artifact = Artifact.load(target)
+        artifact = Artifact.load(target, verify=verify)
         if artifact.kind != "decoder":
             raise ValueError(f"{target} holds a {artifact.kind!r}; bench measures decoder artifacts")
         return artifact
@@ -127,8 +128,9 @@ def target_config(target: str) -> DecoderConfig:
     before their first export)."""
     if is_checkpoint(target):
         return CheckpointWeights(target).config
-    artifact = existing_artifact(target)
-    return config_of(artifact) if artifact is not None else preset(target)
+    if not Path(target).is_dir() and target in PRESETS:
+        return preset(target)  # its cache folder is used only while it holds this config (preset_cache_problem)
+    return config_of(existing_artifact(target, verify=False))  # hashed once, by the load that follows
 
 
 def export_preset(name: str, progress: Progress) -> Artifact:
@@ -288,7 +290,8 @@ CACHE_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 def in_cache(e: OSError, folder: Path) -> bool:
     """Whether `e` is a refused write inside bench's cache `folder` (not a checkpoint shard it read)."""
-    return e.errno in CACHE_NOT_WRITABLE and (not e.filename or str(e.filename).startswith(str(folder)))
+    return e.errno in CACHE_NOT_WRITABLE and (not e.filename or Path(os.path.abspath(e.filename)).is_relative_to(
+        os.path.abspath(folder)))
 
 
 def cache_not_writable(e: OSError, folder: Path) -> OSError:
@@ -387,7 +390,7 @@ def variant_roofline(artifact: Artifact, config: DecoderConfig, batch: int, cont
             "decode_step_bytes": decode_step_bytes(config, batch, context, itemsize, quantization)}
 
 
-def cache_report(artifact: Artifact, written: bool | None, quantized: list[Artifact] = ()) -> dict[str, Any] | None:
+def cache_report(artifact: Artifact, written: bool | None, quantized: Sequence[Artifact] = ()) -> dict[str, Any] | None:
     """Where a preset's or a checkpoint's cached export lives and its size, measured after the run (the ort backend
     writes nothing there: a decoder's lowered graph reads the artifact's own weight file); with `--quantize`,
     the quantized exports cached beside it too."""
