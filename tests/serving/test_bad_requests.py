@@ -162,6 +162,12 @@ def test_data_that_does_not_fill_the_shape_is_refused(server) -> None:
     ({"inputs": [{"name": "x", "shape": [1, -1, 64], "datatype": "FP32", "data": [0.5] * 64}]},
      "inputs[0] (x): shape must be a list of non-negative integers"),
     ([1, 2], 'the request body must be a JSON object with "inputs"'),
+    # values of the wrong JSON type: Triton's parser answered 500
+    ({"inputs": [{"name": "x", "shape": [1, 1, 64], "datatype": "FP32", "data": ["hot"] + [0.5] * 63}]},
+     'inputs[0] (x): data holds "hot", which is not of datatype FP32; send numbers'),
+    ({"inputs": [{"name": "x", "shape": [1, 1, 64], "datatype": "FP32", "data": [0.5] * 64}],
+      "parameters": {"binary_data_output": "yes"}},
+     'the request\'s parameter "binary_data_output" must be true or false, got "yes"'),
 ])
 def test_an_inference_body_triton_would_choke_on_is_refused_by_the_front(server, body, message) -> None:
     status, text = post(server, "/v2/models/moe/infer", json.dumps(body).encode())

@@ -233,3 +233,57 @@ def test_an_inference_body_is_checked_within_bounded_time() -> None:
     for header in ("\u00b2", "-1", "12a", str(len(small) + 3)):
         assert infer_body_problem(small, header) == (
             f"{JSON_LENGTH_HEADER} must be the length of the body's JSON part, at most {len(small)}"), header
+
+
+INT64_IDS = {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [5, 6, 7]}
+INT64_RANGE = "send integers from -9223372036854775808 to 9223372036854775807"
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"inputs": [{**INT64_IDS, "data": ["a", 6, 7]}]},
+     f'inputs[0] (input_ids): data holds "a", which is not of datatype INT64; {INT64_RANGE}'),
+    ({"inputs": [{**INT64_IDS, "data": [[5, 6.5, 7]]}]},
+     f"inputs[0] (input_ids): data holds 6.5, which is not of datatype INT64; {INT64_RANGE}"),
+    ({"inputs": [{**INT64_IDS, "data": [5, True, 7]}]},
+     f"inputs[0] (input_ids): data holds true, which is not of datatype INT64; {INT64_RANGE}"),
+    ({"inputs": [{**INT64_IDS, "data": [None, 6, 7]}]},
+     f"inputs[0] (input_ids): data holds null, which is not of datatype INT64; {INT64_RANGE}"),
+    ({"inputs": [{**INT64_IDS, "data": [2**63, 6, 7]}]},
+     f"inputs[0] (input_ids): data holds {2**63}, which is not of datatype INT64; {INT64_RANGE}"),
+    ({"inputs": [{"name": "x", "shape": [2], "datatype": "UINT8", "data": [3, 256]}]},
+     "inputs[0] (x): data holds 256, which is not of datatype UINT8; send integers from 0 to 255"),
+    ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.5, "hot"]}]},
+     'inputs[0] (x): data holds "hot", which is not of datatype FP32; send numbers'),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}]},
+     "inputs[0] (x): data holds 1, which is not of datatype BOOL; send true or false"),
+    ({"inputs": [{**INT64_IDS, "name": 5}]}, 'inputs[0]: "name" must be a string'),
+    ({"inputs": [{**INT64_IDS, "datatype": 5}]},
+     'inputs[0] (input_ids): "datatype" must be a string, such as "INT64" or "FP32"'),
+    ({"inputs": [INT64_IDS], "outputs": [{"name": 5}]}, '"outputs" must be a list of objects, each with a "name" string'),
+    ({"inputs": [INT64_IDS], "parameters": {"binary_data_output": "yes"}},
+     'the request\'s parameter "binary_data_output" must be true or false, got "yes"'),
+    ({"inputs": [INT64_IDS], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]},
+     'outputs[0]\'s parameter "binary_data" must be true or false, got 1'),
+    ({"inputs": [{**INT64_IDS, "parameters": {"binary_data_size": "24"}}]},
+     'inputs[0]\'s parameter "binary_data_size" must be a non-negative integer, got "24"'),
+])
+def test_inference_values_of_the_wrong_json_type_get_one_line(body: dict, expected: str) -> None:
+    """Triton's JSON parser answered each of these 500 ("attempt to access JSON non-number as
+    double"), a server error for the client's mistake."""
+    from moedeploy.serving.infer_body import infer_body_problem
+
+    assert infer_body_problem(json.dumps(body).encode(), None) == expected
+
+
+def test_inference_values_of_their_datatype_pass() -> None:
+    from moedeploy.serving.infer_body import infer_body_problem
+
+    good = {"inputs": [{**INT64_IDS, "data": [[-(2**63), 0, 2**63 - 1]]},
+                       {"name": "x", "shape": [3], "datatype": "FP32", "data": [1, 2.5, -1e30]},
+                       {"name": "b", "shape": [2], "datatype": "BOOL", "data": [True, False]},
+                       {"name": "s", "shape": [1], "datatype": "BYTES", "data": ["text"]},
+                       {"name": "u", "shape": [2], "datatype": "UINT8", "data": [0, 255],
+                        "parameters": {"binary_data_size": 0}}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+            "parameters": {"binary_data_output": False}}
+    assert infer_body_problem(json.dumps(good).encode(), None) is None

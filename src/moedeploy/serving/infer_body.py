@@ -9,12 +9,17 @@ values than the shape holds) it answers HTTP 500, a server error, for the client
 front answers those 400 itself, in one line naming the input. Values sent as binary data (the
 `Inference-Header-Content-Length` extension) Triton checks against the shape itself, before it
 allocates (400 "input byte size mismatch"); only the JSON header of such a body is read here.
+Its parser answered 500 too for JSON of the wrong type: a name, datatype or output name that is
+not a string, a value that is not of the input's datatype ("a" or 6.5 for INT64, "hot" for
+FP32, an INT64 past its range), a binary_data_output that is not true or false. Those are
+checked here as well, in bodies whose JSON part is parsed (up to PARSED_JSON_BYTES).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from moedeploy.serving.generate_body import parse_json
@@ -52,7 +57,44 @@ def infer_body_problem(body: bytes | bytearray, json_length: str | None) -> str 
         if (problem := _input_problem(tensor)) is not None:
             name = tensor.get("name")
             return f"inputs[{index}]{f' ({name})' if isinstance(name, str) else ''}: {problem}"
+    outputs = payload.get("outputs", [])
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
+        return '"outputs" must be a list of objects, each with a "name" string'
+    for where, part in (("the request's", payload), *((f"outputs[{i}]'s", o) for i, o in enumerate(outputs)),
+                        *((f"inputs[{i}]'s", t) for i, t in enumerate(inputs))):
+        if (problem := _parameters_problem(part.get("parameters", {}))) is not None:
+            return f"{where} {problem}"
     return None
+
+
+#: the range of each integer datatype's values
+_INTEGER_RANGES = {f"{kind}INT{bits}": ((-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if kind == "" else (0, 2**bits - 1))
+                   for kind in ("", "U") for bits in (8, 16, 32, 64)}
+_FLOATS = {"FP16", "FP32", "FP64", "BF16"}
+#: parameters of Triton's HTTP extensions (binary data, classification) and the JSON type it reads each as
+_BOOLEAN_PARAMETERS = ("binary_data_output", "binary_data")
+_INTEGER_PARAMETERS = ("binary_data_size", "classification")
+
+
+def _parameters_problem(parameters: Any) -> str | None:
+    if not isinstance(parameters, dict):
+        return '"parameters" must be a JSON object'
+    for name in _BOOLEAN_PARAMETERS:
+        if name in parameters and not isinstance(parameters[name], bool):
+            return f'parameter "{name}" must be true or false, got {_shown(parameters[name])}'
+    for name in _INTEGER_PARAMETERS:
+        value = parameters.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f'parameter "{name}" must be a non-negative integer, got {_shown(value)}'
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A value as the client wrote it in JSON, cut short."""
+    import json
+
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _declared_size_problem(body: bytes | bytearray | memoryview) -> str | None:
@@ -70,26 +112,57 @@ def _declared_size_problem(body: bytes | bytearray | memoryview) -> str | None:
 
 
 def _input_problem(tensor: dict) -> str | None:
+    if not isinstance(tensor.get("name"), str):
+        return '"name" must be a string'
+    datatype = tensor.get("datatype")
+    if not isinstance(datatype, str):
+        return '"datatype" must be a string, such as "INT64" or "FP32"'
     shape = tensor.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         return "shape must be a list of non-negative integers"
     if "data" not in tensor:
         return None  # binary data or a shared-memory region: Triton checks its size before allocating
-    declared, sent = math.prod(shape), count_values(tensor["data"])
+    sent, wrong = count_values(tensor["data"], _value_check(datatype))
+    if wrong:
+        return f"data holds {_shown(wrong[0])}, which is not of datatype {datatype}; send {_what(datatype)}"
+    declared = math.prod(shape)
     if declared != sent:
         return (f"shape {shape} holds {declared:,} values but data has {sent:,}; send as many values as the shape "
                 "holds")
     return None
 
 
-def count_values(data: Any) -> int:
-    """The values in a (nested) JSON array, counted without recursion (the body's nesting is the
-    client's to choose); a lone value is one."""
+def _value_check(datatype: str) -> Callable[[Any], bool] | None:
+    """Whether a JSON value is one of `datatype`'s (None: a datatype Triton itself judges)."""
+    if datatype in _INTEGER_RANGES:
+        low, high = _INTEGER_RANGES[datatype]
+        return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+    if datatype in _FLOATS:
+        return lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+    if datatype == "BOOL":
+        return lambda v: isinstance(v, bool)
+    if datatype == "BYTES":
+        return lambda v: isinstance(v, str)
+    return None
+
+
+def _what(datatype: str) -> str:
+    if datatype in _INTEGER_RANGES:
+        low, high = _INTEGER_RANGES[datatype]
+        return f"integers from {low} to {high}"
+    return {"BOOL": "true or false", "BYTES": "strings"}.get(datatype, "numbers")
+
+
+def count_values(data: Any, is_value: Callable[[Any], bool] | None = None) -> tuple[int, tuple]:
+    """(the values in a (nested) JSON array, (the first value `is_value` refuses,) or ()), walked
+    without recursion (the body's nesting is the client's to choose); a lone value is one."""
     count, pending = 0, [data]
     while pending:
         item = pending.pop()
         if isinstance(item, list):
-            pending.extend(item)
+            pending.extend(reversed(item))
         else:
+            if is_value is not None and not is_value(item):
+                return count, (item,)
             count += 1
-    return count
+    return count, ()
