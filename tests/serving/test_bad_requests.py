@@ -196,6 +196,32 @@ def test_json_nested_too_deep_and_a_false_content_encoding_are_refused(server, p
     still_serving(server)
 
 
+@pytest.mark.parametrize("head", [
+    b"Content-Length: abc\r\n",
+    b"Content-Length: -5\r\n",
+    b"Content-Length: 2\r\nContent-Length: 3\r\n",
+    b"X-Long: " + b"a" * 9000 + b"\r\n",
+])
+def test_a_request_aiohttp_cannot_parse_is_one_log_line_not_a_traceback(server, head: bytes, caplog) -> None:
+    """aiohttp answers these 400 itself, before any handler of ours, and logged each as "Error
+    handling request" with a traceback of about ten lines: a log any client could flood."""
+    import socket
+    import time
+
+    host, port = server.http_url.rsplit(":", 1)
+    with caplog.at_level(logging.DEBUG):
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /v2/models/moe/infer HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+            answer = connection.recv(65536)
+        time.sleep(0.2)
+    assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text, caplog.text[-2000:]
+    (line,) = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert line.startswith(f"refused a malformed HTTP request on port {port}: ") and "\n" not in line, line
+    assert line.split(": ", 2)[2].strip(), line  # aiohttp's reason, not only the exception's name
+    still_serving(server)
+
+
 def test_a_gzip_inference_body_is_read_decompressed(server) -> None:
     import gzip
 

@@ -206,8 +206,8 @@ class HttpFront(LoopServer):
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle, expect_handler=self._expect)
         # handler_cancellation: a client that disconnects cancels its handler (and so its call to Triton)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=2.0)
+        self._runner = app_runner(app, self.port, handle_signals=False, handler_cancellation=True,
+                                  shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, reuse_port=False)
         await site.start()
@@ -327,6 +327,39 @@ class HttpFront(LoopServer):
             LOGGER.warning("http front: no answer from Triton for %s %s: %s", request.method, request.path,
                            _one_line(e))
             return self._refusal(503, f"the model server is unavailable ({_one_line(e)}); retry")
+
+
+class MalformedRequestsInOneLine:
+    """aiohttp's server logger, as a front's runner hands it to aiohttp: a request aiohttp could
+    not parse (a Content-Length that is not a number, two of them, a bad chunk size, a header
+    past 8 KiB: HttpProcessingError) is the client's mistake, and gets one line in the log; aiohttp
+    logged each with "Error handling request" and a traceback of about ten lines, a log any client
+    could flood. aiohttp itself still answers it 400 and closes the connection. Anything else is
+    logged as aiohttp logs it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._logger = logging.getLogger("aiohttp.server")
+
+    def exception(self, message: str, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc_info, HttpProcessingError):
+            reason = next((line.strip() for line in str(exc_info.message).splitlines() if line.strip()), "")
+            LOGGER.info("refused a malformed HTTP request on port %d: %s: %s", self.port, type(exc_info).__name__,
+                        reason[:200])
+        else:
+            self._logger.exception(message, *args, exc_info=exc_info, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+def app_runner(app: Any, port: int, **kwargs: Any) -> Any:
+    """A web.AppRunner for a front's app whose malformed requests are logged in one line."""
+    from aiohttp import web
+
+    return web.AppRunner(app, access_log=None, logger=MalformedRequestsInOneLine(port), **kwargs)
 
 
 def unreadable_body_answer(request, response):

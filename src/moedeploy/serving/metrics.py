@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from moedeploy.serving.front import LoopServer
+from moedeploy.serving.front import LoopServer, app_runner
 
 #: seconds: from a request's arrival to its first token, and between two tokens of one request
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -101,7 +101,7 @@ class MetricsFront(LoopServer):
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = app_runner(app, self.port)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedeploy.runtime.text import TextCodec, TextError, check_unicode
-from moedeploy.serving.front import RETRY_AFTER, LoopServer, expect_within, unreadable_body_answer
+from moedeploy.serving.front import (
+    RETRY_AFTER,
+    LoopServer,
+    app_runner,
+    expect_within,
+    unreadable_body_answer,
+)
 from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, parse_json, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -240,8 +246,8 @@ class OpenAIFront(LoopServer):
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
         app.router.add_post("/v1/chat/completions", self._chat_completions, expect_handler=self._expect)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=2.0)
+        self._runner = app_runner(app, self.port, handle_signals=False, handler_cancellation=True,
+                                  shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
 
