@@ -110,10 +110,18 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     assert refusal({**prompt, "max_tokens": 2**70}, model)[1] == "max_tokens"
     assert refusal({**prompt, "temperature": float("nan")}, model) == (
         "temperature must be a number within float32's range, got nan", "temperature")
+    # logprobs 0 asks the completions API for the chosen tokens' log probabilities (it answered
+    # "logprobs": null), and a tool_choice without tools was passed over in silence
     for field, value in [("logit_bias", {"5": 10}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-                         ("response_format", {"type": "json_object"}), ("logprobs", True)]:
+                         ("response_format", {"type": "json_object"}), ("logprobs", True), ("logprobs", 0),
+                         ("tool_choice", "auto"), ("function_call", "auto")]:
         assert refusal({**prompt, field: value}, model) == (
             f"{field} is not supported by this server; leave it out", field)
+    assert refusal({**prompt, "top_p": 1e-300}, model) == (  # 0 as the float32 the stream model reads
+        "top_p must be in (0, 1], got 1e-300, which is 0 as a float32", "top_p")
+    assert refusal({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+                   model, chat=True) == ("messages[1] holds tool_calls: this server does not take tool calls", "messages")
     assert refusal({"prompt": "ab\ud800"}, model)[1] == "prompt"
     assert refusal({"messages": [{"role": "wizard", "content": "hi"}]}, model, chat=True) == (
         "messages[0].role is \"wizard\"; use one of system, developer, user, assistant, tool, function", "messages")
@@ -136,9 +144,10 @@ def test_openai_chat_content_as_text_parts_is_the_parts_joined_by_newlines(model
 def test_openai_neutral_values_and_top_k_pass(model: ServedModel) -> None:
     generation = parse_request({"model": "decoder", "prompt": "the cat", "max_tokens": 3, "logit_bias": {},
                                 "frequency_penalty": 0, "presence_penalty": 0.0, "response_format": {"type": "text"},
-                                "logprobs": False, "n": 1, "top_k": 5, "seed": -(2**63), "stop": []},
+                                "logprobs": False, "n": 1, "top_k": 5, "seed": -(2**63), "stop": [],
+                                "tool_choice": "none", "top_p": 1e-30},
                                {"decoder": model}, chat=False)
-    assert generation.options == {"temperature": 1.0, "top_k": 5, "seed": -(2**63)}
+    assert generation.options == {"temperature": 1.0, "top_p": 1e-30, "top_k": 5, "seed": -(2**63)}
     assert generation.ids == model.codec.encode("the cat") and generation.max_tokens == 3
 
 

@@ -187,6 +187,9 @@ def check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TextError(f"messages[{i}] is not an object with a string \"role\"")
+        for calls in ("tool_calls", "function_call"):
+            if message.get(calls) is not None:
+                raise TextError(f"messages[{i}] holds {calls}: this server does not take tool calls")
         if not isinstance(message.get("content"), str):
             raise TextError(f"messages[{i}].content is not a string (only text content is supported)")
         check_unicode(message["role"], f"messages[{i}].role")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,10 +47,12 @@ DEFAULT_TEMPERATURE = 1.0
 #: the roles OpenAI's chat API takes ("function" is its older name for "tool")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: fields this server does not implement -> the values that ask for nothing (those pass)
+#: (logprobs 0 is no such value: the completions API answers it with the chosen tokens' log
+#: probabilities; tool_choice "none" is, and any other tool_choice needs tools, refused too)
 UNSUPPORTED = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
-    "functions": ([],), "logit_bias": ({},), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "response_format": ({"type": "text"},),
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "response_format": ({"type": "text"},),
 }
 
 
@@ -111,6 +114,10 @@ def _unsupported(body: dict) -> str | None:
     return None
 
 
+def _as_float32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 def _checked_text(text: str, field: str) -> None:
     try:
         check_unicode(text, field)
@@ -151,6 +158,8 @@ def parse_request(body: Any, models: dict[str, ServedModel], chat: bool) -> Gene
     if (top_p := _number(body, "top_p", float)) is not None:
         if not 0 < top_p <= 1:  # the nucleus's probability mass: some, at most all
             raise ApiError(f"top_p must be in (0, 1], got {shown(top_p)}", "top_p")
+        if _as_float32(top_p) == 0:  # what the stream model reads
+            raise ApiError(f"top_p must be in (0, 1], got {shown(top_p)}, which is 0 as a float32", "top_p")
         options["top_p"] = float(top_p)
     if (top_k := _number(body, "top_k", int, low=1)) is not None:  # not OpenAI's; vLLM's and TensorRT-LLM's
         options["top_k"] = top_k
