@@ -468,6 +468,29 @@ def test_openai_port_without_a_tokenizer_is_refused_before_triton_starts(store) 
         ModelServer([store.decoder("fp32")], ServeOptions(openai_port=free_ports(1)[0]))
 
 
+def test_a_taken_openai_port_is_refused_before_triton_starts(served) -> None:
+    """Its front starts after Triton: a taken port was found only after Triton's whole start-up
+    (80 lines of its output, then a shutdown)."""
+    import socket
+    import time
+
+    from moedeploy.serving import ModelServer, ServeOptions, ServingError
+
+    _, _, artifact = served
+    http, grpc, metrics = free_ports(3)
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        options = ServeOptions(backend="ort", host=HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                               openai_port=port)
+        start = time.monotonic()
+        with pytest.raises(ServingError, match=rf"cannot listen on {HOST}:{port} for openai \(.*\); choose another "
+                                               r"--openai-port$"):
+            ModelServer([artifact], options).start()
+        assert time.monotonic() - start < 5  # before Triton, which takes longer than that to start
+
+
 def test_a_stop_string_ends_the_text_before_it_and_finishes_with_stop(served, openai_client) -> None:
     whole = openai_client.completions.create(model="decoder", prompt=PROMPT, max_tokens=NEW, temperature=0).choices[0]
     assert whole.finish_reason == "length" and len(whole.text) >= 4

@@ -421,7 +421,10 @@ class ModelServer:
         """Load every runner, then start Triton and wait until every model is ready."""
         require_pytriton()
         o = self.options
-        for label, port in (("http", o.http_port), ("grpc", o.grpc_port), ("metrics", o.metrics_port)):
+        ports = [("http", o.http_port), ("grpc", o.grpc_port), ("metrics", o.metrics_port)]
+        if o.openai_port is not None:  # its front starts after Triton: a taken port found then costs Triton's start
+            ports.append(("openai", o.openai_port))
+        for label, port in ports:
             check_port_free(o.host, port, label)
         try:
             from pytriton.utils.workspace import Workspace
