@@ -215,6 +215,30 @@ def test_reexport_replaces_the_folder_and_leaves_no_temp(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+def test_a_manifest_its_own_check_refuses_never_replaces_the_old_artifact(tmp_path: Path, monkeypatch) -> None:
+    """The manifest is held to Artifact.load's checks before the new folder replaces `out`: a
+    float sliding_window in config.json reached the manifest, which only load refused, after
+    the good artifact had been replaced by one nothing could open."""
+    from moedeploy.export import exporter
+
+    out = tmp_path / "art"
+    export_block("rmsnorm", out, seed=1)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    checked = []
+
+    def refusing(manifest):
+        checked.append(manifest["seed"])
+        return "config fields sliding_window are not integers"
+
+    monkeypatch.setattr(exporter, "first_manifest_problem", refusing)
+    with pytest.raises(ArtifactError, match=rf"the export made a manifest its own check refuses \(config fields "
+                                            rf"sliding_window are not integers\); {out} is as it was"):
+        export_block("rmsnorm", out, seed=2)
+    assert checked == [2]  # the new manifest, sealed as it would be written
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
 def test_failed_export_keeps_the_old_artifact_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     from moedeploy.export import exporter
 

@@ -241,6 +241,8 @@ def test_error_wrong_model_type(hf_folder: Path) -> None:
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
         ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types='chunked_attention'"),
         ({"num_attention_heads": 4.0}, "num_attention_heads is 4.0, not an integer"),
+        # was written into the artifact and refused only by its own manifest check, in its place
+        ({"sliding_window": 5.0}, "sliding_window is 5.0, not an integer; fix it in config.json"),
         ({"num_attention_heads": True}, "num_attention_heads is True, not an integer"),
         ({"hidden_size": "32"}, "hidden_size is '32', not an integer"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, not a finite number >= 0"),

@@ -72,6 +72,8 @@ def test_dict_round_trip() -> None:
         ({"n_experts": 0}, "n_experts"),
         ({"hidden_size": 24, "n_heads": 8, "n_kv_heads": 2}, "even"),  # head_dim 3
         ({"head_dim": 7}, "even"),
+        ({"sliding_window": 5.0}, r"sliding_window must be an integer, got 5\.0"),
+        ({"kv_lora_rank": True}, "kv_lora_rank must be an integer, got True"),
     ],
 )
 def test_invalid_configs_raise(kwargs: dict, message: str) -> None:

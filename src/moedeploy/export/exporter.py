@@ -32,7 +32,9 @@ from moedeploy.export.artifact import (
     REPORT_DIR,
     SCHEMA_VERSION,
     Artifact,
+    ArtifactError,
     derived_strangers,
+    first_manifest_problem,
     io_spec,
     parse_dtype,
     report_strangers,
@@ -495,7 +497,12 @@ def _write_artifact(
         files += save_golden(tmp, golden_in, golden_out)
         progress("hashing the artifact's files")
         manifest["files"] = {rel: sha256(tmp / rel) for rel in files}
-        atomic_write_json(tmp / MANIFEST, sealed(manifest))
+        manifest = sealed(manifest)
+        # what Artifact.load will refuse is refused here, before the folder replaces `out`: a
+        # manifest its own check fails left an unusable artifact in place of a good one
+        if problem := first_manifest_problem(manifest):
+            raise ArtifactError(f"the export made a manifest its own check refuses ({problem}); {out} is as it was")
+        atomic_write_json(tmp / MANIFEST, manifest)
     return Artifact.load(out)
 
 

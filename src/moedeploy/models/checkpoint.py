@@ -101,7 +101,8 @@ def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None 
         raise CheckpointError(f"{path / 'config.json'}: {family.title if family else 'moedeploy'}: {e}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        if isinstance(e, TypeError) and "NoneType" in detail and (nulls := _null_numeric_fields(path)):
+        null = (isinstance(e, TypeError) and "NoneType" in detail) or detail.endswith("must be an integer, got None")
+        if null and (nulls := _null_numeric_fields(path)):
             detail = f"{', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null where a number is needed; give it a value"
         if family is not None:
             names = {**HF_FIELD_NAMES, "n_experts": family.experts_key}

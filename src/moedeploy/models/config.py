@@ -8,7 +8,7 @@ decoder covers them all through its config.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moedeploy.plugins.moe import NO_LIMIT, ExpertActivation, Routing
@@ -94,6 +94,12 @@ class DecoderConfig:
     lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
+        # a float size (5.0 for a window) got as far as the artifact's own manifest check, after
+        # the artifact was written
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "n_experts",
                      "top_k", "expert_hidden", "max_positions"):
             if getattr(self, name) < 1:

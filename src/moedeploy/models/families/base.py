@@ -110,7 +110,8 @@ INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
     "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
-    "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step", "rotary_dim",
+    "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step", "rotary_dim", "sliding_window",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
 )
 #: config.json fields that must be at least 1 (when present and not null)
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
