@@ -298,6 +298,27 @@ def test_error_no_weights(hf_folder: Path) -> None:
     assert "no *.safetensors" in _load_error(hf_folder)
 
 
+@pytest.mark.parametrize(("dtype", "stored"), [(torch.int32, "I32"), (torch.bool, "BOOL"), (torch.complex64, "C64"),
+                                               (torch.float8_e4m3fn, "F8_E4M3")])
+def test_a_weight_stored_in_a_dtype_that_is_not_a_float_one_is_refused_by_its_name(dtype, stored, hf_folder: Path) -> None:
+    """An int32 or bool weight was cast to float in silence (as transformers casts it), a complex
+    one lost its imaginary part with only torch's warning, and an fp8 one ended in "internal
+    error" inside torch.stack."""
+    key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    _rewrite(hf_folder, lambda t: t.update({key: t[key].to(dtype)}))
+    assert _load_error(hf_folder) == (
+        f"{hf_folder}: {key} in model.safetensors is stored as {stored}; weights are read as F32, F16, BF16 or F64: "
+        "re-download that file if it is damaged, or convert the checkpoint to one of those dtypes")
+
+
+def test_weights_in_any_float_dtype_are_read_as_the_checkpoints_values(hf_folder: Path) -> None:
+    key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    original = load_file(str(hf_folder / "model.safetensors"))[key]
+    _rewrite(hf_folder, lambda t: t.update({key: t[key].double()}))
+    model = MoEDecoder.from_pretrained(hf_folder)
+    torch.testing.assert_close(model.state_dict()["layers.0.ffn.w_up"][1].double(), original.double(), rtol=0, atol=0)
+
+
 def test_error_missing_tensor(hf_folder: Path) -> None:
     _rewrite(hf_folder, lambda t: t.pop("model.layers.0.self_attn.q_proj.weight"))
     msg = _load_error(hf_folder)

@@ -200,7 +200,8 @@ class CheckpointWeights:
         raw_config = _read_config(path)
         if raw_config.get("format") == FORMAT:
             self.config = _parse(lambda: DecoderConfig.from_dict(raw_config["config"]), path)
-            headers = _read_headers(path)
+            dtypes: dict[str, str] = {}
+            headers = _read_headers(path, dtypes)
             self._parts = {name: _Part(((file, name),)) for name, (file, _) in headers.items()}
             self._shapes = {name: shape for name, (_, shape) in headers.items()}
         else:
@@ -209,10 +210,15 @@ class CheckpointWeights:
             except UnsupportedOption as e:
                 raise CheckpointError(f"{path / 'config.json'}: {e}") from None
             self.config = _parse(lambda: family.config(checked_field_types(raw_config)), path, family)
+            dtypes = {}
             try:
-                self._parts, self._shapes = _hf_parts(_read_headers(path), self.config, family)
+                self._parts, self._shapes = _hf_parts(_read_headers(path, dtypes), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree
                 raise CheckpointError(f"{path}: {e}") from None
+        try:
+            _check_float_weights(self._parts, dtypes)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         if self.config.tie_embeddings and "lm_head.weight" in self._parts:
             # torch's state_dict() and some exporters keep the tied copy: the same values, dropped.
             # A different one is not a copy, and which of the two the model means is not ours to guess.
@@ -315,13 +321,21 @@ def _read(file: Path, key: str, index: tuple | None = None) -> torch.Tensor:
         raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
 
 
-def _read_headers(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every tensor's shard and shape, from the safetensors headers alone (no data is read)."""
+#: the safetensors dtypes a weight may be stored in: transformers casts each to the model's dtype
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _read_headers(path: Path, dtypes: dict[str, str] | None = None) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor's shard and shape, from the safetensors headers alone (no data is read);
+    `dtypes`, when given, gets every tensor's safetensors dtype ("F32", "I32", ...)."""
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+                slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+                shapes = {name: tuple(s.get_shape()) for name, s in slices.items()}
+                if dtypes is not None:
+                    dtypes.update({name: s.get_dtype() for name, s in slices.items()})
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
         # without an index nothing says which copy is meant (transformers reads model.safetensors
@@ -332,6 +346,22 @@ def _read_headers(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
                                   "not part of the checkpoint (or add a model.safetensors.index.json naming the shards)")
         found |= {name: (file, shape) for name, shape in shapes.items()}
     return found
+
+
+def _check_float_weights(parts: dict[str, _Part], dtypes: dict[str, str]) -> None:
+    """Every tensor read as a weight as it is stored (not through a family's derivation, which
+    reads MXFP4's uint8 codes) is a floating-point one: an int32 or bool weight was cast to
+    float without a word (transformers does the same), a complex one lost its imaginary part
+    with a warning, and an fp8 one failed inside torch.stack as an "internal error"."""
+    for part in parts.values():
+        if part.derived is not None:
+            continue
+        for file, key in part.files:
+            if (dtype := dtypes.get(key, "F32")) not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{key} in {file.name} is stored as {dtype}; weights are read as {', '.join(FLOAT_DTYPES[:-1])} "
+                    f"or {FLOAT_DTYPES[-1]}: re-download that file if it is damaged, or convert the checkpoint to one "
+                    "of those dtypes")
 
 
 def _hf_parts(
