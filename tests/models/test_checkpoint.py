@@ -319,6 +319,16 @@ def test_weights_in_any_float_dtype_are_read_as_the_checkpoints_values(hf_folder
     torch.testing.assert_close(model.state_dict()["layers.0.ffn.w_up"][1].double(), original.double(), rtol=0, atol=0)
 
 
+def test_one_expert_of_another_shape_is_named_with_its_file(hf_folder: Path) -> None:
+    """Was "layer 0 w_up: the experts' weights differ in shape", in moedeploy's names only."""
+    key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    shape = tuple(load_file(str(hf_folder / "model.safetensors"))[key].shape)
+    _rewrite(hf_folder, lambda t: t.update({key: t[key].T.contiguous()}))
+    assert _load_error(hf_folder) == (
+        f"{hf_folder}: {key} in model.safetensors has shape {shape[::-1]}, the layer's other experts {shape}; "
+        "re-download that file if it is damaged, or fix the weights")
+
+
 def test_error_missing_tensor(hf_folder: Path) -> None:
     _rewrite(hf_folder, lambda t: t.pop("model.layers.0.self_attn.q_proj.weight"))
     msg = _load_error(hf_folder)

@@ -11,6 +11,7 @@ Both map onto our stacked (E, out, in) expert weights; anything unexpected is an
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -433,7 +434,12 @@ def _hf_parts(
         ours = f"layers.{layer}.ffn.{w}"
         first = experts[0][2]
         if any(shape != first for _, _, shape in experts.values()):
-            raise CheckpointError(f"layer {layer} {w}: the experts' weights differ in shape")
+            common = collections.Counter(shape for _, _, shape in experts.values()).most_common(1)[0][0]
+            odd = [(name, file, shape) for _, (file, name, shape) in sorted(experts.items()) if shape != common]
+            name, file, shape = odd[0]
+            more = f" (and {len(odd) - 1} more of its experts)" if len(odd) > 1 else ""
+            raise CheckpointError(f"{name} in {file.name} has shape {shape}, the layer's other experts {common}{more}; "
+                                  "re-download that file if it is damaged, or fix the weights")
         parts[ours] = _Part(tuple((experts[j][0], experts[j][1]) for j in range(config.n_experts)), per_expert=True)
         shapes[ours] = (config.n_experts, *first)
     return parts, shapes
