@@ -130,6 +130,21 @@ def test_hf_sharded_checkpoint_matches_transformers(tmp_path: Path) -> None:
     _assert_matches_hf(ours, hf, 64)
 
 
+def test_a_tensor_in_two_indexed_shards_is_refused_naming_the_copy_the_index_does_not(tmp_path: Path) -> None:
+    """The fix offered was to add the index the checkpoint already had."""
+    hf = tiny_mixtral(seed=4, **CONFIGS["gqa"])
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "model.embed_tokens.weight"
+    named, other = weight_map[key], next(f for f in sorted(set(weight_map.values())) if f != weight_map[key])
+    tensors = load_file(str(tmp_path / other))
+    save_file({**tensors, key: load_file(str(tmp_path / named))[key]}, str(tmp_path / other))
+    first, second = sorted([named, other])
+    assert _load_error(tmp_path) == (
+        f"{tmp_path}: '{key}' is in both {first} and {second}, which model.safetensors.index.json both lists; it names {named} "
+        f"for it: remove the copy in {other}")
+
+
 def test_hf_bf16_checkpoint_stays_bf16(tmp_path: Path) -> None:
     hf = tiny_mixtral(seed=5, **CONFIGS["gqa"]).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)

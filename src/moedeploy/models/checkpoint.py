@@ -163,6 +163,12 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} has no *.safetensors weight files")
 
 
+def _indexed_file(path: Path, tensor: str) -> str | None:
+    """The shard the checkpoint's index names for `tensor` (None: it names none)."""
+    named = json.loads((path / INDEX_FILE).read_text())["weight_map"].get(tensor)  # read before by _weight_files
+    return named if isinstance(named, str) else None
+
+
 @dataclass(frozen=True)
 class _Part:
     """Where one of our tensors lies in the checkpoint: whole, or rows [start, stop) of dim 1 of
@@ -343,8 +349,15 @@ def _read_headers(path: Path, dtypes: dict[str, str] | None = None) -> dict[str,
         # alone): a tensor in two files, a stray old shard say, is refused rather than picked
         if twice := sorted(name for name in shapes if name in found):
             which = f"{twice[0]!r}" + (f" and {len(twice) - 1} more tensors are" if len(twice) > 1 else " is")
-            raise CheckpointError(f"{which} in both {found[twice[0]][0].name} and {file.name}; remove the file that is "
-                                  "not part of the checkpoint (or add a model.safetensors.index.json naming the shards)")
+            both = f"{which} in both {found[twice[0]][0].name} and {file.name}"
+            if (path / INDEX_FILE).is_file():  # both listed by the index: one of them holds a copy it should not
+                named = _indexed_file(path, twice[0])
+                others = [f for f in (found[twice[0]][0].name, file.name) if f != named]
+                raise CheckpointError(f"{both}, which {INDEX_FILE} both lists; "
+                                      + (f"it names {named} for it: remove the copy in {others[0]}" if named and others
+                                         else "remove the copy that is not meant"))
+            raise CheckpointError(f"{both}; remove the file that is not part of the checkpoint (or add a "
+                                  f"{INDEX_FILE} naming the shards)")
         found |= {name: (file, shape) for name, shape in shapes.items()}
     return found
 
