@@ -72,6 +72,7 @@ def test_dict_round_trip() -> None:
         ({"n_experts": 0}, "n_experts"),
         ({"hidden_size": 24, "n_heads": 8, "n_kv_heads": 2}, "even"),  # head_dim 3
         ({"head_dim": 7}, "even"),
+        ({"hidden_size": 40, "n_heads": 8, "n_kv_heads": 8}, "head_dim 5 must be even: the rotary embedding turns pairs"),
         ({"sliding_window": 5.0}, r"sliding_window must be an integer, got 5\.0"),
         ({"kv_lora_rank": True}, "kv_lora_rank must be an integer, got True"),
     ],

@@ -325,7 +325,7 @@ def _read(file: Path, key: str, index: tuple | None = None) -> torch.Tensor:
                 return f.get_tensor(key)
             return f.get_slice(key)[index].clone()
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
 
 
 #: the safetensors dtypes a weight may be stored in: transformers casts each to the model's dtype
@@ -344,7 +344,7 @@ def _read_headers(path: Path, dtypes: dict[str, str] | None = None) -> dict[str,
                 if dtypes is not None:
                     dtypes.update({name: s.get_dtype() for name, s in slices.items()})
         except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
         # without an index nothing says which copy is meant (transformers reads model.safetensors
         # alone): a tensor in two files, a stray old shard say, is refused rather than picked
         if twice := sorted(name for name in shapes if name in found):

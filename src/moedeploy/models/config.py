@@ -133,6 +133,8 @@ class DecoderConfig:
             )
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must lie in [1, n_experts={self.n_experts}]")
+        if self.rotary_dim == self.head_dim and self.head_dim % 2:  # the whole head rotated, as most families do
+            raise ValueError(f"head_dim {self.head_dim} must be even: the rotary embedding turns pairs of features")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.norm not in NORMS:
