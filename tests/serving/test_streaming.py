@@ -468,6 +468,39 @@ def test_openai_port_without_a_tokenizer_is_refused_before_triton_starts(store) 
         ModelServer([store.decoder("fp32")], ServeOptions(openai_port=free_ports(1)[0]))
 
 
+def test_openai_stream_clients_that_close_mid_stream_are_cancelled_without_a_traceback(served, caplog) -> None:
+    """A write to a client that closed its connection between two tokens raised out of the
+    handler (the cancel that aiohttp sends reaches it only while it waits on the connection),
+    and aiohttp logged "Error handling request" with a traceback: 3 of 30 abandoned streams
+    (this test saw it in 1 of 2 runs before the fix)."""
+    import socket
+
+    server, *_ = served
+    label = (("model", MODEL),)
+    cancelled_key = ("moedeploy_stream_requests_total", tuple(sorted((*label, ("outcome", "cancelled")))))
+    before = scrape(server).get(cancelled_key, 0)
+    body = json.dumps({"model": "decoder", "prompt": "x", "max_tokens": 1500, "temperature": 0, "stream": True})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+    streams = 30
+    with caplog.at_level(logging.INFO):
+        for _ in range(streams):
+            with socket.create_connection((HOST, server.options.openai_port), timeout=60) as connection:
+                connection.sendall(request)
+                received = b""
+                while received.count(b"data: ") < 1:
+                    chunk = connection.recv(4096)
+                    assert chunk, received
+                    received += chunk
+                # closed (a FIN: aiohttp closes its side at once, and a write before it has noticed
+                # the connection is lost meets a closing transport) while tokens are being written
+        deadline = time.monotonic() + 30
+        while scrape(server).get(cancelled_key, 0) - before < streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert scrape(server).get(cancelled_key, 0) - before == streams  # every generation stopped early
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text, caplog.text[-3000:]
+
+
 def test_a_taken_openai_port_is_refused_before_triton_starts(served) -> None:
     """Its front starts after Triton: a taken port was found only after Triton's whole start-up
     (80 lines of its output, then a shutdown)."""

@@ -376,20 +376,28 @@ class OpenAIFront(LoopServer):
 
         tokens = 0
         try:
-            if first is not None:
-                tokens += first[2]
-                await send({**head, "choices": [choice(first[0], first[1], True)]})
-                async for piece, finish, count in events:
-                    tokens += count
-                    await send({**head, "choices": [choice(piece, finish, False)]})
-            if generation.include_usage:
-                await send({**head, "choices": [], "usage": {
-                    "prompt_tokens": len(generation.ids), "completion_tokens": tokens,
-                    "total_tokens": len(generation.ids) + tokens}})
-        except ApiError as e:
-            await send(e.body())
-        await send("[DONE]")
-        await response.write_eof()
+            try:
+                if first is not None:
+                    tokens += first[2]
+                    await send({**head, "choices": [choice(first[0], first[1], True)]})
+                    async for piece, finish, count in events:
+                        tokens += count
+                        await send({**head, "choices": [choice(piece, finish, False)]})
+                if generation.include_usage:
+                    await send({**head, "choices": [], "usage": {
+                        "prompt_tokens": len(generation.ids), "completion_tokens": tokens,
+                        "total_tokens": len(generation.ids) + tokens}})
+            except ApiError as e:
+                await send(e.body())
+            await send("[DONE]")
+            await response.write_eof()
+        except ConnectionResetError:
+            # the client went away between two writes (a cancel reaches the handler only while it
+            # waits on the connection): nobody to answer; closing the token stream cancels the
+            # generation upstream. Raised out of the handler, aiohttp logged it with a traceback.
+            await events.aclose()
+            if request.transport is not None:
+                request.transport.abort()
         return response
 
 
