@@ -731,8 +731,13 @@ def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(scri
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *argv])
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    siblings = {p.stem for p in BENCHMARKS.glob("*.py")} - set(sys.modules)  # modules the scripts import
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    finally:  # what the script imported from its folder (decode_profile) leaves with it
+        for name in siblings:
+            sys.modules.pop(name, None)
     code, stderr = exit_.value.code, capsys.readouterr().err
     if isinstance(code, str):  # sys.exit("error: ...") prints the text and exits 1
         code, stderr = 1, stderr + code + "\n"

@@ -326,6 +326,40 @@ def test_a_weight_stored_in_a_dtype_that_is_not_a_float_one_is_refused_by_its_na
         "re-download that file if it is damaged, or convert the checkpoint to one of those dtypes")
 
 
+def test_a_weight_a_family_derives_is_held_to_its_sources_dtypes(tmp_path: Path) -> None:
+    """gpt-oss's fused experts reach our weights through its family's derivation, which the
+    dtype check passed over: int32 ended in load_state_dict's RuntimeError, fp8 loaded silently."""
+
+    from tests.families.cases import cases, make_model, save_checkpoint
+
+    folder = save_checkpoint(make_model(cases(n_layers=2)["gpt_oss"]), tmp_path / "gpt_oss")
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    shard = next(f for f in sorted(folder.glob("*.safetensors")) if key in load_file(str(f)))
+    tensors = load_file(str(shard))
+    save_file({**tensors, key: tensors[key].to(torch.float8_e4m3fn)}, str(shard))
+    assert _load_error(folder) == (
+        f"{folder}: {key} in {shard.name} is stored as F8_E4M3; weights are read as F32, F16, BF16 or F64: "
+        "re-download that file if it is damaged, or convert the checkpoint to one of those dtypes")
+
+
+def test_a_field_is_named_as_the_checkpoints_own_config_json_names_it(hf_folder: Path, tmp_path: Path) -> None:
+    """What compare says of an edited config.json: Hugging Face's names in a family's file,
+    DecoderConfig's in moedeploy's own format, whose file holds those."""
+    from moedeploy.models.checkpoint import config_json_name
+
+    hf = json.loads((hf_folder / "config.json").read_text())
+    assert "rms_norm_eps" in hf and "num_local_experts" in hf
+    assert config_json_name(hf_folder, "norm_eps", "mixtral") == "rms_norm_eps"
+    assert config_json_name(hf_folder, "n_experts", "mixtral") == "num_local_experts"
+    assert config_json_name(hf_folder, "n_experts", "qwen3_moe") == "num_experts"
+    assert config_json_name(hf_folder, "rope_theta", "mixtral") == "rope_theta"
+    MoEDecoder(preset("tiny")).save_pretrained(tmp_path / "own")
+    own = json.loads((tmp_path / "own" / "config.json").read_text())
+    assert "norm_eps" in own["config"] and "n_layers" in own["config"]
+    assert config_json_name(tmp_path / "own", "norm_eps", "mixtral") == "norm_eps"
+    assert config_json_name(tmp_path / "own", "n_layers", "mixtral") == "n_layers"
+
+
 def test_weights_in_any_float_dtype_are_read_as_the_checkpoints_values(hf_folder: Path) -> None:
     key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
     original = load_file(str(hf_folder / "model.safetensors"))[key]
@@ -334,9 +368,11 @@ def test_weights_in_any_float_dtype_are_read_as_the_checkpoints_values(hf_folder
     torch.testing.assert_close(model.state_dict()["layers.0.ffn.w_up"][1].double(), original.double(), rtol=0, atol=0)
 
 
-def test_one_expert_of_another_shape_is_named_with_its_file(hf_folder: Path) -> None:
-    """Was "layer 0 w_up: the experts' weights differ in shape", in moedeploy's names only."""
-    key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+@pytest.mark.parametrize("expert", [0, 1])
+def test_one_expert_of_another_shape_is_named_with_its_file(expert: int, hf_folder: Path) -> None:
+    """Was "layer 0 w_up: the experts' weights differ in shape", in moedeploy's names only. The
+    odd one is the one whose shape config.json does not imply, whichever expert it is."""
+    key = f"model.layers.0.block_sparse_moe.experts.{expert}.w3.weight"
     shape = tuple(load_file(str(hf_folder / "model.safetensors"))[key].shape)
     _rewrite(hf_folder, lambda t: t.update({key: t[key].T.contiguous()}))
     assert _load_error(hf_folder) == (

@@ -122,6 +122,10 @@ def test_openai_requests_the_server_cannot_honour_are_refused_naming_the_field(m
     assert refusal({"messages": [{"role": "user", "content": "hi"},
                                  {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
                    model, chat=True) == ("messages[1] holds tool_calls: this server does not take tool calls", "messages")
+    generation = parse_request({"model": "decoder", "max_tokens": 2, "messages": [  # an empty list asks for none
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
+        {"role": "user", "content": "bye"}]}, {"decoder": model}, chat=True)
+    assert generation.max_tokens == 2
     assert refusal({"prompt": "ab\ud800"}, model)[1] == "prompt"
     assert refusal({"messages": [{"role": "wizard", "content": "hi"}]}, model, chat=True) == (
         "messages[0].role is \"wizard\"; use one of system, developer, user, assistant, tool, function", "messages")
@@ -293,6 +297,10 @@ def test_inference_values_of_their_datatype_pass() -> None:
                        {"name": "s", "shape": [1], "datatype": "BYTES", "data": ["text"]},
                        {"name": "u", "shape": [2], "datatype": "UINT8", "data": [0, 255],
                         "parameters": {"binary_data_size": 0}}],
-            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
-            "parameters": {"binary_data_output": False}}
+            "outputs": [{"name": "y", "parameters": {"binary_data": True, "classification": 2}}],
+            # a request's own parameters of those names are the model's (tritonclient's custom_parameters)
+            "parameters": {"binary_data_output": False, "classification": "top", "binary_data": "x"}}
     assert infer_body_problem(json.dumps(good).encode(), None) is None
+    nested = {"inputs": [{**INT64_IDS, "data": [[1, 2, 3]]}, {"name": "x", "shape": [2, 2], "datatype": "FP32",
+                                                           "data": [[1, 2.5], [3, -4.0]]}]}
+    assert infer_body_problem(json.dumps(nested).encode(), None) is None

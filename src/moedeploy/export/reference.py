@@ -120,12 +120,12 @@ def check_same_config(artifact: Artifact, config: DecoderConfig, checkpoint: str
     from: the weights fingerprint covers the weights only, and an eager reference built on an
     edited config (another norm epsilon, RoPE theta, routing) fails compare at the first layer
     it touches, blaming the artifact instead of the edit."""
-    from moedeploy.models.checkpoint import HF_FIELD_NAMES
+    from moedeploy.models.checkpoint import config_json_name
 
     recorded = DecoderConfig.from_manifest(artifact.manifest["config"])
     if changed := [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(recorded, f.name)]:
         name = changed[0]
-        shown = {**HF_FIELD_NAMES, "n_experts": "the expert count"}.get(name, name)  # as config.json names it
+        shown = config_json_name(Path(checkpoint), name, recorded.family)
         raise ArtifactError(
             f"the config.json of checkpoint {checkpoint} does not describe the model {artifact.path} was exported "
             f"from ({shown}: {getattr(recorded, name)!r} at export, {getattr(config, name)!r} now"

@@ -92,6 +92,24 @@ HF_FIELD_NAMES = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_hea
 _FIELD_NAME = re.compile(r"\b(" + "|".join([*HF_FIELD_NAMES, "n_experts"]) + r")\b")
 
 
+def config_json_name(path: Path, field: str, family: str) -> str:
+    """DecoderConfig's `field` as the config.json of checkpoint `path` names it: a Hugging Face
+    family's name (its expert count's key included), or the field itself in moedeploy's own
+    format, whose config.json holds DecoderConfig's fields."""
+    try:
+        own = json.loads((path / "config.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        own = False
+    if own:
+        return field
+    if field == "n_experts":
+        try:
+            return family_for(family).experts_key
+        except UnsupportedOption:
+            return field
+    return HF_FIELD_NAMES.get(field, field)
+
+
 def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None = None) -> DecoderConfig:
     """The config `make` reads from `path`/config.json; its errors as CheckpointErrors that name
     the fields as that file does (a Hugging Face family's names, not DecoderConfig's; None:
@@ -363,15 +381,20 @@ def _read_headers(path: Path, dtypes: dict[str, str] | None = None) -> dict[str,
 
 
 def _check_float_weights(parts: dict[str, _Part], dtypes: dict[str, str]) -> None:
-    """Every tensor read as a weight as it is stored (not through a family's derivation, which
-    reads MXFP4's uint8 codes) is a floating-point one: an int32 or bool weight was cast to
-    float without a word (transformers does the same), a complex one lost its imaginary part
-    with a warning, and an fp8 one failed inside torch.stack as an "internal error"."""
+    """Every tensor a weight is read from is stored in a float dtype, or in the dtype its
+    family's derivation declares (MXFP4's uint8 codes and scales): an int32 or bool weight was
+    cast to float without a word (transformers does the same), a complex one lost its imaginary
+    part with a warning, and an fp8 one failed inside torch.stack as an "internal error"."""
     for part in parts.values():
-        if part.derived is not None:
-            continue
-        for file, key in part.files:
-            if (dtype := dtypes.get(key, "F32")) not in FLOAT_DTYPES:
+        declared = part.derived.source_dtypes if part.derived is not None else None
+        for i, (file, key) in enumerate(part.files):
+            dtype = dtypes.get(key, "F32")
+            if declared is not None:
+                if dtype != declared[i]:
+                    raise CheckpointError(
+                        f"{key} in {file.name} is stored as {dtype}, where its format keeps {declared[i]}: re-download "
+                        "that file if it is damaged, or fix the checkpoint")
+            elif dtype not in FLOAT_DTYPES:
                 raise CheckpointError(
                     f"{key} in {file.name} is stored as {dtype}; weights are read as {', '.join(FLOAT_DTYPES[:-1])} "
                     f"or {FLOAT_DTYPES[-1]}: re-download that file if it is damaged, or convert the checkpoint to one "
@@ -447,7 +470,12 @@ def _hf_parts(
         ours = f"layers.{layer}.ffn.{w}"
         first = experts[0][2]
         if any(shape != first for _, _, shape in experts.values()):
-            common = collections.Counter(shape for _, _, shape in experts.values()).most_common(1)[0][0]
+            implied = {"w_gate": (config.expert_hidden, config.hidden_size), "w_up": (config.expert_hidden,
+                       config.hidden_size), "w_down": (config.hidden_size, config.expert_hidden)}.get(w)
+            shapes_found = [shape for _, _, shape in experts.values()]
+            # the shape config.json implies where an expert has it (two experts, one transposed:
+            # a majority cannot tell which), else the most common one
+            common = implied if implied in shapes_found else collections.Counter(shapes_found).most_common(1)[0][0]
             odd = [(name, file, shape) for _, (file, name, shape) in sorted(experts.items()) if shape != common]
             name, file, shape = odd[0]
             more = f" (and {len(odd) - 1} more of its experts)" if len(odd) > 1 else ""

@@ -188,7 +188,7 @@ def check_messages(messages: Any) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TextError(f"messages[{i}] is not an object with a string \"role\"")
         for calls in ("tool_calls", "function_call"):
-            if message.get(calls) is not None:
+            if message.get(calls):  # an empty list, as some clients send with every message, asks for none
                 raise TextError(f"messages[{i}] holds {calls}: this server does not take tool calls")
         if not isinstance(message.get("content"), str):
             raise TextError(f"messages[{i}].content is not a string (only text content is supported)")

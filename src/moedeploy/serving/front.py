@@ -345,7 +345,8 @@ class MalformedRequestsInOneLine:
         from aiohttp.http_exceptions import HttpProcessingError
 
         if isinstance(exc_info, HttpProcessingError):
-            reason = next((line.strip() for line in str(exc_info.message).splitlines() if line.strip()), "")
+            # aiohttp's message: a reason ending in ":" and the bytes it met on the next line
+            reason = " ".join(line.strip() for line in str(exc_info.message).splitlines()[:3] if line.strip())
             LOGGER.info("refused a malformed HTTP request on port %d: %s: %s", self.port, type(exc_info).__name__,
                         reason[:200])
         else:

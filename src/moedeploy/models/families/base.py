@@ -79,6 +79,9 @@ class Derived:
     dim and `make` gets one expert's slices at a time (the unit of streaming). `source_shapes`,
     where given, are the shapes config.json implies for the sources: the loader checks the
     file headers against them before anything is read, as it does for renamed tensors.
+    `source_dtypes`, where given, are the safetensors dtypes the sources are stored in (MXFP4's
+    "U8" codes and scales); without them every source is held to a float dtype, as renamed
+    tensors are.
     """
 
     sources: tuple[str, ...]
@@ -86,6 +89,7 @@ class Derived:
     make: Callable[..., torch.Tensor]
     per_expert: bool = False
     source_shapes: tuple[tuple[int, ...], ...] | None = None
+    source_dtypes: tuple[str, ...] | None = None
 
 
 #: shapes of the checkpoint's tensors (by name), config -> {our name: Derived}

@@ -74,6 +74,11 @@ def derive(shapes: dict[str, tuple[int, ...]], c: DecoderConfig) -> dict[str, De
     return derived
 
 
+#: the safetensors dtypes of an MXFP4 weight's two tensors: its 4-bit codes packed in bytes and
+#: its E8M0 scales, both stored as uint8
+CODES = ("U8", "U8")
+
+
 def _mxfp4_experts(experts: str, ours: str, E: int, H: int, I: int) -> dict[str, Derived]:  # noqa: E741
     """MXFP4 experts: blocks run along the input dim, so one expert's (2I, H/32, 16) blocks
     unpack to its (2I, H) = (out, in) gate_up weight, gate and up rows interleaved."""
@@ -85,10 +90,10 @@ def _mxfp4_experts(experts: str, ours: str, E: int, H: int, I: int) -> dict[str,
     gate_up, down = packed(2 * I, H), packed(H, I)
     return {
         ours + "w_gate": Derived(pair("gate_up_proj"), (E, I, H), lambda b, s: mxfp4.dequantize(b, s)[0::2], True,
-                                 gate_up),
+                                 gate_up, CODES),
         ours + "w_up": Derived(pair("gate_up_proj"), (E, I, H), lambda b, s: mxfp4.dequantize(b, s)[1::2], True,
-                               gate_up),
-        ours + "w_down": Derived(pair("down_proj"), (E, H, I), mxfp4.dequantize, True, down),
+                               gate_up, CODES),
+        ours + "w_down": Derived(pair("down_proj"), (E, H, I), mxfp4.dequantize, True, down, CODES),
     }
 
 
