@@ -102,12 +102,16 @@ def config_json_name(path: Path, field: str, family: str) -> str:
         own = False
     if own:
         return field
-    if field == "n_experts":
-        try:
-            return family_for(family).experts_key
-        except UnsupportedOption:
-            return field
-    return HF_FIELD_NAMES.get(field, field)
+    try:
+        names = _hf_field_names(family_for(family))
+    except UnsupportedOption:
+        names = HF_FIELD_NAMES
+    return names.get(field, field)
+
+
+def _hf_field_names(family: Family) -> dict[str, str]:
+    """DecoderConfig's field names -> the names in `family`'s config.json (its own expert count key)."""
+    return {**HF_FIELD_NAMES, "n_experts": family.experts_key}
 
 
 def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None = None) -> DecoderConfig:
@@ -124,7 +128,7 @@ def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None 
         if null and (nulls := _null_numeric_fields(path)):
             detail = f"{', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null where a number is needed; give it a value"
         if family is not None:
-            names = {**HF_FIELD_NAMES, "n_experts": family.experts_key}
+            names = _hf_field_names(family)
             detail = _FIELD_NAME.sub(lambda m: names[m.group(1)], detail)
         raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
 

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from moedeploy.serving.generate_body import parse_json
+from moedeploy.serving.generate_body import parse_json, shown
 
 #: the header of KServe's binary data extension: the JSON part's length, binary tensors after it
 JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
@@ -87,18 +87,10 @@ def _parameters_problem(parameters: Any, level: str) -> str | None:
             continue
         value = parameters[name]
         if kind is bool and not isinstance(value, bool):
-            return f'parameter "{name}" must be true or false, got {_shown(value)}'
+            return f'parameter "{name}" must be true or false, got {shown(value)}'
         if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            return f'parameter "{name}" must be a non-negative integer, got {_shown(value)}'
+            return f'parameter "{name}" must be a non-negative integer, got {shown(value)}'
     return None
-
-
-def _shown(value: Any) -> str:
-    """A value as the client wrote it in JSON, cut short."""
-    import json
-
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _declared_size_problem(body: bytes | bytearray | memoryview) -> str | None:
@@ -126,27 +118,13 @@ def _input_problem(tensor: dict) -> str | None:
         return "shape must be a list of non-negative integers"
     if "data" not in tensor:
         return None  # binary data or a shared-memory region: Triton checks its size before allocating
-    sent, wrong = count_values(tensor["data"], _value_check(datatype), _fast_check(datatype))
+    sent, wrong = count_values(tensor["data"], _all_valid(datatype))
     if wrong:
-        return f"data holds {_shown(wrong[0])}, which is not of datatype {datatype}; send {_what(datatype)}"
+        return f"data holds {shown(wrong[0])}, which is not of datatype {datatype}; send {_what(datatype)}"
     declared = math.prod(shape)
     if declared != sent:
         return (f"shape {shape} holds {declared:,} values but data has {sent:,}; send as many values as the shape "
                 "holds")
-    return None
-
-
-def _value_check(datatype: str) -> Callable[[Any], bool] | None:
-    """Whether a JSON value is one of `datatype`'s (None: a datatype Triton itself judges)."""
-    if datatype in _INTEGER_RANGES:
-        low, high = _INTEGER_RANGES[datatype]
-        return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
-    if datatype in _FLOATS:
-        return lambda v: isinstance(v, int | float) and not isinstance(v, bool)
-    if datatype == "BOOL":
-        return lambda v: isinstance(v, bool)
-    if datatype == "BYTES":
-        return lambda v: isinstance(v, str)
     return None
 
 
@@ -157,35 +135,35 @@ def _what(datatype: str) -> str:
     return {"BOOL": "true or false", "BYTES": "strings"}.get(datatype, "numbers")
 
 
-def count_values(data: Any, is_value: Callable[[Any], bool] | None = None,
-                 fast: Callable[[list], bool] | None = None) -> tuple[int, tuple]:
-    """(the values in a (nested) JSON array, (the first value `is_value` refuses,) or ()), walked
+def count_values(data: Any, all_valid: Callable[[list], bool] | None = None) -> tuple[int, tuple]:
+    """(the values in a (nested) JSON array, (the first value `all_valid` refuses,) or ()), walked
     without recursion (the body's nesting is the client's to choose); a lone value is one.
-    `fast(items)`: True when every item of a list of values passes, checked at C speed (a 2 MiB
-    body holds a million values, and the check holds the front's event loop); a list it does
-    not pass is walked value by value to find the first wrong one."""
+    `all_valid(values)` judges a whole list at once, at C speed (a 2 MiB body holds a million
+    values, and the check holds the front's event loop); only a list it refuses is walked value
+    by value, to find the first wrong one."""
     count, pending = 0, [data]
     while pending:
         item = pending.pop()
         if isinstance(item, list):
-            if fast is not None and item and fast(item):
+            if all_valid is not None and item and all_valid(item):
                 count += len(item)
             else:
                 pending.extend(reversed(item))
         else:
-            if is_value is not None and not is_value(item):
+            if all_valid is not None and not all_valid([item]):
                 return count, (item,)
             count += 1
     return count, ()
 
 
-def _fast_check(datatype: str) -> Callable[[list], bool] | None:
-    """A whole list of `datatype`'s values checked by their types' set and, for integers, their
-    least and greatest (bool is not int here: type(), not isinstance)."""
+def _all_valid(datatype: str) -> Callable[[list], bool] | None:
+    """Whether every value of a list is one of `datatype`'s, by the set of their JSON types
+    (type(), so a bool is no integer) and, for an integer datatype, their least and greatest;
+    None for a datatype Triton itself judges."""
     if datatype in _INTEGER_RANGES:
         low, high = _INTEGER_RANGES[datatype]
-        return lambda items: set(map(type, items)) == {int} and low <= min(items) and max(items) <= high
-    allowed = {int, float} if datatype in _FLOATS else {bool} if datatype == "BOOL" else {str} if datatype == "BYTES" else None
-    if allowed is None:
+        return lambda values: set(map(type, values)) == {int} and low <= min(values) and max(values) <= high
+    types = {int, float} if datatype in _FLOATS else {bool} if datatype == "BOOL" else {str} if datatype == "BYTES" else None
+    if types is None:
         return None
-    return lambda items: set(map(type, items)) <= allowed
+    return lambda values: set(map(type, values)) <= types
