@@ -34,7 +34,7 @@ def _family_config(name: str, n_layers: int, **kw):
     # partial_rotary_factor), which would otherwise change BASE for every later config
     args["rope_parameters"] = {**BASE["rope_parameters"], **kw.get("rope_parameters", {})}
     if "layer_types" in kw:
-        args["layer_types"] = kw["layer_types"][:n_layers]
+        args["layer_types"] = (kw["layer_types"] * n_layers)[:n_layers]  # the pattern repeated, then cut
     if name.startswith("deepseek"):  # latent attention expands to every head: no KV-head groups
         args["num_key_value_heads"] = args["num_attention_heads"]
     config = cls(**args)

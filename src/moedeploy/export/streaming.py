@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from moedeploy.export import quantize
+from moedeploy.export import quantize, stamping
 from moedeploy.export.decoder import (
     WRAPPER_PREFIX,
     DecoderWithPast,
@@ -131,6 +131,23 @@ def trace_decoder(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
 
 
 def _trace(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -> TracedDecoder:
+    """Trace the fewest leading layers that hold every kind of layer, then copy those layers
+    for the rest (export/stamping.py); every layer is traced where that cannot be done."""
+    signatures = stamping.layer_signatures(config)
+    k = stamping.traced_prefix(signatures)
+    if k is not None:
+        prefix_names = [name for name in weight_names if (stamping.weight_layer(name) or 0) < k]
+        try:
+            return _trace_layers(stamping.prefix_config(config, k), dtype, prefix_names, signatures)
+        except stamping.CannotStamp:
+            pass
+    return _trace_layers(config, dtype, weight_names)
+
+
+def _trace_layers(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str],
+                  signatures: list[str] | None = None) -> TracedDecoder:
+    """Trace DecoderWithPast at `config`'s layers; with `signatures` (of more layers than
+    that), grow the graph to their count before its weights are folded."""
     decoder = empty_decoder(config, dtype)
     n = config.n_layers
     ids = torch.zeros(2, 5, dtype=torch.long)
@@ -154,6 +171,8 @@ def _trace(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -
         import onnxscript.optimizer
 
         onnxscript.optimizer.optimize(model)
+    if signatures is not None:
+        stamping.stamp_layers(model.graph, params, signatures)
     recipes = _restore_weights(model.graph, params)
     return TracedDecoder(model, recipes)
 
