@@ -19,6 +19,7 @@ TRACED = {
     "qwen2_moe-shared-dense": (LAYERS, 2),  # mlp_only_layers=[1]: MoE, dense, then MoE again
     "deepseek_v3": (LAYERS, 2),  # first_k_dense_replace=1: one dense layer, then MoE
     "gpt_oss": (LAYERS, 2),  # sliding and full attention alternate
+    "phimoe": (LAYERS, 1),  # every layer alike; LayerNorm's first nodes read the hidden state, no weight
     # layer_types sliding, full, sliding, full, full and MoE every second layer (decoder_sparse_step=2):
     # layer 4, dense with full attention, is a kind none before it has, so every layer is traced
     "qwen2_moe-window-mqa": (5, 5),

@@ -6,7 +6,7 @@ the tracer for layers it had already traced. Layers of one kind give the same ON
 apart from their names: the ones that differ are told apart by what the layer modules are
 (their types, attributes and weight shapes) and by the attention window the decoder hands
 each layer. So the decoder is traced with the shortest prefix of layers that holds every kind
-at least once after layer 0, and every later layer is a copy of the last traced layer of its
+at least once, and every later layer is a copy of the last traced layer of its
 kind: its nodes renamed, its cache inputs/outputs and weights those of its own index.
 
 Nothing is assumed that is not checked: a layer's nodes are those torch scoped to it, and a
@@ -37,15 +37,24 @@ class CannotStamp(Exception):
 
 def layer_signatures(config: DecoderConfig) -> list[str]:
     """What each layer's graph is a function of: every module's type, plain attributes and
-    parameter shapes, and the layer's attention window. Built on the meta device (no memory)."""
+    parameter shapes, and the layer's attention window. Built on the meta device (no memory),
+    where a tensor has no values: a layer holding a tensor that is not a weight (a buffer left
+    out of the state dict, a tensor attribute), or an object known only by its address, is a
+    kind of its own, never copied."""
     from moedeploy.models.decoder import MoEDecoder
 
     with torch.device("meta"):
         decoder = MoEDecoder(config)
-    return [f"{config.window(i)}|{_module_fingerprint(layer)}" for i, layer in enumerate(decoder.layers)]
+    signatures = []
+    for i, layer in enumerate(decoder.layers):
+        fingerprint = _module_fingerprint(layer)
+        signatures.append(f"{config.window(i)}|{fingerprint}" if fingerprint is not None else f"layer {i} alone")
+    return signatures
 
 
-def _module_fingerprint(module: nn.Module) -> str:
+def _module_fingerprint(module: nn.Module) -> str | None:
+    """The module tree's types, attributes and weight shapes; None where a value the graph may
+    hold cannot be read here."""
     parts = []
     for name, m in module.named_modules():
         attrs = []
@@ -53,10 +62,16 @@ def _module_fingerprint(module: nn.Module) -> str:
             if key.startswith("_") or key == "training" or isinstance(value, nn.Module):
                 continue
             if isinstance(value, torch.Tensor):
-                attrs.append((key, tuple(value.shape), str(value.dtype)))
-            else:
-                text = repr(value)
-                attrs.append((key, type(value).__qualname__ if " at 0x" in text else text))
+                return None
+            text = repr(value)
+            if " at 0x" in text:
+                qualname = getattr(value, "__qualname__", None)
+                if qualname is None:
+                    return None
+                text = f"{getattr(value, '__module__', '')}.{qualname}"  # a function, by its name
+            attrs.append((key, text))
+        if m._non_persistent_buffers_set:
+            return None  # constants of the graph, not weights: their values are not compared
         params = [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters(recurse=False)]
         buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers(recurse=False)]
         parts.append((name, type(m).__qualname__, attrs, params, buffers))
@@ -116,12 +131,17 @@ def stamp_layers(graph: ir.Graph, lifted: dict[str, tuple[ir.Value, str]], signa
     if sorted(regions) != list(range(k)) or k != traced_prefix(signatures):
         raise CannotStamp(f"the trace's layers are {sorted(regions)}, of {n}")
     hidden = {q: _hidden_output(graph, regions[q], q) for q in range(k)}
-    hidden[-1] = _embedding_output(regions[0], hidden[0])
+    hidden[-1] = _embedding_output(regions[0])
     for q in range(k):
         _check_reads(regions[q], q, hidden[q - 1], weight_layers)
     last_readers = [(u.node, u.idx) for u in hidden[k - 1].uses() if u.node.meta.get(_LAYER) is None]
     if not last_readers:
         raise CannotStamp("nothing reads the last layer's output")
+    # torch's own nodes on both sides of each hand-over: an optimiser's node there (a Cast, an
+    # Identity) could belong to either side, and would be copied with the layer or left out
+    if any(_node_layer(hidden[q].producer()) != (True, q) for q in range(k)) or any(
+            not _node_layer(node)[0] for node, _ in last_readers):
+        raise CannotStamp("a layer's output is made or read by a node torch did not scope")
 
     inputs = {v.name: v for v in graph.inputs}
     outputs = {v.name for v in graph.outputs}
@@ -138,6 +158,7 @@ def stamp_layers(graph: ir.Graph, lifted: dict[str, tuple[ir.Value, str]], signa
 
 
 _LAYER = "moedeploy.layer"
+_VARYING = "moedeploy.varying"
 
 
 @dataclasses.dataclass
@@ -148,37 +169,51 @@ class Names:
     nodes: set[str]
 
 
+#: ops whose output is a size, the same for every layer whatever the data it reads
+_SIZE_OPS = frozenset({"Shape", "Size"})
+
+
 def _layer_regions(graph: ir.Graph, weight_layers: dict[str, int | None]) -> dict[int, list[ir.Node]]:
-    """Each layer's nodes: the nodes that read something of a layer (its weights, its cache,
-    or what a layer's node computed), each in the layer torch scoped it to, or, unscoped (the
-    optimiser's), in the layer of what it reads. A node reading none of that (a size, a
-    shape, a constant) computes the same for every layer: it stays shared wherever it was
-    scoped, and the copies read it as the traced layers do."""
+    """Each layer's nodes: the nodes that read values following the data (the tokens, a cache,
+    a weight; not only their shapes) or a layer's values, each in the layer torch scoped it to
+    or, unscoped (the optimiser's), in the layer of what it reads. A node computed from sizes
+    of graph inputs and constants alone (positions, rotary tables, masks, reshape targets)
+    gives every layer the same value: it is shared wherever torch scoped it, and the copies
+    read it as the traced layers do."""
     regions: dict[int, list[ir.Node]] = {}
+    varying: set[int] = {id(v) for v in graph.inputs}
     for node in graph:
-        read = set()
-        for v in node.inputs:
-            if v is None:
-                continue
-            producer = v.producer()
-            if producer is not None:
-                read.add(producer.meta.get(_LAYER))
-            elif v.is_graph_input():
-                read.add(weight_layers.get(v.name, _cache_layer(v.name)))
-        read.discard(None)
-        if not read:
+        reads_data = any(v is not None and id(v) in varying for v in node.inputs)
+        reads_layer = any(v is not None and v.producer() is not None and v.producer().meta.get(_LAYER) is not None
+                          for v in node.inputs)
+        if not (reads_data or reads_layer):
             continue
+        if reads_data and not (node.op_type in _SIZE_OPS and node.domain == ""):
+            varying.update(id(o) for o in node.outputs)
         has_scope, layer = _node_layer(node)
         if not has_scope:
+            read = set()
+            for v in node.inputs:
+                if v is None:
+                    continue
+                producer = v.producer()
+                if producer is not None:
+                    read.add(producer.meta.get(_LAYER))
+                elif id(v) in varying:
+                    read.add(weight_layers.get(v.name, _cache_layer(v.name)))
+            read.discard(None)
             if len(read) > 1:
                 raise CannotStamp(f"node {node.name} reads values of layers {sorted(read)}")
-            layer = read.pop()
+            layer = read.pop() if read else None
         if layer is None:
-            continue  # the decoder's own (its final norm, the LM head)
+            continue  # the decoder's own: the embedding, the final norm, the LM head
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             raise CannotStamp(f"node {node.name} of layer {layer} holds a subgraph")
         node.meta[_LAYER] = layer
         regions.setdefault(layer, []).append(node)
+    for node in graph:
+        if any(id(o) in varying for o in node.outputs):
+            node.meta[_VARYING] = True
     return regions
 
 
@@ -199,16 +234,15 @@ def _hidden_output(graph: ir.Graph, nodes: list[ir.Node], q: int) -> ir.Value:
     return leaving[0]
 
 
-def _embedding_output(nodes: list[ir.Node], hidden_out: ir.Value) -> ir.Value:
-    """What layer 0 reads as its hidden state: of the values it reads from the rest of the
-    graph, the one of the hidden state's shape and type (the others are rotary tables, masks,
-    sizes and constants, of other shapes)."""
+def _embedding_output(nodes: list[ir.Node]) -> ir.Value:
+    """What layer 0 reads as its hidden state: the one value following the data (not a weight,
+    not a cache) that it reads from the rest of the graph."""
     inside = {id(o) for node in nodes for o in node.outputs}
     candidates = {id(v): v for node in nodes for v in node.inputs
                   if v is not None and id(v) not in inside and v.producer() is not None
-                  and v.type == hidden_out.type and v.shape == hidden_out.shape}
+                  and v.producer().meta.get(_VARYING)}
     if len(candidates) != 1:
-        raise CannotStamp(f"layer 0 reads {len(candidates)} values shaped like its output")
+        raise CannotStamp(f"layer 0 reads {len(candidates)} values of the data from the rest of the graph")
     return next(iter(candidates.values()))
 
 

@@ -21,6 +21,7 @@ memory-map it), and model.onnx holds only the graph and the small constants.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -139,8 +140,8 @@ def _trace(config: DecoderConfig, dtype: torch.dtype, weight_names: list[str]) -
         prefix_names = [name for name in weight_names if (stamping.weight_layer(name) or 0) < k]
         try:
             return _trace_layers(stamping.prefix_config(config, k), dtype, prefix_names, signatures)
-        except stamping.CannotStamp:
-            pass
+        except stamping.CannotStamp as e:
+            logging.getLogger(__name__).debug("tracing every layer: %s", e)
     return _trace_layers(config, dtype, weight_names)
 
 
