@@ -712,6 +712,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("greedy_token.py", ["{art}", "--new-tokens", "0"], "--new-tokens must be at least 2, got 0"),
     ("greedy_token.py", ["{art}", "--prompt-len", "250"], "--prompt-len + --new-tokens (250 + 64) exceeds"),
     ("greedy_token.py", ["tiny", "--prompt-len", "250"], "--prompt-len + --new-tokens (250 + 64) exceeds"),
+    ("trace_layers.py", ["--layers", "8", "1"], "--layers must be at least 2, got [8, 1]"),
+    ("trace_layers.py", ["--dtype", "fp8"], "invalid dtype 'fp8'"),
+    ("trace_layers.py", ["--json", "{art}/manifest.json"], "manifest.json"),
 ])
 def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, args, message, tmp_path_factory,
                                                                           tmp_path: Path, monkeypatch, capsys) -> None:
