@@ -94,14 +94,18 @@ def custom_op_counts(model: onnx.ModelProto) -> dict[tuple[str, str], int]:
 
 def name_scopes(node: onnx.NodeProto) -> list[str]:
     """The node's recorded scopes, outermost first: module paths, then the fx node's own name."""
-    for prop in node.metadata_props:
-        if prop.key == SCOPE_KEY:
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                return []
-            return [str(s) for s in scopes] if isinstance(scopes, list) else []
-    return []
+    return parse_scopes(next((p.value for p in node.metadata_props if p.key == SCOPE_KEY), None))
+
+
+def parse_scopes(text: str | None) -> list[str]:
+    """The scopes torch's exporter records under SCOPE_KEY (a list written as Python), or []."""
+    if not text:
+        return []
+    try:
+        scopes = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(s) for s in scopes] if isinstance(scopes, list) else []
 
 
 def module_path(node: onnx.NodeProto, scope_prefix: str = "") -> str:

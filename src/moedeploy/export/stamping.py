@@ -24,11 +24,13 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from moedeploy.export.onnx_export import SCOPE_KEY, parse_scopes
 from moedeploy.models.config import DecoderConfig
 
-SCOPES = "pkg.torch.onnx.name_scopes"
 _LAYER_SCOPE = re.compile(r"decoder\.layers\.(\d+)$")
 _LAYER_WEIGHT = re.compile(r"^layers\.(\d+)\.")
+#: a KV-cache input or output: past_key_values.<layer>.key, present.<layer>.value
+_CACHE = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
 
 
 class CannotStamp(Exception):
@@ -103,10 +105,10 @@ def weight_layer(name: str) -> int | None:
 
 def _node_layer(node: ir.Node) -> tuple[bool, int | None]:
     """(whether torch scoped the node, the decoder layer it scoped it to if any)."""
-    scopes = node.metadata_props.get(SCOPES)
+    scopes = parse_scopes(node.metadata_props.get(SCOPE_KEY))
     if not scopes:
         return False, None
-    for scope in re.findall(r"'([^']*)'", scopes):
+    for scope in scopes:
         m = _LAYER_SCOPE.match(scope)
         if m:
             return True, int(m[1])
@@ -261,8 +263,8 @@ def _check_reads(nodes: list[ir.Node], q: int, hidden_in: ir.Value, weight_layer
 
 
 def _cache_layer(name: str) -> int | None:
-    m = re.match(r"^(?:past_key_values|present)\.(\d+)\.", name)
-    return int(m[1]) if m else None
+    m = _CACHE.match(name)
+    return int(m[2]) if m else None
 
 
 class _LayerCopy:
@@ -339,15 +341,16 @@ class _LayerCopy:
 
 def _renumber_cache(name: str, q: int, j: int) -> str:
     """past_key_values.<q>.key -> past_key_values.<j>.key; present.<q>.value likewise."""
-    return re.sub(rf"^(past_key_values|present)\.{q}\.", rf"\g<1>.{j}.", name)
+    m = _CACHE.match(name)
+    return f"{m[1]}.{j}.{m[3]}" if m and int(m[2]) == q else name
 
 
 def _order_graph(graph: ir.Graph) -> None:
     """Inputs and outputs in layer order, as a full trace lists them, and every node after
     what it reads."""
     def cache_order(value: ir.Value) -> tuple[int, int, bool]:
-        m = re.match(r"^(?:past_key_values|present)\.(\d+)\.(key|value)$", value.name or "")
-        return (1, int(m[1]), m[2] == "value") if m else (0, 0, False)
+        m = _CACHE.match(value.name or "")
+        return (1, int(m[2]), m[3] == "value") if m else (0, 0, False)
 
     for values in (graph.inputs, graph.outputs):
         ordered = sorted(values, key=cache_order)  # stable: input_ids, logits and weights keep their places
