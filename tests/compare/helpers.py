@@ -196,4 +196,8 @@ def count_colour(pixels: np.ndarray, rgb: tuple[int, int, int], tol: int = 12) -
 
 
 def distinct_colours(pixels: np.ndarray) -> int:
-    return len(np.unique(pixels.reshape(-1, 3), axis=0))
+    """How many different RGB colours the image holds (uint8 channels). Each pixel is packed
+    into one integer first: np.unique over rows (axis=0) sorts a screenshot's 2.5 million
+    pixels as records, 15 s here, where the packed values take a fraction of a second."""
+    rgb = pixels.reshape(-1, 3).astype(np.uint32)
+    return len(np.unique((rgb[:, 0] << 16) | (rgb[:, 1] << 8) | rgb[:, 2]))
