@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gc
 import io
 import logging
 import re
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -56,6 +58,42 @@ def _quiet() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+
+
+#: objects allocated between the collector's youngest-generation passes while tracing (Python's own: 700)
+TRACE_GC_THRESHOLD = 10_000
+#: the collector's thresholds from before the first trace still running, once per trace inside
+_TRACES_INSIDE: list[tuple[int, ...]] = []
+_COLLECTIONS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def fewer_collections() -> Iterator[None]:
+    """Let the garbage collector run about 14 times less often while torch traces.
+
+    torch.export and the ONNX translation allocate millions of short-lived objects (FX nodes,
+    sympy expressions, fake tensors), so at Python's default threshold the collector runs over
+    a thousand times an export, eight of them full passes over every object the process holds.
+    `moedeploy export decoder --preset small`, three runs alternating with and without this
+    (2-core EPYC): time in the collector 2.25 -> 1.36 s, the export 18.9 -> 17.5 s (means),
+    peak memory 1.15-1.16 GB either way: garbage is freed a little later, not kept. In a long-
+    lived process (a test worker holding many models) each full pass costs more, and so this
+    saves more. The threshold is the process's: traces in several threads share one raise, and
+    the last to leave puts back what was there before the first came in, whatever happens inside."""
+    with _COLLECTIONS_LOCK:
+        if not _TRACES_INSIDE:
+            _TRACES_INSIDE.append(gc.get_threshold())
+            before = _TRACES_INSIDE[0]
+            gc.set_threshold(max(before[0], TRACE_GC_THRESHOLD), *before[1:])
+        else:
+            _TRACES_INSIDE.append(_TRACES_INSIDE[0])
+    try:
+        yield
+    finally:
+        with _COLLECTIONS_LOCK:
+            before = _TRACES_INSIDE.pop()
+            if not _TRACES_INSIDE:
+                gc.set_threshold(*before)
 
 
 def attach_function_bodies(model: onnx.ModelProto) -> None:
@@ -167,7 +205,7 @@ def to_onnx(
     left out of node names so they read as the model's own `named_modules()`.
     """
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(), fewer_collections(), torch.no_grad():
             program = torch.onnx.export(
                 module,
                 args,

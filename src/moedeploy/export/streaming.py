@@ -47,6 +47,7 @@ from moedeploy.export.onnx_export import (
     _quiet,
     attach_function_bodies,
     export_failure,
+    fewer_collections,
     name_custom_nodes,
     normalize_dim_sums,
 )
@@ -156,7 +157,7 @@ def _trace_layers(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
     past = [(torch.zeros(k, dtype=dtype), torch.zeros(v, dtype=dtype)) for _ in range(n)]
     past_axes = {0: "batch", 2: "past_seq"}
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(), fewer_collections(), torch.no_grad():
             program = torch.onnx.export(
                 DecoderWithPast(decoder).eval(), (ids, past), dynamo=True, opset_version=OPSET,
                 input_names=["input_ids", *past_names(n)], output_names=["logits", *present_names(n)],
@@ -168,7 +169,7 @@ def _trace_layers(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
     model = program.model
     del program, decoder
     params = _lift_weights(model.graph, {WRAPPER_PREFIX + name: name for name in weight_names})
-    with _quiet():
+    with _quiet(), fewer_collections():
         import onnxscript.optimizer
 
         onnxscript.optimizer.optimize(model)
