@@ -199,5 +199,6 @@ def distinct_colours(pixels: np.ndarray) -> int:
     """How many different RGB colours the image holds (uint8 channels). Each pixel is packed
     into one integer first: np.unique over rows (axis=0) sorts a screenshot's 2.5 million
     pixels as records, 15 s here, where the packed values take a fraction of a second."""
+    assert pixels.dtype == np.uint8, pixels.dtype  # 8 bits a channel: the packing is one-to-one
     rgb = pixels.reshape(-1, 3).astype(np.uint32)
     return len(np.unique((rgb[:, 0] << 16) | (rgb[:, 1] << 8) | rgb[:, 2]))

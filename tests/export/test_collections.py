@@ -39,6 +39,13 @@ def test_a_callers_higher_threshold_is_kept(thresholds) -> None:
     assert gc.get_threshold() == (50_000, 20, 30)
 
 
+def test_automatic_collection_turned_off_stays_off(thresholds) -> None:
+    gc.set_threshold(0, 10, 10)
+    with fewer_collections():
+        assert gc.get_threshold()[0] == 0
+    assert gc.get_threshold() == (0, 10, 10)
+
+
 def test_overlapping_traces_put_back_the_thresholds_from_before_the_first(thresholds) -> None:
     """Two threads' traces: the first in leaves before the second; the second's exit, the last,
     restores 700 (not the raised value it found when it came in)."""

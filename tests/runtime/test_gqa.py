@@ -159,3 +159,28 @@ def test_a_core_that_is_not_plain_attention_is_left_alone(tmp_path) -> None:
     model.graph.outputs.append(rotated)  # now read outside the core
     assert gqa.lower_attention(model.graph, config) == 1  # layer 1 only
     assert [gqa.module_of(n) for n in model.graph if n.op_type == "GroupQueryAttention"] == ["decoder.layers.1.attn"]
+
+
+def test_a_session_leaves_none_of_its_lowering_alive(exported) -> None:
+    """The lowering's onnx_ir graph is full of reference cycles and holds the arrays it made in
+    memory (here the rotary tables; a server's ragged cache covers twice the positions): the
+    session is handed over with that graph freed, not left to the collector's next full pass.
+    Automatic collection is off meanwhile, so only create_session's own collection can free it."""
+    import gc
+
+    import onnx_ir as ir
+
+    _, artifact = exported
+
+    def graphs() -> int:
+        return sum(isinstance(o, ir.Graph) for o in gc.get_objects())
+
+    gc.collect()
+    before = graphs()
+    gc.disable()
+    try:
+        session = create_session(artifact, attention_lowering="gqa")
+        assert session.lowering["attention_gqa"] > 0
+        assert graphs() == before
+    finally:
+        gc.enable()

@@ -81,13 +81,12 @@ def fewer_collections() -> Iterator[None]:
     saves more. The threshold is the process's: traces in several threads share one raise, and
     the last to leave puts back what was there before the first came in, whatever happens inside."""
     with _COLLECTIONS_LOCK:
-        if not _TRACES_INSIDE:
-            _TRACES_INSIDE.append(gc.get_threshold())
-            before = _TRACES_INSIDE[0]
-            gc.set_threshold(max(before[0], TRACE_GC_THRESHOLD), *before[1:])
-        else:
-            _TRACES_INSIDE.append(_TRACES_INSIDE[0])
+        first = not _TRACES_INSIDE
+        _TRACES_INSIDE.append(gc.get_threshold() if first else _TRACES_INSIDE[0])
     try:
+        before = _TRACES_INSIDE[0]
+        if first and before[0]:  # 0: the caller turned automatic collection off; leave it so
+            gc.set_threshold(max(before[0], TRACE_GC_THRESHOLD), *before[1:])
         yield
     finally:
         with _COLLECTIONS_LOCK:
