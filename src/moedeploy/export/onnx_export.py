@@ -62,9 +62,9 @@ def _quiet() -> Iterator[None]:
 
 #: objects allocated between the collector's youngest-generation passes while tracing (Python's own: 700)
 TRACE_GC_THRESHOLD = 10_000
-#: the collector's thresholds from before the first trace still running, once per trace inside
-_TRACES_INSIDE: list[tuple[int, ...]] = []
 _COLLECTIONS_LOCK = threading.Lock()
+_tracing = 0  # traces inside fewer_collections now, in any thread
+_threshold_before: tuple[int, ...] = gc.get_threshold()  # the collector's, when the first of them came in
 
 
 @contextlib.contextmanager
@@ -80,19 +80,20 @@ def fewer_collections() -> Iterator[None]:
     lived process (a test worker holding many models) each full pass costs more, and so this
     saves more. The threshold is the process's: traces in several threads share one raise, and
     the last to leave puts back what was there before the first came in, whatever happens inside."""
+    global _tracing, _threshold_before
     with _COLLECTIONS_LOCK:
-        first = not _TRACES_INSIDE
-        _TRACES_INSIDE.append(gc.get_threshold() if first else _TRACES_INSIDE[0])
+        _tracing += 1
+        if _tracing == 1:
+            _threshold_before = gc.get_threshold()
+            if _threshold_before[0]:  # 0: the caller turned automatic collection off; leave it so
+                gc.set_threshold(max(_threshold_before[0], TRACE_GC_THRESHOLD), *_threshold_before[1:])
     try:
-        before = _TRACES_INSIDE[0]
-        if first and before[0]:  # 0: the caller turned automatic collection off; leave it so
-            gc.set_threshold(max(before[0], TRACE_GC_THRESHOLD), *before[1:])
         yield
     finally:
         with _COLLECTIONS_LOCK:
-            before = _TRACES_INSIDE.pop()
-            if not _TRACES_INSIDE:
-                gc.set_threshold(*before)
+            _tracing -= 1
+            if _tracing == 0:
+                gc.set_threshold(*_threshold_before)
 
 
 def attach_function_bodies(model: onnx.ModelProto) -> None:
