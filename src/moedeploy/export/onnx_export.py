@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import gc
 import io
 import logging
 import re
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -60,15 +61,56 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
+class _HeldWhileInside:
+    """A process-wide change held while any thread is inside, undone when the last one leaves.
+
+    Traces in several threads overlap: each shares the one change, and none undoes what another
+    still relies on. `apply` runs as the first comes in, `undo` as the last goes out, also when
+    the code inside fails."""
+
+    def __init__(self, apply: Callable[[], None], undo: Callable[[], None]) -> None:
+        self._apply, self._undo = apply, undo
+        self._lock = threading.Lock()
+        self._inside = 0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        entered = False
+        try:
+            with self._lock:
+                self._inside += 1
+                entered = True
+                if self._inside == 1:
+                    self._apply()
+            yield
+        finally:
+            if entered:
+                with self._lock:
+                    self._inside -= 1
+                    if self._inside == 0:
+                        self._undo()
+
+
 #: objects allocated between the collector's youngest-generation passes while tracing (Python's own: 700)
 TRACE_GC_THRESHOLD = 10_000
-_COLLECTIONS_LOCK = threading.Lock()
-_tracing = 0  # traces inside fewer_collections now, in any thread
-_threshold_before: tuple[int, ...] = gc.get_threshold()  # the collector's, when the first of them came in
+_threshold_before: tuple[int, ...] = gc.get_threshold()  # the collector's, when the first trace came in
 
 
-@contextlib.contextmanager
-def fewer_collections() -> Iterator[None]:
+def _raise_threshold() -> None:
+    global _threshold_before
+    _threshold_before = gc.get_threshold()
+    if _threshold_before[0]:  # 0: the caller turned automatic collection off; leave it so
+        gc.set_threshold(max(_threshold_before[0], TRACE_GC_THRESHOLD), *_threshold_before[1:])
+
+
+def _restore_threshold() -> None:
+    gc.set_threshold(*_threshold_before)
+
+
+_raised_threshold = _HeldWhileInside(_raise_threshold, _restore_threshold)
+
+
+def fewer_collections() -> contextlib.AbstractContextManager[None]:
     """Let the garbage collector run about 14 times less often while torch traces.
 
     torch.export and the ONNX translation allocate millions of short-lived objects (FX nodes,
@@ -80,20 +122,80 @@ def fewer_collections() -> Iterator[None]:
     lived process (a test worker holding many models) each full pass costs more, and so this
     saves more. The threshold is the process's: traces in several threads share one raise, and
     the last to leave puts back what was there before the first came in, whatever happens inside."""
-    global _tracing, _threshold_before
-    with _COLLECTIONS_LOCK:
-        _tracing += 1
-        if _tracing == 1:
-            _threshold_before = gc.get_threshold()
-            if _threshold_before[0]:  # 0: the caller turned automatic collection off; leave it so
-                gc.set_threshold(max(_threshold_before[0], TRACE_GC_THRESHOLD), *_threshold_before[1:])
+    return _raised_threshold.held()
+
+
+_REGISTRIES: dict[Any, Any] = {}  # (registry class, from_torchlib's arguments) -> the one built first
+_REGISTRIES_LOCK = threading.Lock()
+_from_torchlib: Any = None  # torch's own ONNXRegistry.from_torchlib, while it is replaced
+
+
+def _registry_class() -> Any:
+    """torch's exporter's registry class, or None where this torch keeps it elsewhere (then every
+    export builds its own, as torch does)."""
     try:
-        yield
-    finally:
-        with _COLLECTIONS_LOCK:
-            _tracing -= 1
-            if _tracing == 0:
-                gc.set_threshold(*_threshold_before)
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        return None
+    registries = getattr(_registration, "ONNXRegistry", None)
+    if registries is None or not isinstance(registries.__dict__.get("from_torchlib"), classmethod):
+        return None
+    return registries
+
+
+def _registry_copy(registry: Any) -> Any:
+    """A registry of its own for one export: the same entries in new lists, so that an export
+    registering a function of its own (torch.onnx.export's custom_translation_table) changes
+    only its copy, never the registry the next export starts from."""
+    fresh = copy.copy(registry)
+    fresh.functions = {target: list(metas) for target, metas in registry.functions.items()}
+    return fresh
+
+
+def _reuse_registries() -> None:
+    global _from_torchlib
+    registries = _registry_class()
+    if registries is None:
+        return
+    _from_torchlib = registries.__dict__["from_torchlib"]
+    build = _from_torchlib.__func__
+
+    def from_torchlib(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        with _REGISTRIES_LOCK:
+            built = _REGISTRIES.get(key)
+        if built is None:
+            built = build(cls, *args, **kwargs)
+            with _REGISTRIES_LOCK:
+                built = _REGISTRIES.setdefault(key, built)
+        return _registry_copy(built)
+
+    registries.from_torchlib = classmethod(from_torchlib)
+
+
+def _stop_reusing_registries() -> None:
+    global _from_torchlib
+    if _from_torchlib is not None:
+        _registry_class().from_torchlib = _from_torchlib
+        _from_torchlib = None
+
+
+_reused_registries = _HeldWhileInside(_reuse_registries, _stop_reusing_registries)
+
+
+def torchlib_registry_reused() -> contextlib.AbstractContextManager[None]:
+    """Let torch.onnx.export build its registry of torchlib functions once per process, not once
+    per export.
+
+    Every torch.onnx.export call builds the registry anew: it looks up each of torchlib's some
+    thousand functions and its torch operator, 1.4-1.6 s on a 2-core EPYC, about a third of
+    tracing a block or the tiny decoder (4.7 s), and the same registry every time for one opset
+    in one process. Inside this, torch's `ONNXRegistry.from_torchlib` hands each export a copy
+    of the one it built first for the same arguments; outside it, and in a torch that keeps the
+    registry elsewhere, torch builds its own as always. Whether an export is the first or a
+    later one does not change its graph: tests/export/test_registry_reuse.py holds the bytes
+    equal to torch's own export's."""
+    return _reused_registries.held()
 
 
 def attach_function_bodies(model: onnx.ModelProto) -> None:
@@ -205,7 +307,7 @@ def to_onnx(
     left out of node names so they read as the model's own `named_modules()`.
     """
     try:
-        with _quiet(), fewer_collections(), torch.no_grad():
+        with _quiet(), fewer_collections(), torchlib_registry_reused(), torch.no_grad():
             program = torch.onnx.export(
                 module,
                 args,
