@@ -77,3 +77,56 @@ def test_torchs_builder_is_back_after_the_last_export_also_after_a_failure() -> 
     with pytest.raises(RuntimeError, match="trace failed"), torchlib_registry_reused():
         raise RuntimeError("trace failed")
     assert builder() is own
+
+
+STALE = """
+import logging, sys, torch
+logging.disable(logging.CRITICAL)
+from moedeploy.export.onnx_export import OPSET, _quiet, torchlib_registry_reused
+
+assert "torch.ao.quantization.fx._decomposed" not in sys.modules
+class Identity(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+class QDQ(torch.nn.Module):
+    def forward(self, x):
+        q = torch.ops.quantized_decomposed.quantize_per_tensor(x, 0.1, 0, -128, 127, torch.int8)
+        return torch.ops.quantized_decomposed.dequantize_per_tensor(q, 0.1, 0, -128, 127, torch.int8)
+def ops(module):
+    with _quiet():
+        program = torch.onnx.export(module.eval(), (torch.randn(4),), dynamo=True, opset_version=OPSET, verbose=False)
+    return [n.op_type for n in program.model_proto.graph.node]
+with torchlib_registry_reused():
+    ops(Identity())  # the registry is built before quantized_decomposed's operators exist
+import torch.ao.quantization.fx._decomposed  # noqa: E402 (registers them)
+with torchlib_registry_reused():
+    print(ops(QDQ()))
+"""
+
+
+def test_operators_registered_after_the_first_export_reach_the_next() -> None:
+    """A library imported after the registry was built (here torch.ao's quantized_decomposed
+    operators, as torchvision's would be) changes what torch's builder makes: the reused registry
+    is rebuilt, and the export maps them as torch's own does (a fresh interpreter, where they are
+    not loaded yet)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STALE], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['QuantizeLinear', 'DequantizeLinear']"
+
+
+def test_a_patch_made_by_someone_else_inside_the_window_is_left_to_them() -> None:
+    """Our exit puts torch's builder back only where ours still is: a mock set inside stays."""
+    from unittest import mock
+
+    own = builder()
+    reuse = torchlib_registry_reused()
+    reuse.__enter__()
+    theirs = mock.patch.object(_registration.ONNXRegistry, "from_torchlib", classmethod(lambda cls, **_: "theirs"))
+    theirs.start()
+    reuse.__exit__(None, None, None)
+    assert _registration.ONNXRegistry.from_torchlib() == "theirs"
+    theirs.stop()  # restores what it found, ours, which still reuses correctly
+    _registration.ONNXRegistry.from_torchlib = own

@@ -125,9 +125,10 @@ def fewer_collections() -> contextlib.AbstractContextManager[None]:
     return _raised_threshold.held()
 
 
-_REGISTRIES: dict[Any, Any] = {}  # (registry class, from_torchlib's arguments) -> the one built first
+_REGISTRIES: dict[Any, tuple[Any, Any]] = {}  # (builder, class, its arguments) -> (what it read, the registry)
 _REGISTRIES_LOCK = threading.Lock()
-_from_torchlib: Any = None  # torch's own ONNXRegistry.from_torchlib, while it is replaced
+_from_torchlib: Any = None  # torch's own ONNXRegistry.from_torchlib, while ours replaces it
+_installed: Any = None  # ours, as set on the class: put torch's back only where ours still is
 
 
 def _registry_class() -> Any:
@@ -143,6 +144,23 @@ def _registry_class() -> Any:
     return registries
 
 
+def _registry_inputs() -> tuple[int, ...] | None:
+    """What a registry is built from, counted: the operators torch's dispatcher knows (a library
+    imported later, torchvision or torch.ao's quantized_decomposed, adds some that the registry
+    then maps), torch's own torchlib functions and onnxscript's. A remembered registry is used
+    only while these are unchanged (about 5 ms to count); None where they cannot be counted,
+    and then nothing is remembered."""
+    try:
+        from onnxscript.function_libs.torch_lib import registration
+        from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+        onnxscript_functions = sum(len(f.overloads) + len(f.complex) for f in registration.default_registry.values())
+        return (len(torch._C._dispatch_get_all_op_names()), len(list(_torchlib_registry.get_torchlib_ops())),
+                onnxscript_functions)
+    except Exception:  # another torch or onnxscript: build every time, as torch does
+        return None
+
+
 def _registry_copy(registry: Any) -> Any:
     """A registry of its own for one export: the same entries in new lists, so that an export
     registering a function of its own (torch.onnx.export's custom_translation_table) changes
@@ -153,7 +171,7 @@ def _registry_copy(registry: Any) -> Any:
 
 
 def _reuse_registries() -> None:
-    global _from_torchlib
+    global _from_torchlib, _installed
     registries = _registry_class()
     if registries is None:
         return
@@ -161,23 +179,28 @@ def _reuse_registries() -> None:
     build = _from_torchlib.__func__
 
     def from_torchlib(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        key = (cls, args, tuple(sorted(kwargs.items())))
+        key = (build, cls, args, tuple(sorted(kwargs.items())))
         with _REGISTRIES_LOCK:
-            built = _REGISTRIES.get(key)
-        if built is None:
+            read, built = _REGISTRIES.get(key, (None, None))
+        if built is None or read is None or read != _registry_inputs():
             built = build(cls, *args, **kwargs)
+            read = _registry_inputs()  # after the build, which imports onnxscript's functions the first time
             with _REGISTRIES_LOCK:
-                built = _REGISTRIES.setdefault(key, built)
+                _REGISTRIES[key] = (read, built)
         return _registry_copy(built)
 
-    registries.from_torchlib = classmethod(from_torchlib)
+    _installed = classmethod(from_torchlib)
+    registries.from_torchlib = _installed
 
 
 def _stop_reusing_registries() -> None:
-    global _from_torchlib
-    if _from_torchlib is not None:
-        _registry_class().from_torchlib = _from_torchlib
-        _from_torchlib = None
+    """Put torch's builder back, unless someone replaced ours meanwhile (a test's mock, another
+    library's patch): theirs stays, and restores what it found when it ends."""
+    global _from_torchlib, _installed
+    registries = _registry_class()
+    if _installed is not None and registries is not None and registries.__dict__.get("from_torchlib") is _installed:
+        registries.from_torchlib = _from_torchlib
+    _from_torchlib = _installed = None
 
 
 _reused_registries = _HeldWhileInside(_reuse_registries, _stop_reusing_registries)
@@ -190,11 +213,12 @@ def torchlib_registry_reused() -> contextlib.AbstractContextManager[None]:
     Every torch.onnx.export call builds the registry anew: it looks up each of torchlib's some
     thousand functions and its torch operator, 1.4-1.6 s on a 2-core EPYC, about a third of
     tracing a block or the tiny decoder (4.7 s), and the same registry every time for one opset
-    in one process. Inside this, torch's `ONNXRegistry.from_torchlib` hands each export a copy
-    of the one it built first for the same arguments; outside it, and in a torch that keeps the
-    registry elsewhere, torch builds its own as always. Whether an export is the first or a
-    later one does not change its graph: tests/export/test_registry_reuse.py holds the bytes
-    equal to torch's own export's."""
+    in one process while nothing new is loaded. While this is active, in any thread, torch's
+    `ONNXRegistry.from_torchlib` hands each export a copy of the one it built for the same
+    arguments, rebuilt when what it was built from has changed (`_registry_inputs`); once the
+    last trace leaves, and in a torch that keeps the registry elsewhere, torch builds its own as
+    always. tests/export/test_registry_reuse.py holds an export on the reused registry to the
+    bytes of torch's own, also after a library registered new operators."""
     return _reused_registries.held()
 
 
