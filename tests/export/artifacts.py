@@ -8,8 +8,7 @@ first: the store is keyed by the session's base temp folder.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from filelock import FileLock
 from torch import nn
 
 from moedeploy.export import BLOCKS, export_block, export_decoder
@@ -34,13 +32,7 @@ BLOCK_SIZES = [(1, 1), (5, 33)]
 
 
 class ArtifactStore:
-    """Exports on first request and hands back the same Artifact afterwards.
-
-    The artifacts are the test run's, not one worker's: they live in the run's shared temporary
-    folder, and the first xdist worker to ask for one exports it while a file lock keeps the
-    other waiting; later requests, from any worker, load the folder the export wrote (an export
-    is written whole and renamed into place, and returns `Artifact.load` of it too). Tests only
-    read these; a test that edits one edits its own copy."""
+    """Exports on first request and hands back the same Artifact afterwards."""
 
     _stores: dict[str, ArtifactStore] = {}  # noqa: RUF012 (one per pytest session)
 
@@ -50,28 +42,23 @@ class ArtifactStore:
 
     @classmethod
     def for_session(cls, tmp_path_factory: Any) -> ArtifactStore:
-        base = tmp_path_factory.getbasetemp()
-        if str(base) not in cls._stores:
-            run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # a worker's basetemp is the run's child
-            root = run / "shared-artifacts"
-            root.mkdir(exist_ok=True)
-            cls._stores[str(base)] = cls(root)
-        return cls._stores[str(base)]
-
-    def _shared(self, key: tuple, folder: str, make: Callable[[Path], Artifact]) -> Artifact:
-        if key not in self._done:
-            out = self.root / folder
-            with FileLock(str(out) + ".lock"):
-                self._done[key] = Artifact.load(out) if out.is_dir() else make(out)
-        return self._done[key]
+        base = str(tmp_path_factory.getbasetemp())
+        if base not in cls._stores:
+            cls._stores[base] = cls(tmp_path_factory.mktemp("artifacts"))
+        return cls._stores[base]
 
     def block(self, name: str, dtype: str = "fp32", fold_bn: bool = True, seed: int = SEED) -> Artifact:
-        return self._shared(("block", name, dtype, fold_bn, seed), f"{name}-{dtype}-{'fold' if fold_bn else 'nofold'}-s{seed}",
-                            lambda out: export_block(name, out, dtype=dtype, fold_bn=fold_bn, seed=seed))
+        key = ("block", name, dtype, fold_bn, seed)
+        if key not in self._done:
+            out = self.root / f"{name}-{dtype}-{'fold' if fold_bn else 'nofold'}-s{seed}"
+            self._done[key] = export_block(name, out, dtype=dtype, fold_bn=fold_bn, seed=seed)
+        return self._done[key]
 
     def decoder(self, dtype: str = "fp32") -> Artifact:
-        return self._shared(("decoder", dtype), f"decoder-{dtype}",
-                            lambda out: export_decoder(out, dtype=dtype, seed=SEED))
+        key = ("decoder", dtype)
+        if key not in self._done:
+            self._done[key] = export_decoder(self.root / f"decoder-{dtype}", dtype=dtype, seed=SEED)
+        return self._done[key]
 
 
 # --- eager references -------------------------------------------------------------------
