@@ -490,3 +490,86 @@ def test_the_cli_loads_without_torch_or_onnx() -> None:
                            "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'onnx_ir') if m in sys.modules))"],
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp_path: Path) -> None:
+    """A mistyped block, dtype, preset, --target, backend or artifact path, and `export --list`,
+    took 5-6 s each: the command imported the exporter (torch, ONNX) before looking at its
+    arguments. They are answered from moedeploy.names now; each still exits 1 with its line."""
+    (tmp_path / "empty").mkdir()
+    script = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from moedeploy.cli import app
+        runs = []
+        for args in json.loads(sys.argv[1]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    app(args, prog_name="moedeploy")
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+            runs.append([code, err.getvalue()])
+        print(json.dumps({"runs": runs, "torch": "torch" in sys.modules}))
+    """)
+    cases = [
+        (["export", "nosuch", "--out", "out"], 1, "unknown block 'nosuch'"),
+        (["export", "rmsnorm", "--dtype", "fp8", "--out", "out"], 1, "invalid dtype 'fp8'; choose one of: fp32, fp16, bf16"),
+        (["export", "decoder", "--preset", "huge", "--out", "out"], 1, "unknown preset 'huge'; choose one of: tiny, small"),
+        (["export", "mlp", "--fold-bn", "--out", "out"], 1, "applies to blocks with BatchNorm only"),
+        (["all", "--dtype", "int8"], 1, "invalid dtype 'int8'"),
+        (["check", "empty", "--target", "xla"], 1, "unknown --target 'xla'"),
+        (["check", "nowhere"], 1, "artifact nowhere does not exist"),
+        (["compare", "empty"], 1, "empty has no manifest.json"),
+        (["build", "nowhere"], 1, "artifact nowhere does not exist"),
+        (["bench", "tiny", "--backend", "tpu"], 1, "unknown backend 'tpu' in --backend"),
+        (["export", "--list"], 0, ""),
+    ]
+    done = subprocess.run([sys.executable, "-c", script, json.dumps([args for args, _, _ in cases])], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for (args, code, message), (got_code, stderr) in zip(cases, result["runs"], strict=True):
+        assert got_code == code, (args, stderr)
+        assert message in stderr and len(stderr.splitlines()) == (1 if code else 0), (args, stderr)
+    assert result["torch"] is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_the_names_the_command_line_checks_are_the_ones_the_code_builds() -> None:
+    """moedeploy.names holds what the CLI checks without torch; the builders check at import
+    that they cover exactly those names, in order, so neither side can gain a name alone."""
+    from moedeploy import names
+    from moedeploy.export.artifact import DTYPES
+    from moedeploy.models.config import PRESETS
+
+    assert [(n, s.summary, s.uses_batchnorm) for n, s in BLOCKS.items()] == [
+        (n, s, n in names.BATCHNORM_BLOCKS) for n, s in names.BLOCKS.items()]
+    assert list(DTYPES) == list(names.DTYPES) and list(PRESETS) == list(names.PRESETS)
+    names.check_same_names("blocks", ["a", "b"], ["a", "b"])
+    for built, named in ((["a", "b"], ["b", "a"]), (["a"], ["a", "b"]), (["a", "b"], ["a"])):
+        with pytest.raises(RuntimeError, match="blocks are out of step"):
+            names.check_same_names("blocks", built, named)
+    # which blocks fold BatchNorm, from the modules themselves
+    from moedeploy.export.blocks import build_block
+    from moedeploy.export.fold import has_batchnorm
+
+    assert {n for n, s in BLOCKS.items() if has_batchnorm(build_block(s, 0))} == names.BATCHNORM_BLOCKS
+
+
+def test_every_user_error_class_the_cli_names_exists() -> None:
+    """handle_errors takes moedeploy's error classes from the modules already loaded, by name: a
+    renamed class or module would turn its one-line errors into "internal error" reports."""
+    import importlib
+
+    from moedeploy import cli
+    from moedeploy.export import ArtifactError, ExportError
+    from moedeploy.models import CheckpointError
+    from moedeploy.runtime.lowering import LoweringError
+    from moedeploy.runtime.ort import SessionError
+    from moedeploy.runtime.tensorrt import TensorRTUnavailable
+
+    for module, name in cli._USER_ERROR_CLASSES:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception), (module, name)
+    assert set(cli._user_errors()) == {cli.UserError, ValueError, OSError, ArtifactError, ExportError,
+                                       CheckpointError, LoweringError, SessionError, TensorRTUnavailable}

@@ -115,17 +115,24 @@ class UserError(Exception):
     """An error whose message is the whole story for the user."""
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from moedeploy.export import ArtifactError, ExportError
-    from moedeploy.models import CheckpointError
-    from moedeploy.runtime.lowering import LoweringError
-    from moedeploy.runtime.ort import SessionError
-    from moedeploy.runtime.tensorrt import TensorRTUnavailable
+#: The exceptions whose message is the whole story for the user, by module: (module, class name).
+_USER_ERROR_CLASSES = (
+    ("moedeploy.export.artifact", "ArtifactError"),
+    ("moedeploy.export.onnx_export", "ExportError"),
+    ("moedeploy.models.checkpoint", "CheckpointError"),
+    ("moedeploy.runtime.lowering", "LoweringError"),
+    ("moedeploy.runtime.ort", "SessionError"),
+    ("moedeploy.runtime.tensorrt", "TensorRTUnavailable"),
+)
 
-    return (
-        UserError, ValueError, OSError, CheckpointError, ArtifactError, ExportError, SessionError,
-        LoweringError, TensorRTUnavailable,
-    )
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """UserError, ValueError and OSError, and moedeploy's own error classes from the modules this
+    process has imported: an exception of a module never imported cannot have been raised, and
+    importing them all (torch, ONNX Runtime) to say so took seconds on an error found before any
+    work, such as an unknown --target."""
+    loaded = (getattr(sys.modules.get(module), name, None) for module, name in _USER_ERROR_CLASSES)
+    return (UserError, ValueError, OSError, *(cls for cls in loaded if isinstance(cls, type)))
 
 
 def handle_errors(fn: F) -> F:
@@ -191,6 +198,15 @@ def check_writable(path: Path, option: str = "--out") -> None:
         problem = new_folder_problem(ancestor)
     if problem:
         raise UserError(f"cannot write to {path}: {problem}; choose another {option}")
+
+
+def check_artifact_folder(path: Path) -> None:
+    """An artifact path with no folder or no manifest there, refused before the command imports
+    torch (Artifact.load makes the same check, and the rest)."""
+    from moedeploy.names import artifact_folder_problem
+
+    if problem := artifact_folder_problem(path):
+        raise UserError(problem)
 
 
 def check_cache_writable(target: str, backends: list[str], peers: bool) -> None:
@@ -343,13 +359,13 @@ def export_cmd(
       moedeploy export decoder --checkpoint ./mixtral-tiny --out artifacts/mixtral
       moedeploy export decoder --preset small --quantize int4 --out artifacts/q4
     """
-    from moedeploy.export import BLOCKS, DECODER, export, parse_dtype
-    from moedeploy.export.quantize import LM_HEAD, parse_scheme
-    from moedeploy.models import PRESETS
+    # everything a user can get wrong on the command line is checked from moedeploy.names, before
+    # the exporter (and torch) is imported: a typo is refused in half a second, not five
+    from moedeploy.names import BATCHNORM_BLOCKS, BLOCKS, DECODER, dtype_problem, preset_problem
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
-        for name, spec in BLOCKS.items():
-            typer.echo(f"{name}\t{spec.summary}")
+        for name, summary in BLOCKS.items():
+            typer.echo(f"{name}\t{summary}")
         typer.echo(f"{DECODER}\tMoE decoder LM with KV cache (--preset or --checkpoint)")
         return
     if target is None:
@@ -358,12 +374,13 @@ def export_cmd(
         raise UserError(f"unknown block {target!r}; run `moedeploy export --list` to see the exportable blocks")
     if out_dir is None:
         raise UserError("missing --out DIR: the artifact folder to write")
-    parse_dtype(dtype)
-    if preset_name is not None and preset_name not in PRESETS:
-        raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    if problem := dtype_problem(dtype):
+        raise UserError(problem)
+    if preset_name is not None and (problem := preset_problem(preset_name)):
+        raise UserError(problem)
     if target != DECODER and given(ctx, "golden"):
         raise UserError("--golden/--no-golden applies to the decoder only; a block's golden outputs cost nothing")
-    uses_batchnorm = target != DECODER and BLOCKS[target].uses_batchnorm
+    uses_batchnorm = target in BATCHNORM_BLOCKS
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):
             flag = "--calibration-batches" if option == "calibration_batches" else "--fold-bn/--no-fold-bn"
@@ -376,13 +393,17 @@ def export_cmd(
         raise UserError("--mixed/--uniform applies with --quantize int4 only (int8 is uniform)")
     if quantize_as is not None and target != DECODER:
         raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
+    check_writable(out_dir)
+
+    from moedeploy.export import export
+    from moedeploy.export.quantize import LM_HEAD, parse_scheme
+
     quantization = parse_scheme(quantize_as, block_size, symmetric) if quantize_as is not None else None
     if quantization is not None and not symmetric and dtype == "bf16":
         # ONNX Runtime's CUDA provider may run it (not verified: no GPU here), so a warning, not a refusal
         err.print("[yellow]warning:[/yellow] --asymmetric with --dtype bf16: ONNX Runtime's CPU provider has no bf16 "
                   "kernels and TensorRT takes symmetric codes only, so neither runs this artifact; drop --asymmetric, "
                   "or export with --dtype fp32 or fp16", highlight=False, soft_wrap=True)
-    check_writable(out_dir)
 
     with progress_steps(f"exporting {target}", echo_on_terminal=True) as progress:
         artifact = export(
@@ -509,6 +530,7 @@ def compare_cmd(
     divergence, top-1 and greedy agreement, judged by --max-kl-mean and --min-top1: what did
     quantization cost?).
     """
+    check_artifact_folder(artifact)
     from moedeploy.compare.api import compare
 
     backends = _split_backends(backend)
@@ -542,13 +564,12 @@ def all_cmd(
     The README's main job: proves, end to end, that every exported graph matches eager PyTorch.
     Exit code 1 when anything fails.
     """
-    from moedeploy.compare.suite import check_run_folder, run_all
-    from moedeploy.export import parse_dtype
-    from moedeploy.models import PRESETS
+    from moedeploy.names import dtype_problem, preset_problem
 
-    parse_dtype(dtype)
-    if preset_name not in PRESETS:
-        raise UserError(f"unknown preset {preset_name!r}; choose one of: {', '.join(PRESETS)}")
+    if problem := dtype_problem(dtype) or preset_problem(preset_name):
+        raise UserError(problem)
+    from moedeploy.compare.suite import check_run_folder, run_all
+
     backends = _split_backends(backend) if backend else None
     check_writable(out_dir)
     check_run_folder(out_dir, force)
@@ -598,6 +619,7 @@ def build_cmd(
     Writes
     <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
+    check_artifact_folder(artifact)
     from moedeploy.export import Artifact
     from moedeploy.export.preflight import aot_moe_note
     from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
@@ -640,11 +662,12 @@ def check_cmd(
     take (from its published operator support matrix, kept as data in moedeploy) and, for each
     custom node, the plugin that implements it. Exit code 1 when something cannot build.
     """
+    if target != "trt":
+        raise UserError(f"unknown --target {target!r}; the pre-flight check knows: trt")
+    check_artifact_folder(artifact)
     from moedeploy.export import Artifact
     from moedeploy.export.preflight import check_tensorrt
 
-    if target != "trt":
-        raise UserError(f"unknown --target {target!r}; the pre-flight check knows: trt")
     loaded = Artifact.load(artifact)
     refuse_experts_option_unquantized(ctx, loaded)
     report = check_tensorrt(loaded, experts_on_codes=experts_on_codes)
@@ -709,18 +732,21 @@ def bench_cmd(
     engine) before any work; exit code 1 when one cannot run or fails. Every worker, peers
     included, starts with glibc's huge pages for malloc (MOEDEPLOY_HUGE_PAGES=0: off).
     """
-    from moedeploy.bench.api import bench
-    from moedeploy.bench.summary import cache_line, paired_text, spread_lines
-    from moedeploy.utils.progress import size_text
+    # the backends' names now, before torch is imported; bench() checks that each can run here
+    from moedeploy.bench.checks import parse_backends
 
     if json_file is not None:
         check_json_target(json_file)
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    backends = parse_backends(b.strip() for b in backend.split(",") if b.strip())
     variants = [q.strip() for q in quantize.split(",") if q.strip()] if quantize is not None else None
     if quantize is not None and not variants:
         raise UserError("--quantize names int8, int4 or both, comma-separated")
     if not variants and given(ctx, "block_size"):
         raise UserError("--block-size applies with --quantize int8|int4 only")
+    from moedeploy.bench.api import bench
+    from moedeploy.bench.summary import cache_line, paired_text, spread_lines
+    from moedeploy.utils.progress import size_text
+
     check_cache_writable(target, backends, peers)
     with progress_steps("benchmarking") as progress:
         report = bench(target, backends, batch, prompt_len, new_tokens, threads, repeat, json_file,

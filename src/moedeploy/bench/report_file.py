@@ -27,7 +27,7 @@ def report_target_problem(path: Path, is_ours: Callable[[dict[str, Any]], bool],
                           option: str = "--json") -> str:
     """Why `path` may not receive a report ('' when it may); `is_ours(report)` says whether an
     existing JSON object is a report `owner` (bench, a script) wrote, and so may be replaced."""
-    from moedeploy.export.artifact import MANIFEST
+    from moedeploy.names import MANIFEST  # not export.artifact's: checked before torch is imported
     from moedeploy.utils.io import new_folder_problem
 
     if path.is_dir() or not path.parent.is_dir():

@@ -29,10 +29,11 @@ import onnx
 import torch
 from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
+from moedeploy import names
 from moedeploy.export.tokenizer_files import tokenizer_problems
 from moedeploy.models.config import DecoderConfig
+from moedeploy.names import MANIFEST, check_same_names
 
-MANIFEST = "manifest.json"
 #: model.onnx's metadata key for the sha256 of the manifest's "quantization" section (section_digest)
 QUANTIZATION_DIGEST_KEY = "moedeploy.quantization_sha256"
 #: the manifest's own key for the sha256 of everything else in it (`sealed`, `seal_problem`)
@@ -67,6 +68,7 @@ DIM_NAME = re.compile(r"\w+")
 INT32_END = 2**31  # TensorRT profiles and Triton dims are int32
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+check_same_names("dtypes", DTYPES, names.DTYPES)
 #: NumPy element type of an artifact's float tensors (NumPy has no bfloat16: bf16 travels as fp32)
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
 
@@ -76,10 +78,9 @@ class ArtifactError(ValueError):
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"invalid dtype {name!r}; choose one of: {', '.join(DTYPES)}") from None
+    if problem := names.dtype_problem(name):
+        raise ValueError(problem)
+    return DTYPES[name]
 
 
 def quiet_polygraphy() -> None:
@@ -495,12 +496,9 @@ class Artifact:
         byte, which a worker process re-opening an artifact its parent verified may skip.
         """
         path = Path(path)
-        if not path.is_dir():
-            what = "does not exist" if not path.exists() else "is not a folder"
-            raise ArtifactError(f"artifact {path} {what}; create one with `moedeploy export`")
+        if problem := names.artifact_folder_problem(path):
+            raise ArtifactError(problem)
         manifest_file = path / MANIFEST
-        if not manifest_file.is_file():
-            raise ArtifactError(f"{path} has no {MANIFEST}; is it an artifact made by `moedeploy export`?")
         artifact = cls(path, {})
         artifact.check_inside(MANIFEST)
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moedeploy import names
 from moedeploy.models import (
     MLP,
     BatchNorm,
@@ -27,6 +28,7 @@ from moedeploy.models import (
     SwiGLU,
     causal_mask,
 )
+from moedeploy.names import check_same_names
 
 DIM = 64  # hidden size of every standalone block: small, but not a power-of-two-only path
 HEADS = 4
@@ -119,49 +121,32 @@ class CausalDecoderLayer(nn.Module):
         return self.layer(x, causal_mask(0, S, x.device)[None, None], self.rope(positions))  # 4-D mask, as in MoEDecoder
 
 
+#: How each block of `names.BLOCKS` is built (its seeded weights come from build_block).
+_BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "layernorm": lambda: LayerNorm(DIM),
+    "rmsnorm": lambda: RMSNorm(DIM),
+    "batchnorm": lambda: BatchNorm(DIM),
+    "batchnorm_mlp": lambda: BatchNormMLP(DIM),
+    "batchnorm1d_transposed_mlp": lambda: TransposedBatchNorm1dMLP(DIM),
+    "mlp": lambda: MLP(DIM),
+    "ffn_relu": lambda: FeedForward(DIM, activation="relu"),
+    "ffn_gelu": lambda: FeedForward(DIM, activation="gelu"),
+    "swiglu": lambda: SwiGLU(DIM, bias=True),
+    "moe": lambda: SparseMoE(DIM, 96, n_experts=4, top_k=2),
+    "encoder_layer_postln": lambda: EncoderLayer(DIM, HEADS, norm_first=False),
+    "encoder_layer_preln": lambda: EncoderLayer(DIM, HEADS, norm_first=True),
+    "decoder_layer": lambda: CausalDecoderLayer(moe=True),
+    "decoder_layer_dense": lambda: CausalDecoderLayer(moe=False),
+}
+
+
 def _registry() -> dict[str, BlockSpec]:
-    specs = [
-        BlockSpec("layernorm", "LayerNorm over the features of [B, S, H]", lambda: LayerNorm(DIM)),
-        BlockSpec("rmsnorm", "RMSNorm (fp32 statistics) -> one moe::RMSNorm node", lambda: RMSNorm(DIM)),
-        BlockSpec(
-            "batchnorm", "BatchNorm over features with frozen EMA stats, folded to scale+shift",
-            lambda: BatchNorm(DIM), uses_batchnorm=True,
-        ),
-        BlockSpec(
-            "batchnorm_mlp", "Linear -> BatchNorm -> ReLU -> Linear, BatchNorm folded into the Linear",
-            lambda: BatchNormMLP(DIM), uses_batchnorm=True,
-        ),
-        BlockSpec(
-            "batchnorm1d_transposed_mlp",
-            "Linear -> transposed nn.BatchNorm1d -> ReLU -> Linear, folded into the Linear",
-            lambda: TransposedBatchNorm1dMLP(DIM), uses_batchnorm=True,
-        ),
-        BlockSpec("mlp", "Linear(d, 4d) -> ReLU -> Linear(4d, d)", lambda: MLP(DIM)),
-        BlockSpec("ffn_relu", "FeedForward: Linear -> ReLU -> Linear -> Dropout", lambda: FeedForward(DIM, activation="relu")),
-        BlockSpec("ffn_gelu", "FeedForward: Linear -> GELU -> Linear -> Dropout", lambda: FeedForward(DIM, activation="gelu")),
-        BlockSpec("swiglu", "SwiGLU FFN with multiple_of rounding", lambda: SwiGLU(DIM, bias=True)),
-        BlockSpec(
-            "moe", "Sparse MoE, 4 SwiGLU experts, top-2 -> one moe::MoE node",
-            lambda: SparseMoE(DIM, 96, n_experts=4, top_k=2),
-        ),
-        BlockSpec(
-            "encoder_layer_postln", "Encoder layer, post-LN (Attention Is All You Need)",
-            lambda: EncoderLayer(DIM, HEADS, norm_first=False),
-        ),
-        BlockSpec(
-            "encoder_layer_preln", "Encoder layer, pre-LN",
-            lambda: EncoderLayer(DIM, HEADS, norm_first=True),
-        ),
-        BlockSpec(
-            "decoder_layer", "Decoder layer: pre-RMSNorm, causal GQA + RoPE, MoE FFN",
-            lambda: CausalDecoderLayer(moe=True),
-        ),
-        BlockSpec(
-            "decoder_layer_dense", "Decoder layer: pre-RMSNorm, causal GQA + RoPE, SwiGLU FFN",
-            lambda: CausalDecoderLayer(moe=False),
-        ),
-    ]
-    return {s.name: s for s in specs}
+    """The specs, named and described once in moedeploy/names.py (which the CLI reads without torch)."""
+    check_same_names("blocks", _BUILDERS, names.BLOCKS)
+    return {
+        name: BlockSpec(name, summary, _BUILDERS[name], uses_batchnorm=name in names.BATCHNORM_BLOCKS)
+        for name, summary in names.BLOCKS.items()
+    }
 
 
 BLOCKS: dict[str, BlockSpec] = _registry()

@@ -86,6 +86,7 @@ from moedeploy.export.tokenizer_files import copy_tokenizer
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, finite_check
+from moedeploy.names import DECODER
 from moedeploy.plugins import moe
 from moedeploy.utils.io import (
     OutputRefused,
@@ -98,7 +99,6 @@ from moedeploy.utils.io import (
 from moedeploy.utils.progress import size_text
 
 Progress = Callable[[str], None]
-DECODER = "decoder"
 #: Room the golden I/O and manifest need besides the weights (Polygraphy JSON is base64, ~1.4x).
 GOLDEN_BYTES_ALLOWANCE = 64 * 2**20
 

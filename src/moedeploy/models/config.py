@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from moedeploy import names
+from moedeploy.names import check_same_names
 from moedeploy.plugins.moe import NO_LIMIT, ExpertActivation, Routing
 
 NORMS = ("rms", "layer")
@@ -238,9 +240,11 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
+check_same_names("presets", PRESETS, names.PRESETS)
+
+
 def preset(name: str) -> DecoderConfig:
     """A fresh copy of a named preset (mutating it never changes the table)."""
-    try:
-        return dataclasses.replace(PRESETS[name])
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+    if problem := names.preset_problem(name):
+        raise ValueError(problem)
+    return dataclasses.replace(PRESETS[name])

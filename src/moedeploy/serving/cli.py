@@ -15,7 +15,16 @@ def register(app: typer.Typer) -> None:
     """Add the serving commands to `app`."""
     from rich.markup import escape
 
-    from moedeploy.cli import UserError, check_writable, err, given, handle_errors, make_table, out
+    from moedeploy.cli import (
+        UserError,
+        check_artifact_folder,
+        check_writable,
+        err,
+        given,
+        handle_errors,
+        make_table,
+        out,
+    )
 
     @app.command("serve")
     @handle_errors
@@ -66,6 +75,8 @@ def register(app: typer.Typer) -> None:
         Example:
           moedeploy serve artifacts/moe artifacts/decoder --max-batch-size 8
         """
+        for artifact in artifacts:  # a mistyped path is refused before the server's imports (torch, ONNX)
+            check_artifact_folder(artifact)
         from moedeploy.serving import ModelServer, ServeOptions, ServingUnavailable, wait_for_signal
 
         options = ServeOptions(
@@ -128,6 +139,7 @@ def register(app: typer.Typer) -> None:
         max_batch_size, dynamic batching and the instance group. Start Triton with the printed
         command. The decoder's generation loop is Python and is not part of it (`moedeploy serve` runs it).
         """
+        check_artifact_folder(artifact)
         from moedeploy.serving.repository import RepositoryOptions, write_repository
 
         if out_dir is None:
