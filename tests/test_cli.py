@@ -493,7 +493,7 @@ def test_the_cli_loads_without_torch_or_onnx() -> None:
 
 
 def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp_path: Path) -> None:
-    """A mistyped block, dtype, preset, --target, backend or artifact path, and `export --list`,
+    """A mistyped block, dtype, preset, --target, backend, artifact or checkpoint path, and `export --list`,
     took 5-6 s each: the command imported the exporter (torch, ONNX) before looking at its
     arguments. They are answered from moedeploy.names now; each still exits 1 with its line."""
     (tmp_path / "empty").mkdir()
@@ -517,6 +517,8 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["export", "rmsnorm", "--dtype", "fp8", "--out", "out"], 1, "invalid dtype 'fp8'; choose one of: fp32, fp16, bf16"),
         (["export", "decoder", "--preset", "huge", "--out", "out"], 1, "unknown preset 'huge'; choose one of: tiny, small"),
         (["export", "mlp", "--fold-bn", "--out", "out"], 1, "applies to blocks with BatchNorm only"),
+        (["export", "decoder", "--checkpoint", "nowhere", "--out", "out"], 1, "checkpoint folder nowhere does not exist"),
+        (["export", "decoder", "--checkpoint", "empty", "--out", "out"], 1, "empty has no config.json"),
         (["all", "--dtype", "int8"], 1, "invalid dtype 'int8'"),
         (["check", "empty", "--target", "xla"], 1, "unknown --target 'xla'"),
         (["check", "nowhere"], 1, "artifact nowhere does not exist"),

@@ -361,7 +361,14 @@ def export_cmd(
     """
     # everything a user can get wrong on the command line is checked from moedeploy.names, before
     # the exporter (and torch) is imported: a typo is refused in half a second, not five
-    from moedeploy.names import BATCHNORM_BLOCKS, BLOCKS, DECODER, dtype_problem, preset_problem
+    from moedeploy.names import (
+        BATCHNORM_BLOCKS,
+        BLOCKS,
+        DECODER,
+        checkpoint_folder_problem,
+        dtype_problem,
+        preset_problem,
+    )
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
         for name, summary in BLOCKS.items():
@@ -380,6 +387,10 @@ def export_cmd(
         raise UserError(problem)
     if target != DECODER and given(ctx, "golden"):
         raise UserError("--golden/--no-golden applies to the decoder only; a block's golden outputs cost nothing")
+    # a checkpoint the decoder would read (export() refuses it with --preset, or for a block, first)
+    if target == DECODER and preset_name is None and checkpoint is not None and (
+            problem := checkpoint_folder_problem(checkpoint)):
+        raise UserError(problem)
     uses_batchnorm = target in BATCHNORM_BLOCKS
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):

@@ -62,6 +62,18 @@ def artifact_folder_problem(path: Path) -> str | None:
     return None
 
 
+def checkpoint_folder_problem(path: Path) -> str | None:
+    """Why `path` cannot be a checkpoint at a glance (no folder, no config.json), or None: the
+    first checks of reading a checkpoint, which the command line makes before importing torch."""
+    if not path.exists():
+        return f"checkpoint folder {path} does not exist"
+    if not path.is_dir():
+        return f"checkpoint {path} is not a folder (expected config.json + *.safetensors)"
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json; is it a checkpoint folder?"
+    return None
+
+
 def check_same_names(what: str, built: Iterable[str], named: Iterable[str]) -> None:
     """Fail at import when a module builds other `what` than this module names (order included)."""
     built, named = list(built), list(named)

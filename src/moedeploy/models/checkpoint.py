@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families import Family, UnsupportedOption, family_for
 from moedeploy.models.families.base import Derived, checked_field_types
+from moedeploy.names import checkpoint_folder_problem
 from moedeploy.utils.io import atomic_directory, atomic_write_json, few_names, read_json_object
 
 FORMAT = "moedeploy"
@@ -150,14 +151,9 @@ SIZES_NEVER_NULL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atten
 
 
 def _read_config(path: Path) -> dict:
-    if not path.exists():
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a folder (expected config.json + *.safetensors)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.json; is it a checkpoint folder?")
-    return read_json_object(config_file, CheckpointError)
+    if problem := checkpoint_folder_problem(path):
+        raise CheckpointError(problem)
+    return read_json_object(path / "config.json", CheckpointError)
 
 
 def _weight_files(path: Path) -> list[Path]:
