@@ -88,3 +88,43 @@ def test_moe_fused_aot_refuses_what_the_op_refuses() -> None:
         compile_moe_fused("fp16", Routing(2, n_group=4, topk_group=2), n_experts=4, arch=90)
     with pytest.raises(ValueError, match="activation"):
         compile_moe_fused("fp16", 2, activation="tanh", n_experts=4, arch=90)
+
+
+def test_the_clean_compiling_process_reports_a_failure_and_outlives_it() -> None:
+    """On CPU the kernels compile in one kept process with Triton's interpreter off: a request it
+    cannot compile is an error naming the cause, the next request still compiles, and a process
+    that died is replaced."""
+    from moedeploy.plugins.kernels import aot
+
+    if not aot._interpreting():
+        pytest.skip("kernels compile in this process here (Triton's interpreter is off)")
+    with pytest.raises(RuntimeError, match=r"AOT compilation of rms_norm failed:(.|\n)*TypeError"):
+        aot._in_clean_process("rms_norm", {"dtype": "fp32", "eps": 1e-5, "arch": 90, "no_such_option": 1})
+    first = aot._clean_compiler._proc
+    assert first is not None and first.poll() is None  # the same process goes on
+    assert compile_rms_norm("fp32", 1e-6, arch=90).name == "rms_norm_kernel"
+    assert aot._clean_compiler._proc is first
+    first.kill()
+    first.wait()
+    kernel = compile_rms_norm("fp16", 1e-6, arch=80)
+    assert ".target sm_80" in kernel.ptx and aot._clean_compiler._proc is not first
+
+
+def test_a_compiling_process_that_dies_mid_request_is_an_error_with_its_last_words() -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    from moedeploy.plugins.kernels import aot
+
+    class Dying(aot._CleanCompiler):
+        def _start(self) -> None:  # a stand-in that reads the request, says why, and exits
+            self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close())
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit('out of memory, say')"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+
+    compiler = Dying()
+    with pytest.raises(RuntimeError, match=r"the compiling process exited:\n.*out of memory, say"):
+        compiler.compile("rms_norm", {"dtype": "fp32", "eps": 1e-5, "arch": 90})
+    assert compiler._proc is None and compiler._stderr is None  # the next request starts a new one

@@ -6,11 +6,16 @@ kernel compiles and has the parameter list TensorRT will launch it with.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
+import traceback
 from dataclasses import dataclass
 
 import triton
@@ -60,17 +65,88 @@ def _interpreting() -> bool:
     return isinstance(rms_norm_kernel, InterpretedFunction)
 
 
+class _CleanCompiler:
+    """A fresh Python with Triton's interpreter off, kept for the life of this process.
+
+    Triton's interpreter patches triton.language process-wide, so compiling next to it is
+    unreliable (CPU tests only): kernels compile in another process instead. One process
+    serves every request in turn (a JSON line each way), because starting one per kernel
+    spent 4-5 s importing torch and Triton for about 1 s of compiling.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+
+    def compile(self, kind: str, kwargs: dict) -> AotKernel:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            proc = self._proc
+            try:
+                proc.stdin.write(json.dumps([kind, kwargs]) + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+            except (BrokenPipeError, OSError):
+                line = ""
+            if not line:  # it died: say why, and start a new one for the next request
+                self._stderr.seek(0)
+                why = self._stderr.read()[-2000:]
+                self.close()
+                raise RuntimeError(f"AOT compilation of {kind} failed: the compiling process exited:\n{why}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"AOT compilation of {kind} failed:\n{reply['error'][-2000:]}")
+        return AotKernel(**reply["kernel"])
+
+    def _start(self) -> None:
+        self.close()
+        # its stderr in a file, as a pipe nobody reads could fill and block it
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (kept as long as the process)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moedeploy.plugins.kernels.aot"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+        )
+
+    def close(self) -> None:
+        """End the process (its stdin closed, it exits) and forget it."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+
+_clean_compiler = _CleanCompiler()
+atexit.register(_clean_compiler.close)
+
+
 def _in_clean_process(kind: str, kwargs: dict) -> AotKernel:
-    """Triton's interpreter patches triton.language process-wide, so compiling next to it is
-    unreliable: compile in a fresh interpreter-free Python instead (CPU tests only)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "moedeploy.plugins.kernels.aot", kind, json.dumps(kwargs)],
-        capture_output=True, text=True, env=env, check=False,
-    )
-    if done.returncode:
-        raise RuntimeError(f"AOT compilation of {kind} failed:\n{done.stderr[-2000:]}")
-    return AotKernel(**json.loads(done.stdout))
+    return _clean_compiler.compile(kind, kwargs)
+
+
+def _serve_requests() -> None:
+    """The clean process's loop: a JSON [kind, kwargs] line in, a {"kernel"} or {"error"} line out."""
+    compile_fns = {"rms_norm": compile_rms_norm, "moe_fused": _compile_moe_fused_from_json}
+    replies = sys.stdout
+    for line in sys.stdin:
+        kind, kwargs = json.loads(line)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # a print of Triton's must not break a reply
+                reply = {"kernel": dataclasses.asdict(compile_fns[kind](**kwargs))}
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 def compile_rms_norm(dtype: str, eps: float, arch: int | None = None) -> AotKernel:
@@ -134,6 +210,5 @@ def _compile_moe_fused_from_json(routing: dict, activation: dict, quantized: dic
     )
 
 
-if __name__ == "__main__":  # used by _in_clean_process
-    compile_fn = {"rms_norm": compile_rms_norm, "moe_fused": _compile_moe_fused_from_json}[sys.argv[1]]
-    print(json.dumps(dataclasses.asdict(compile_fn(**json.loads(sys.argv[2])))))
+if __name__ == "__main__":  # the clean process of _CleanCompiler
+    _serve_requests()
