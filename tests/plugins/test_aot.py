@@ -110,21 +110,73 @@ def test_the_clean_compiling_process_reports_a_failure_and_outlives_it() -> None
     assert ".target sm_80" in kernel.ptx and aot._clean_compiler._proc is not first
 
 
-def test_a_compiling_process_that_dies_mid_request_is_an_error_with_its_last_words() -> None:
-    import subprocess
-    import sys
-    import tempfile
+class _StandIn:
+    """A _CleanCompiler whose process is a stand-in script (reads the request, then `script`)."""
 
-    from moedeploy.plugins.kernels import aot
+    @staticmethod
+    def make(script: str):
+        import subprocess
+        import sys
+        import tempfile
 
-    class Dying(aot._CleanCompiler):
-        def _start(self) -> None:  # a stand-in that reads the request, says why, and exits
-            self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close())
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit('out of memory, say')"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        from moedeploy.plugins.kernels import aot
 
-    compiler = Dying()
-    with pytest.raises(RuntimeError, match=r"the compiling process exited:\n.*out of memory, say"):
+        class StandIn(aot._CleanCompiler):
+            def _start(self) -> None:
+                self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by _close())
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", f"import sys, time; sys.stdin.readline(); {script}"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+
+        return StandIn()
+
+
+@pytest.mark.parametrize("script", [
+    "sys.exit('out of memory, say')",  # gone, with its last words on stderr
+    "sys.stderr.write('out of memory, say'); sys.stderr.flush(); print('ptxas says hello', flush=True)",  # not a reply
+])
+def test_a_compiling_process_that_dies_or_answers_out_of_turn_is_an_error_and_is_replaced(script: str) -> None:
+    compiler = _StandIn.make(script)
+    with pytest.raises(RuntimeError, match=r"exited or answered out of turn:\n.*out of memory, say"):
         compiler.compile("rms_norm", {"dtype": "fp32", "eps": 1e-5, "arch": 90})
     assert compiler._proc is None and compiler._stderr is None  # the next request starts a new one
+
+
+def test_an_interrupted_request_ends_its_process_so_its_reply_is_never_taken_for_the_next() -> None:
+    """A reply still on its way when the request was interrupted (Ctrl-C) would otherwise be
+    read as the next request's: a kernel compiled for other arguments, and no error."""
+    import signal
+
+    compiler = _StandIn.make("time.sleep(1); print('{\"kernel\": {}}', flush=True)")
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            compiler.compile("rms_norm", {"dtype": "fp32", "eps": 1e-5, "arch": 90})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert compiler._proc is None
+
+
+def test_the_clean_compiling_process_sees_a_changed_environment(monkeypatch) -> None:
+    """A process per kernel saw the environment of its request (TRITON_CACHE_DIR, say); the kept
+    one is replaced when a variable the compiler reads changed since it started."""
+    from moedeploy.plugins.kernels import aot
+
+    if not aot._interpreting():
+        pytest.skip("kernels compile in this process here (Triton's interpreter is off)")
+    compile_rms_norm("fp32", 1e-5, arch=90)
+    first = aot._clean_compiler._proc
+    compile_rms_norm("fp32", 1e-4, arch=90)
+    assert aot._clean_compiler._proc is first
+    monkeypatch.setenv("MOEDEPLOY_TEST_MARK", "1")  # not one of them
+    compile_rms_norm("fp32", 1e-3, arch=90)
+    assert aot._clean_compiler._proc is first
+    monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
+    compile_rms_norm("fp32", 1e-2, arch=90)
+    assert aot._clean_compiler._proc is not first

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import triton
 
@@ -66,51 +67,68 @@ def _interpreting() -> bool:
 
 
 class _CleanCompiler:
-    """A fresh Python with Triton's interpreter off, kept for the life of this process.
+    """A fresh Python with Triton's interpreter off, kept while this process lives.
 
     Triton's interpreter patches triton.language process-wide, so compiling next to it is
     unreliable (CPU tests only): kernels compile in another process instead. One process
     serves every request in turn (a JSON line each way), because starting one per kernel
-    spent 4-5 s importing torch and Triton for about 1 s of compiling.
+    spent 4-5 s importing torch and Triton for about 1 s of compiling. Any exchange that does
+    not end in its reply (an interrupt, a line that is not JSON, the process gone) ends that
+    process, so a reply left in the pipe is never read as the next request's. A change to the
+    variables Triton's compiler reads (TRITON_*, and PATH, where ptxas is looked up) starts a
+    new one, which sees them as a process per kernel did.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
-        self._stderr = None
+        self._stderr: Any = None
+        self._env: dict[str, str] = {}
 
     def compile(self, kind: str, kwargs: dict) -> AotKernel:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            if self._proc is None or self._proc.poll() is not None or self._env != _compiler_env():
                 self._start()
             proc = self._proc
             try:
                 proc.stdin.write(json.dumps([kind, kwargs]) + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
-            except (BrokenPipeError, OSError):
-                line = ""
-            if not line:  # it died: say why, and start a new one for the next request
+                reply = json.loads(line) if line else None
+            except (OSError, ValueError):  # a closed pipe, or a line that is not a reply
+                reply = None
+            except BaseException:  # interrupted: its reply would be read by the next request
+                self._close()
+                raise
+            if not isinstance(reply, dict) or not ({"kernel", "error"} & reply.keys()):
                 self._stderr.seek(0)
                 why = self._stderr.read()[-2000:]
-                self.close()
-                raise RuntimeError(f"AOT compilation of {kind} failed: the compiling process exited:\n{why}")
-        reply = json.loads(line)
+                self._close()  # and the next request starts a new one
+                raise RuntimeError(f"AOT compilation of {kind} failed: the compiling process exited or answered "
+                                   f"out of turn:\n{why}")
         if "error" in reply:
             raise RuntimeError(f"AOT compilation of {kind} failed:\n{reply['error'][-2000:]}")
         return AotKernel(**reply["kernel"])
 
     def _start(self) -> None:
-        self.close()
+        self._close()
+        self._env = _compiler_env()
         # its stderr in a file, as a pipe nobody reads could fill and block it
-        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (kept as long as the process)
+        self._stderr = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 (kept as long as the process)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moedeploy.plugins.kernels.aot"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
         )
 
     def close(self) -> None:
-        """End the process (its stdin closed, it exits) and forget it."""
+        """End the process (its stdin closed, it exits) once no request is under way."""
+        if self._lock.acquire(timeout=10):  # at exit, a thread stuck in a request must not hold it up
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+
+    def _close(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
             with contextlib.suppress(OSError):
@@ -126,6 +144,10 @@ class _CleanCompiler:
             self._stderr = None
 
 
+def _compiler_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("TRITON_") or k == "PATH"}
+
+
 _clean_compiler = _CleanCompiler()
 atexit.register(_clean_compiler.close)
 
@@ -135,14 +157,19 @@ def _in_clean_process(kind: str, kwargs: dict) -> AotKernel:
 
 
 def _serve_requests() -> None:
-    """The clean process's loop: a JSON [kind, kwargs] line in, a {"kernel"} or {"error"} line out."""
+    """The clean process's loop: a JSON [kind, kwargs] line in, a {"kernel"} or {"error"} line out.
+
+    Replies go to a copy of the original stdout; file descriptor 1 itself is pointed at stderr,
+    so nothing else written there (C code, ptxas run by Triton) can land between two replies.
+    """
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     compile_fns = {"rms_norm": compile_rms_norm, "moe_fused": _compile_moe_fused_from_json}
-    replies = sys.stdout
     for line in sys.stdin:
         kind, kwargs = json.loads(line)
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # a print of Triton's must not break a reply
-                reply = {"kernel": dataclasses.asdict(compile_fns[kind](**kwargs))}
+            reply = {"kernel": dataclasses.asdict(compile_fns[kind](**kwargs))}
         except Exception:
             reply = {"error": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
