@@ -588,3 +588,45 @@ def test_artifact_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
     for path in [out, *out.rglob("*")]:
         expected = (0o777 if path.is_dir() else 0o666) & ~umask
         assert path.stat().st_mode & 0o777 == expected, path
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new", "over-an-earlier-output"])
+def test_a_writer_that_finished_between_the_look_and_the_rename_is_replaced_not_a_failure(
+        tmp_path: Path, monkeypatch, earlier: bool) -> None:
+    """Two `compare` runs of one artifact finishing together: the other's report/ appeared at
+    --out after this one looked, and the rename into place failed (ENOTEMPTY), so a run whose
+    comparison passed exited 1 with "Directory not empty". The later writer's output stays."""
+    out = tmp_path / "art"
+    if earlier:
+        with atomic_directory(out) as tmp:
+            (tmp / "v.txt").write_text("earlier")
+    arrived = []
+
+    def other_writer_finishes() -> None:
+        if not arrived:
+            arrived.append(True)
+            os.mkdir(out)  # os.replace is patched: the other writer's output, put there in one step
+            (out / "v.txt").write_text("theirs")
+
+    _replace_then(monkeypatch, "into place", other_writer_finishes)
+    with atomic_directory(out, force=True) as tmp:
+        (tmp / "v.txt").write_text("ours")
+    assert arrived and (out / "v.txt").read_text() == "ours"
+    assert sorted(p.name for p in out.iterdir()) == ["v.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temp folder left
+
+
+def test_an_output_that_keeps_reappearing_is_an_error_that_leaves_the_others_output(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "art"
+
+    def another_writer_each_time() -> None:
+        if not out.exists():
+            os.mkdir(out)
+            (out / "v.txt").write_text("theirs")
+
+    _replace_then(monkeypatch, "into place", another_writer_each_time)
+    with pytest.raises(OSError) as raised, atomic_directory(out, force=True) as tmp:
+        (tmp / "v.txt").write_text("ours")
+    assert raised.value.errno in (errno.ENOTEMPTY, errno.EEXIST)
+    assert (out / "v.txt").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]

@@ -100,25 +100,36 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
     """Put the finished `tmp` at `path`; an existing `path` goes into a marked temp folder, which
     is returned for the caller to delete. Run with Ctrl-C and SIGTERM held (`signals_deferred`):
     cut between the two renames, the previous output sat in a temp folder the next write sweeps,
-    and `path` was gone. A failed second rename puts the previous output back."""
-    old = None
-    if path.exists():
-        check_replaceable(path, owned, force)  # it may have changed while we worked
-        old = _marked_temp(path, ".old")
+    and `path` was gone. A failed second rename puts the previous output back.
+
+    Another writer of the same output (two `compare` runs of one artifact finishing together)
+    can put its folder at `path` between the look and the rename, which then fails (ENOTEMPTY):
+    that folder is replaced as any earlier output is, once, so the later writer's output stays
+    and neither run fails."""
+    (tmp / TEMP_MARKER).unlink()  # not part of the output
+    for last_try in (False, True):
+        old = None
+        if path.exists():
+            check_replaceable(path, owned, force)  # it may have changed while we worked
+            old = _marked_temp(path, ".old")
+            try:
+                os.replace(path, old / "x")
+            except BaseException:  # e.g. EBUSY: --out is a mount point, which no rename moves
+                shutil.rmtree(old, ignore_errors=True)
+                raise
         try:
-            os.replace(path, old / "x")
-        except BaseException:  # e.g. EBUSY: --out is a mount point, which no rename moves
-            shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, path)
+            return old
+        except BaseException as e:
+            raced = isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST) and path.is_dir()
+            if old is not None:
+                if not raced:
+                    os.replace(old / "x", path)
+                shutil.rmtree(old, ignore_errors=True)  # raced: older than the other writer's, now at path
+            if raced and not last_try:
+                continue
             raise
-    try:
-        (tmp / TEMP_MARKER).unlink()  # not part of the output
-        os.replace(tmp, path)
-    except BaseException:
-        if old is not None:
-            os.replace(old / "x", path)
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    return old
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def new_folder_problem(folder: Path) -> str | None:
