@@ -630,3 +630,29 @@ def test_an_output_that_keeps_reappearing_is_an_error_that_leaves_the_others_out
     assert raised.value.errno in (errno.ENOTEMPTY, errno.EEXIST)
     assert (out / "v.txt").read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_a_users_folder_that_appears_before_the_rename_is_refused_and_kept(tmp_path: Path, monkeypatch) -> None:
+    """What appears at --out between the look and the rename is replaced only when a replace
+    of it would have been allowed anyway: a user's folder is refused and stays as it is."""
+    out = tmp_path / "art"
+
+    def ours(p: Path) -> bool:
+        return (p / "v.txt").is_file()
+
+    with atomic_directory(out, owned=ours) as tmp:
+        (tmp / "v.txt").write_text("earlier")
+
+    def users_folder_appears() -> None:
+        if not out.exists():
+            os.mkdir(out)
+            (out / "user.txt").write_text("mine")
+
+    _replace_then(monkeypatch, "into place", users_folder_appears)
+    with pytest.raises(OutputRefused), atomic_directory(out, owned=ours) as tmp:
+        (tmp / "v.txt").write_text("ours")
+    assert sorted(p.name for p in out.iterdir()) == ["user.txt"] and (out / "user.txt").read_text() == "mine"
+    # the earlier output waits in a marked temp folder, for the next write's sweep (as before)
+    left = [p for p in tmp_path.iterdir() if p.name != "art"]
+    assert len(left) == 1 and left[0].name.endswith(".old") and (left[0] / TEMP_MARKER).is_file()
+    assert (left[0] / "x" / "v.txt").read_text() == "earlier"

@@ -106,7 +106,7 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
     can put its folder at `path` between the look and the rename, which then fails (ENOTEMPTY):
     that folder is replaced as any earlier output is, once, so the later writer's output stays
     and neither run fails."""
-    (tmp / TEMP_MARKER).unlink()  # not part of the output
+    superseded: list[Path] = []  # outputs older than another writer's: deleted once ours is in place
     for last_try in (False, True):
         old = None
         if path.exists():
@@ -118,17 +118,27 @@ def _swap_into_place(tmp: Path, path: Path, owned: Callable[[Path], bool] | None
                 shutil.rmtree(old, ignore_errors=True)
                 raise
         try:
+            (tmp / TEMP_MARKER).unlink()  # not part of the output (unmarked for this one call only)
             os.replace(tmp, path)
-            return old
         except BaseException as e:
             raced = isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST) and path.is_dir()
+            if raced:
+                (tmp / TEMP_MARKER).touch()
             if old is not None:
-                if not raced:
+                if raced:  # kept (marked) until ours or another's output holds path
+                    superseded.append(old)
+                else:
                     os.replace(old / "x", path)
-                shutil.rmtree(old, ignore_errors=True)  # raced: older than the other writer's, now at path
+                    shutil.rmtree(old, ignore_errors=True)
             if raced and not last_try:
                 continue
+            if raced:  # path holds another writer's complete output, newer than those
+                for folder in superseded:
+                    shutil.rmtree(folder, ignore_errors=True)
             raise
+        for folder in superseded:
+            shutil.rmtree(folder, ignore_errors=True)
+        return old
     raise AssertionError("unreachable: the last try returns or raises")
 
 
