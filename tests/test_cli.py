@@ -525,6 +525,8 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["compare", "empty"], 1, "empty has no manifest.json"),
         (["build", "nowhere"], 1, "artifact nowhere does not exist"),
         (["bench", "tiny", "--backend", "tpu"], 1, "unknown backend 'tpu' in --backend"),
+        (["compare", "empty", "--backend", "ort,tensorflow"], 1, "empty has no manifest.json"),
+        (["all", "--backend", "ort,tensorflow"], 1, "unknown backend 'tensorflow' in --backend; choose from: ort,"),
         (["export", "--list"], 0, ""),
     ]
     done = subprocess.run([sys.executable, "-c", script, json.dumps([args for args, _, _ in cases])], cwd=tmp_path,
@@ -542,10 +544,12 @@ def test_the_names_the_command_line_checks_are_the_ones_the_code_builds() -> Non
     """moedeploy.names holds what the CLI checks without torch; the builders check at import
     that they cover exactly those names, in order, so neither side can gain a name alone."""
     from moedeploy import names
+    from moedeploy.compare.api import COMPARE_BACKENDS
     from moedeploy.export.artifact import DTYPES
     from moedeploy.models.config import PRESETS
 
     assert list(DTYPES) == list(names.DTYPES) and list(PRESETS) == list(names.PRESETS)
+    assert COMPARE_BACKENDS == names.COMPARE_BACKENDS
     names.check_same_names("blocks", ["a", "b"], ["a", "b"])
     for built, named in ((["a", "b"], ["b", "a"]), (["a"], ["a", "b"]), (["a", "b"], ["a"])):
         with pytest.raises(RuntimeError, match="blocks are out of step"):

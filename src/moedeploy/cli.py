@@ -442,7 +442,7 @@ def given(ctx: typer.Context, param: str) -> bool:
 
 
 def _split_backends(value: str) -> list[str]:
-    from moedeploy.compare.api import COMPARE_BACKENDS
+    from moedeploy.names import COMPARE_BACKENDS  # checked before torch is imported
 
     choices = ", ".join(COMPARE_BACKENDS[1:])  # not torch: the reference every backend is compared with
     backends = [b.strip() for b in value.split(",") if b.strip()]
@@ -542,9 +542,9 @@ def compare_cmd(
     quantization cost?).
     """
     check_artifact_folder(artifact)
+    backends = _split_backends(backend)
     from moedeploy.compare.api import compare
 
-    backends = _split_backends(backend)
     with progress_steps(f"comparing {artifact}") as progress:
         report = compare(
             artifact, backends, atol=atol, rtol=rtol, iterations=iterations, seed=seed,
@@ -579,9 +579,9 @@ def all_cmd(
 
     if problem := dtype_problem(dtype) or preset_problem(preset_name):
         raise UserError(problem)
+    backends = _split_backends(backend) if backend else None
     from moedeploy.compare.suite import check_run_folder, run_all
 
-    backends = _split_backends(backend) if backend else None
     check_writable(out_dir)
     check_run_folder(out_dir, force)
     with progress_steps("moedeploy all") as progress:

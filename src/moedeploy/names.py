@@ -1,10 +1,10 @@
-"""The names a user types on the command line (blocks, the decoder, dtypes, presets), and what
-makes a folder an artifact.
+"""The names a user types on the command line (blocks, the decoder, dtypes, presets, compare's
+backends), and what makes a folder an artifact.
 
 They live here, in a module that imports nothing, so that `moedeploy export --list` answers at
 once and a mistyped block, dtype, preset or artifact path is refused in half a second rather than
 after the four seconds torch and the exporter take to import. The modules that build what these names
-stand for (export/blocks.py, export/artifact.py, models/config.py) call `check_same_names` when
+stand for (export/blocks.py, export/artifact.py, models/config.py, compare/api.py) call `check_same_names` when
 they load, so a name added on one side only fails at import, never as a block the command line
 refuses or lists without being able to build it.
 """
@@ -19,6 +19,11 @@ MANIFEST = "manifest.json"
 DECODER = "decoder"
 DTYPES = ("fp32", "fp16", "bf16")
 PRESETS = ("tiny", "small")
+
+#: What `compare --backend` and `all --backend` take after "torch" (the reference the others are
+#: compared with): ONNX Runtime on each lowering (runtime/runners.py), TensorRT, and the in-flight
+#: batching check (compare/inflight.py); compare/api.py checks it against those at import.
+COMPARE_BACKENDS = ("torch", "ort", "ort-contrib", "ort-gqa", "ort-skipnorm", "trt", "ort-inflight")
 
 #: Every exportable block, in `--list` order, with the line that says what it is.
 BLOCKS = {
