@@ -39,7 +39,6 @@ from moedeploy.export.exporter import library_versions
 from moedeploy.export.reference import check_same_config, eager_decoder, load_reference, unquantized
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
-from moedeploy.names import check_same_names
 from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
 from moedeploy.runtime.runners import (
     BACKENDS,
@@ -72,7 +71,7 @@ LAYERWISE_KEYS = ("first_divergent_layer", "first_divergent_module", "first_dive
 
 #: what `compare --backend` takes: every runner but the reference, and the in-flight batching check
 COMPARE_BACKENDS = (*BACKENDS, INFLIGHT)
-check_same_names("compare backends", COMPARE_BACKENDS, names.COMPARE_BACKENDS)
+names.check_same_names("compare backends", COMPARE_BACKENDS, names.COMPARE_BACKENDS)
 
 
 def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | None) -> dict[str, tuple[float, float]]:

@@ -32,7 +32,7 @@ from onnx.external_data_helper import _get_all_tensors, uses_external_data
 from moedeploy import names
 from moedeploy.export.tokenizer_files import tokenizer_problems
 from moedeploy.models.config import DecoderConfig
-from moedeploy.names import MANIFEST, check_same_names
+from moedeploy.names import MANIFEST
 
 #: model.onnx's metadata key for the sha256 of the manifest's "quantization" section (section_digest)
 QUANTIZATION_DIGEST_KEY = "moedeploy.quantization_sha256"
@@ -68,7 +68,7 @@ DIM_NAME = re.compile(r"\w+")
 INT32_END = 2**31  # TensorRT profiles and Triton dims are int32
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-check_same_names("dtypes", DTYPES, names.DTYPES)
+names.check_same_names("dtypes", DTYPES, names.DTYPES)
 #: NumPy element type of an artifact's float tensors (NumPy has no bfloat16: bf16 travels as fp32)
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
 

@@ -28,7 +28,6 @@ from moedeploy.models import (
     SwiGLU,
     causal_mask,
 )
-from moedeploy.names import check_same_names
 
 DIM = 64  # hidden size of every standalone block: small, but not a power-of-two-only path
 HEADS = 4
@@ -142,7 +141,7 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
 
 def _registry() -> dict[str, BlockSpec]:
     """The specs, named and described once in moedeploy/names.py (which the CLI reads without torch)."""
-    check_same_names("blocks", _BUILDERS, names.BLOCKS)
+    names.check_same_names("blocks", _BUILDERS, names.BLOCKS)
     return {
         name: BlockSpec(name, summary, _BUILDERS[name], uses_batchnorm=name in names.BATCHNORM_BLOCKS)
         for name, summary in names.BLOCKS.items()

@@ -222,6 +222,14 @@ def torchlib_registry_reused() -> contextlib.AbstractContextManager[None]:
     return _reused_registries.held()
 
 
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Around a torch.onnx.export call (a block's, the decoder's): torch's output quiet, fewer
+    garbage collections, the torchlib registry reused, no autograd."""
+    with _quiet(), fewer_collections(), torchlib_registry_reused(), torch.no_grad():
+        yield
+
+
 def attach_function_bodies(model: onnx.ModelProto) -> None:
     """Give every custom node a standard-op function body (the portable fallback).
 
@@ -331,7 +339,7 @@ def to_onnx(
     left out of node names so they read as the model's own `named_modules()`.
     """
     try:
-        with _quiet(), fewer_collections(), torchlib_registry_reused(), torch.no_grad():
+        with tracing():
             program = torch.onnx.export(
                 module,
                 args,

@@ -50,7 +50,7 @@ from moedeploy.export.onnx_export import (
     fewer_collections,
     name_custom_nodes,
     normalize_dim_sums,
-    torchlib_registry_reused,
+    tracing,
 )
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.config import DecoderConfig
@@ -158,7 +158,7 @@ def _trace_layers(config: DecoderConfig, dtype: torch.dtype, weight_names: list[
     past = [(torch.zeros(k, dtype=dtype), torch.zeros(v, dtype=dtype)) for _ in range(n)]
     past_axes = {0: "batch", 2: "past_seq"}
     try:
-        with _quiet(), fewer_collections(), torchlib_registry_reused(), torch.no_grad():
+        with tracing():
             program = torch.onnx.export(
                 DecoderWithPast(decoder).eval(), (ids, past), dynamo=True, opset_version=OPSET,
                 input_names=["input_ids", *past_names(n)], output_names=["logits", *present_names(n)],

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moedeploy import names
-from moedeploy.names import check_same_names
 from moedeploy.plugins.moe import NO_LIMIT, ExpertActivation, Routing
 
 NORMS = ("rms", "layer")
@@ -240,7 +239,7 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
-check_same_names("presets", PRESETS, names.PRESETS)
+names.check_same_names("presets", PRESETS, names.PRESETS)
 
 
 def preset(name: str) -> DecoderConfig:
