@@ -175,6 +175,38 @@ def test_an_inference_body_triton_would_choke_on_is_refused_by_the_front(server,
     still_serving(server)
 
 
+def padded(body: dict) -> bytes:
+    """`body`'s JSON with 3 MiB of spaces before its last brace: still valid JSON, and past the
+    size the front parses in its event loop (PARSED_JSON_BYTES)."""
+    from moedeploy.serving.infer_body import PARSED_JSON_BYTES
+
+    raw = json.dumps(body).encode()
+    return raw[:-1] + b" " * (PARSED_JSON_BYTES + 2**20) + b"}"
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (["hot"] + [0.5] * 127, 'inputs[0] (x): data holds "hot", which is not of datatype FP32; send numbers'),
+    ([0.5] * 100, "inputs[0] (x): shape [1, 2, 64] holds 128 values but data has 100; send as many values as the "
+                  "shape holds"),
+])
+def test_a_large_body_triton_answers_500_gets_the_reason_and_400(server, data: list, message: str) -> None:
+    """A JSON part too large to parse in the front's loop (it would stall every stream for
+    seconds) reaches Triton on its declared shapes alone. Triton's parser answered these 500; the
+    front then checks the whole body in a child process and answers 400 with the reason. A good
+    body of that size passes through and is answered as usual."""
+    body = {"inputs": [{"name": "x", "shape": [1, 2, 64], "datatype": "FP32", "data": data}]}
+    status, text = post(server, "/v2/models/moe/infer", padded(body))
+    assert (status, json.loads(text)["error"]) == (400, message)
+    x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(1, 2, 64)
+    status, text = post(server, "/v2/models/moe/infer", padded({**body, "inputs": [
+        {**body["inputs"][0], "data": x.ravel().tolist()}]}))
+    assert status == 200, text
+    with torch.no_grad():
+        expected = eager_block("moe")(torch.from_numpy(x)).numpy().ravel()
+    np.testing.assert_allclose(json.loads(text)["outputs"][0]["data"], expected, atol=1e-5, rtol=1e-5)
+    still_serving(server)
+
+
 @pytest.mark.parametrize("path", ["/v2/models/moe/infer", "/v2/models/decoder_generate/generate"])
 def test_json_nested_too_deep_and_a_false_content_encoding_are_refused(server, path: str, caplog) -> None:
     """Python's JSON parser raises RecursionError, not ValueError, past its nesting limit, and a

@@ -248,6 +248,34 @@ def test_an_inference_body_is_checked_within_bounded_time() -> None:
             f"{JSON_LENGTH_HEADER} must be the length of the body's JSON part, at most {len(small)}"), header
 
 
+def test_a_large_body_is_checked_whole_in_a_child_process() -> None:
+    """Past PARSED_JSON_BYTES the front reads only the declared shapes; when Triton then answers
+    500, whole_body_problem parses the body in a child Python and names the first wrong value, of
+    a million, as the small-body check does."""
+    import asyncio
+
+    from moedeploy.serving.infer_body import (
+        PARSED_JSON_BYTES,
+        checked_partly,
+        infer_body_problem,
+        whole_body_problem,
+    )
+
+    values = [7] * 1_000_000
+    values[600_001], values[900_000] = 2.5, "x"  # the first wrong one is named
+    body = json.dumps({"inputs": [{"name": "ids", "shape": [1000, 1000], "datatype": "INT64",
+                                   "data": [values[i:i + 1000] for i in range(0, 1_000_000, 1000)]}]}).encode()
+    assert len(body) > PARSED_JSON_BYTES and checked_partly(body, None)
+    message = f"inputs[0] (ids): data holds 2.5, which is not of datatype INT64; {INT64_RANGE}"
+    assert infer_body_problem(body, None) is None  # the shapes alone fit the body
+    assert infer_body_problem(body, None, whole=True) == message
+    assert asyncio.run(whole_body_problem(body, None)) == message
+    binary = body + bytes(3 * 2**20)  # binary tensors after a small JSON part: that part was parsed whole
+    assert not checked_partly(binary, str(len(b"{}"))) and checked_partly(binary, None)
+    assert asyncio.run(whole_body_problem(b"{}" + bytes(8), "2")) == \
+        '"inputs" must be a non-empty list of input objects ({"name", "shape", "datatype", "data"})'
+
+
 INT64_IDS = {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [5, 6, 7]}
 INT64_RANGE = "send integers from -9223372036854775808 to 9223372036854775807"
 

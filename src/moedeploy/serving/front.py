@@ -46,7 +46,12 @@ from typing import Any
 from urllib.parse import unquote
 
 from moedeploy.serving.generate_body import checked_generate_body, error_message, error_status
-from moedeploy.serving.infer_body import JSON_LENGTH_HEADER, infer_body_problem
+from moedeploy.serving.infer_body import (
+    JSON_LENGTH_HEADER,
+    checked_partly,
+    infer_body_problem,
+    whole_body_problem,
+)
 from moedeploy.serving.specs import ServingError
 
 LOGGER = logging.getLogger("moedeploy.serving")
@@ -190,11 +195,14 @@ class HttpFront(LoopServer):
         self.generation_models = frozenset(generation_models)
         self.body_limits = body_limits or {}
         self.cancelled = cancelled
+        self._whole_checks: asyncio.Semaphore | None = None  # made on the loop, in _start
 
     async def _start(self) -> None:
         import aiohttp
         from aiohttp import web
 
+        # one large body checked at a time: parsing 64 MiB of JSON can take a GB for a moment
+        self._whole_checks = asyncio.Semaphore(1)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -233,6 +241,18 @@ class HttpFront(LoopServer):
                 return None
         return body
 
+    async def _whole_body_problem(self, body: bytearray, json_length: str | None) -> str | None:
+        """infer_body's whole check of a large body, in a child process; None if it finds nothing
+        or cannot run (then Triton's own answer stands, and the log says why)."""
+        assert self._whole_checks is not None
+        async with self._whole_checks:
+            try:
+                return await whole_body_problem(body, json_length)
+            except (OSError, RuntimeError, ValueError) as e:
+                LOGGER.warning("http front: could not check a %d-byte inference body Triton refused: %s", len(body),
+                               _one_line(e))
+                return None
+
     async def _handle(self, request):
         from aiohttp import ClientError, web
         from aiohttp.web_protocol import RequestPayloadError
@@ -259,6 +279,7 @@ class HttpFront(LoopServer):
         body: Any = None
         # an inference request's JSON is checked before Triton allocates what its shapes declare
         inference = request.method == "POST" and infer is not None and infer[2] == "infer"
+        json_length = request.headers.get(JSON_LENGTH_HEADER)
         if request.body_exists:
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
             # Triton forwards no header to a model through its generate extension: the id goes in
@@ -282,8 +303,7 @@ class HttpFront(LoopServer):
                     body, problem = checked_generate_body(bytes(body), model, infer[2], (REQUEST_ID_HEADER, request_id))
                     if problem:
                         return self._refusal(400, problem)
-                elif inference and (problem := await asyncio.to_thread(
-                        infer_body_problem, body, request.headers.get(JSON_LENGTH_HEADER))):
+                elif inference and (problem := await asyncio.to_thread(infer_body_problem, body, json_length)):
                     return self._refusal(400, problem)
                 headers = [(n, v) for n, v in headers if n.lower() not in ("content-encoding", "content-length")]
                 headers.append(("Content-Length", str(len(body))))
@@ -298,6 +318,13 @@ class HttpFront(LoopServer):
             async with self._session.request(request.method, url, headers=headers,
                                              data=body, allow_redirects=False) as upstream:
                 answered = True
+                triton_said = None
+                if inference and upstream.status == 500 and checked_partly(body, json_length):
+                    # a JSON part too large to parse in the loop went through on its shapes alone,
+                    # and Triton's parser refused it as a server error: find the client's mistake
+                    triton_said = await upstream.read()
+                    if (problem := await self._whole_body_problem(body, json_length)) is not None:
+                        return self._refusal(400, problem)
                 if request_id is not None and infer[2] != "infer" and upstream.status >= 400:
                     # a generation refused before its first token: one JSON line, and 503 for "busy"
                     message = error_message(await upstream.read())
@@ -307,8 +334,11 @@ class HttpFront(LoopServer):
                     if name.lower() not in _HOP_BY_HOP:
                         response.headers.add(name, value)
                 await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                if triton_said is not None:
+                    await response.write(triton_said)
+                else:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
                 await response.write_eof()
                 return response
         except asyncio.CancelledError:  # the client went away (a stream: while its tokens were still coming)

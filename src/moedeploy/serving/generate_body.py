@@ -15,6 +15,7 @@ import json
 import math
 from typing import Any
 
+from moedeploy.serving.json_text import parse_json, shown
 from moedeploy.serving.specs import GENERATE_OPTIONS, STREAM_OPTIONS, STREAM_SUFFIX
 
 #: how every message of moedeploy's Unavailable errors starts (serving.batching, serving.inflight)
@@ -53,19 +54,6 @@ def checked_generate_body(body: bytes, model: str, endpoint: str, parameter: tup
             return body, problem
     payload["parameters"] = {**parameters, parameter[0]: parameter[1]}
     return json.dumps(payload).encode(), None
-
-
-def parse_json(body: bytes) -> tuple[Any, str | None]:
-    """(the JSON value, None), or (None, why it is not valid JSON: one line). A body nested too
-    deep for Python's parser (RecursionError) is invalid JSON to the client, not a server error."""
-    try:
-        return json.loads(body.decode("utf-8")), None
-    except UnicodeDecodeError:
-        return None, "the request body is not UTF-8 text"
-    except ValueError as e:
-        return None, f"the request body is not valid JSON: {str(e).splitlines()[0]}"
-    except RecursionError:
-        return None, "the request body is not valid JSON: it is nested too deep"
 
 
 def generate_body_limit(max_positions: int, batch: int) -> int:
@@ -114,12 +102,6 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def shown(value: Any) -> str:
-    """A request's value as its JSON spells it (NaN and infinities as Python does), cut at 40 characters."""
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def error_message(body: bytes) -> str:

@@ -33,7 +33,8 @@ from moedeploy.serving.front import (
     expect_within,
     unreadable_body_answer,
 )
-from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message, parse_json, shown
+from moedeploy.serving.generate_body import FLOAT32_MAX, INT64, error_message
+from moedeploy.serving.json_text import parse_json, shown
 from moedeploy.serving.specs import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_STOP_CHARS,
