@@ -3,6 +3,7 @@ and nothing left on disk for every user error, a traceback only with --debug."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -495,8 +496,14 @@ def test_the_cli_loads_without_torch_or_onnx() -> None:
 def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp_path: Path) -> None:
     """A mistyped block, dtype, preset, --target, backend, artifact or checkpoint path, and `export --list`,
     took 5-6 s each: the command imported the exporter (torch, ONNX) before looking at its
-    arguments. They are answered from moedeploy.names now; each still exits 1 with its line."""
+    arguments. They are answered from moedeploy.names now; each still exits 1 with its line. So
+    are options that do not go together, a checkpoint's unreadable config.json, and a backend
+    whose package is missing (TensorRT: 5-7 s each before)."""
     (tmp_path / "empty").mkdir()
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("{not json")
+    (tmp_path / "art").mkdir()  # an artifact at a glance: its manifest is read only once torch is loaded
+    (tmp_path / "art" / "manifest.json").write_text("{}")
     script = textwrap.dedent("""
         import contextlib, io, json, sys
         from moedeploy.cli import app
@@ -528,7 +535,17 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["compare", "empty", "--backend", "ort,tensorflow"], 1, "empty has no manifest.json"),
         (["all", "--backend", "ort,tensorflow"], 1, "unknown backend 'tensorflow' in --backend; choose from: ort,"),
         (["export", "--list"], 0, ""),
+        (["export", "decoder", "--checkpoint", "badjson", "--out", "out"], 1, "config.json is not readable JSON"),
+        (["export", "rmsnorm", "--checkpoint", "empty", "--out", "out"], 1, "--checkpoint applies to the decoder only"),
+        (["export", "decoder", "--preset", "small", "--checkpoint", "empty", "--out", "out"], 1, "drop --preset"),
+        (["export", "moe", "--quantize", "int8", "--out", "out"], 1, "--quantize applies to the decoder only"),
+        (["all", "--backend", "ort-gqa"], 1, "--backend ort-gqa runs the decoder only"),
     ]
+    if importlib.util.find_spec("tensorrt") is None:
+        cases += [(["all", "--backend", "ort,trt"], 1, "stops before exporting: TensorRT is not installed"),
+                  (["build", "art"], 1, "TensorRT is not installed"),
+                  (["compare", "art", "--backend", "ort,trt"], 1, "TensorRT is not installed"),
+                  (["bench", "tiny", "--backend", "ort,trt"], 1, "backend 'trt': TensorRT is not installed")]
     done = subprocess.run([sys.executable, "-c", script, json.dumps([args for args, _, _ in cases])], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
@@ -537,7 +554,8 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         assert got_code == code, (args, stderr)
         assert message in stderr and len(stderr.splitlines()) == (1 if code else 0), (args, stderr)
     assert result["torch"] is False
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "badjson", "empty"]
+    assert [p.name for p in (tmp_path / "art").iterdir()] == ["manifest.json"]
 
 
 def test_the_names_the_command_line_checks_are_the_ones_the_code_builds() -> None:

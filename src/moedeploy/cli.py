@@ -122,7 +122,7 @@ _USER_ERROR_CLASSES = (
     ("moedeploy.models.checkpoint", "CheckpointError"),
     ("moedeploy.runtime.lowering", "LoweringError"),
     ("moedeploy.runtime.ort", "SessionError"),
-    ("moedeploy.runtime.tensorrt", "TensorRTUnavailable"),
+    ("moedeploy.runtime.tensorrt_import", "TensorRTUnavailable"),
 )
 
 
@@ -367,8 +367,10 @@ def export_cmd(
         DECODER,
         checkpoint_folder_problem,
         dtype_problem,
+        export_options_problem,
         preset_problem,
     )
+    from moedeploy.utils.io import read_json_object
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
         for name, summary in BLOCKS.items():
@@ -387,10 +389,13 @@ def export_cmd(
         raise UserError(problem)
     if target != DECODER and given(ctx, "golden"):
         raise UserError("--golden/--no-golden applies to the decoder only; a block's golden outputs cost nothing")
-    # a checkpoint the decoder would read (export() refuses it with --preset, or for a block, first)
-    if target == DECODER and preset_name is None and checkpoint is not None and (
-            problem := checkpoint_folder_problem(checkpoint)):
+    if problem := export_options_problem(target, preset=preset_name, checkpoint=checkpoint is not None,
+                                         max_seq_len=max_seq_len is not None, quantize=quantize_as is not None):
         raise UserError(problem)
+    if target == DECODER and checkpoint is not None:  # the checkpoint the decoder reads: its folder and config.json
+        if problem := checkpoint_folder_problem(checkpoint):
+            raise UserError(problem)
+        read_json_object(checkpoint / "config.json", UserError)
     uses_batchnorm = target in BATCHNORM_BLOCKS
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):
@@ -402,8 +407,6 @@ def export_cmd(
             raise UserError(f"{flag} applies with --quantize int8|int4 only")
     if quantize_as == "int8" and given(ctx, "mixed"):
         raise UserError("--mixed/--uniform applies with --quantize int4 only (int8 is uniform)")
-    if quantize_as is not None and target != DECODER:
-        raise UserError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
     check_writable(out_dir)
 
     from moedeploy.export import export
@@ -543,6 +546,10 @@ def compare_cmd(
     """
     check_artifact_folder(artifact)
     backends = _split_backends(backend)
+    if "trt" in backends:  # before torch is imported; compare() also asks for a GPU and this artifact's engine
+        from moedeploy.runtime.tensorrt_import import require_tensorrt
+
+        require_tensorrt()
     from moedeploy.compare.api import compare
 
     with progress_steps(f"comparing {artifact}") as progress:
@@ -580,6 +587,12 @@ def all_cmd(
     if problem := dtype_problem(dtype) or preset_problem(preset_name):
         raise UserError(problem)
     backends = _split_backends(backend) if backend else None
+    if backends is not None:  # run_all checks them again, and asks for a GPU; this, before torch is imported
+        from moedeploy.compare.all_checks import all_backends_problem
+        from moedeploy.names import BLOCKS, DECODER
+
+        if problem := all_backends_problem(backends, [*BLOCKS, DECODER]):
+            raise UserError(problem)
     from moedeploy.compare.suite import check_run_folder, run_all
 
     check_writable(out_dir)
@@ -631,13 +644,15 @@ def build_cmd(
     <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
     check_artifact_folder(artifact)
+    from moedeploy.runtime.tensorrt_import import require_tensorrt
+
+    require_tensorrt()  # before torch is imported
     from moedeploy.export import Artifact
     from moedeploy.export.preflight import aot_moe_note
-    from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
+    from moedeploy.runtime.tensorrt import build_engine, require_gpu
 
     loaded = Artifact.load(artifact)
     refuse_experts_option_unquantized(ctx, loaded)
-    require_tensorrt()
     require_gpu()
     if aot and (note := aot_moe_note(loaded)):
         err.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
@@ -743,12 +758,13 @@ def bench_cmd(
     engine) before any work; exit code 1 when one cannot run or fails. Every worker, peers
     included, starts with glibc's huge pages for malloc (MOEDEPLOY_HUGE_PAGES=0: off).
     """
-    # the backends' names now, before torch is imported; bench() checks that each can run here
-    from moedeploy.bench.checks import parse_backends
+    # the backends' names and packages now, before torch is imported; bench() checks again, and
+    # that each can run here (a GPU for trt, a compiler for torch-compile)
+    from moedeploy.bench.checks import require_installed
 
     if json_file is not None:
         check_json_target(json_file)
-    backends = parse_backends(b.strip() for b in backend.split(",") if b.strip())
+    backends = require_installed(b.strip() for b in backend.split(",") if b.strip())
     variants = [q.strip() for q in quantize.split(",") if q.strip()] if quantize is not None else None
     if quantize is not None and not variants:
         raise UserError("--quantize names int8, int4 or both, comma-separated")

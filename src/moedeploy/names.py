@@ -24,6 +24,9 @@ PRESETS = ("tiny", "small")
 #: compared with): ONNX Runtime on each lowering (runtime/runners.py), TensorRT, and the in-flight
 #: batching check (compare/inflight.py); compare/api.py checks it against those at import.
 COMPARE_BACKENDS = ("torch", "ort", "ort-contrib", "ort-gqa", "ort-skipnorm", "trt", "ort-inflight")
+#: Those of them with nothing to do on a block: lowerings of a decoder's attention or residual
+#: norms (runtime/runners.py's DECODER_ONLY) and the in-flight batching check.
+DECODER_ONLY_BACKENDS = ("ort-gqa", "ort-skipnorm", "ort-inflight")
 
 #: Every exportable block, in `--list` order, with the line that says what it is.
 BLOCKS = {
@@ -76,6 +79,25 @@ def checkpoint_folder_problem(path: Path) -> str | None:
         return f"checkpoint {path} is not a folder (expected config.json + *.safetensors)"
     if not (path / "config.json").is_file():
         return f"{path} has no config.json; is it a checkpoint folder?"
+    return None
+
+
+def export_options_problem(target: str, *, preset: str | None, checkpoint: bool, max_seq_len: bool,
+                           quantize: bool) -> str | None:
+    """Why these `export` options do not go together (one line), or None. The exporter asks, and
+    the command line before importing it. `checkpoint`, `max_seq_len`, `quantize`: whether given."""
+    if target == DECODER:
+        if preset is not None and checkpoint:
+            return "--preset and --checkpoint both given: a checkpoint brings its own shape; drop --preset"
+        return None
+    if checkpoint:
+        return "--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)"
+    if preset is not None:
+        return f"--preset applies to the decoder only; block {target!r} has one fixed shape"
+    if max_seq_len:
+        return "--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)"
+    if quantize:
+        return "--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)"
     return None
 
 

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 #: llama.cpp, openvino: peer engines on the same weights (moedeploy.bench.peers)
 BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt", "llama.cpp", "openvino")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
+#: the peer engines (moedeploy.bench.peers), what each imports and how to install it
+PEERS = ("llama.cpp", "openvino")
+INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)",
+           "openvino": "pip install 'moedeploy[peers]' (openvino)"}
+_MODULES = {"llama.cpp": ("llama_cpp", "gguf"), "openvino": ("openvino",)}
 
 
 def parse_backends(names: Iterable[str]) -> list[str]:
@@ -35,6 +40,14 @@ def parse_backends(names: Iterable[str]) -> list[str]:
         if backends.count(name) > 1:
             raise ValueError(f"backend {name!r} is listed twice in --backend")
     return backends
+
+
+def missing(peer: str) -> str | None:
+    """Why `peer` cannot run here (its packages are absent), else None; nothing is imported."""
+    absent = [m for m in _MODULES[peer] if importlib.util.find_spec(m) is None]
+    if absent:
+        return f"backend {peer!r} needs {', '.join(absent)}, which is not installed: {INSTALL[peer]}"
+    return None
 
 
 def require_transformers() -> None:
@@ -64,32 +77,46 @@ def require_torch_compile() -> None:
                          f"or set CXX ({type(e).__name__})") from None
 
 
-def require_tensorrt_gpu() -> None:
-    """`trt` needs TensorRT and a visible NVIDIA GPU (the messages carry the install command)."""
-    from moedeploy.runtime.tensorrt import TensorRTUnavailable, require_gpu, require_tensorrt
+def require_tensorrt(gpu: bool = True) -> None:
+    """`trt` needs TensorRT and (`gpu`) a visible NVIDIA GPU (the messages carry the install command)."""
+    from moedeploy.runtime.tensorrt_import import TensorRTUnavailable
+    from moedeploy.runtime.tensorrt_import import require_tensorrt as find_tensorrt
 
     try:
-        require_tensorrt()
-        require_gpu()
+        find_tensorrt()
+        if gpu:
+            from moedeploy.runtime.tensorrt import require_gpu
+
+            require_gpu()
     except TensorRTUnavailable as e:
         raise TensorRTUnavailable(f"backend 'trt': {e}") from None
 
 
 def require_peer(name: str) -> None:
-    from moedeploy.bench.peers import missing
-
     if reason := missing(name):
         raise ValueError(reason)
 
 
-def require_backends(backends: Iterable[str]) -> list[str]:
-    """Every requested backend is known and its packages (and, for trt, GPU) are here."""
-    checks = {"hf": require_transformers, "torch-compile": require_torch_compile, "trt": require_tensorrt_gpu,
+def require_installed(backends: Iterable[str]) -> list[str]:
+    """The requested backends, parsed, whose packages are all installed: the checks that import
+    nothing (find_spec only), which the command line makes before importing torch."""
+    checks = {"hf": require_transformers, "trt": lambda: require_tensorrt(gpu=False),
               "llama.cpp": lambda: require_peer("llama.cpp"), "openvino": lambda: require_peer("openvino")}
     parsed = parse_backends(backends)
     for name in parsed:
         if name in checks:
             checks[name]()
+    return parsed
+
+
+def require_backends(backends: Iterable[str]) -> list[str]:
+    """Every requested backend is known and its packages (and, for trt, GPU; for torch-compile,
+    a C++ compiler) are here."""
+    parsed = require_installed(backends)
+    if "torch-compile" in parsed:
+        require_torch_compile()
+    if "trt" in parsed:
+        require_tensorrt()
     return parsed
 
 

@@ -9,32 +9,18 @@ command in the report) and refused in one line when named in `--backend`.
 from __future__ import annotations
 
 import errno
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from moedeploy.bench.checks import INSTALL, PEERS, missing  # noqa: F401 (re-exported: the peers' names and needs)
 from moedeploy.export.artifact import Artifact
 from moedeploy.models.config import DecoderConfig
 
 if TYPE_CHECKING:
     from moedeploy.bench.decode import Stepper
-
-PEERS = ("llama.cpp", "openvino")
-INSTALL = {"llama.cpp": "pip install 'moedeploy[peers]' (llama-cpp-python and gguf)",
-           "openvino": "pip install 'moedeploy[peers]' (openvino)"}
-_MODULES = {"llama.cpp": ("llama_cpp", "gguf"), "openvino": ("openvino",)}
-
-
-def missing(peer: str) -> str | None:
-    """Why `peer` cannot run here (its packages are absent), else None; nothing is imported."""
-    absent = [m for m in _MODULES[peer] if importlib.util.find_spec(m) is None]
-    if absent:
-        return f"backend {peer!r} needs {', '.join(absent)}, which is not installed: {INSTALL[peer]}"
-    return None
-
 
 def check_config(peer: str, config: DecoderConfig, batch: int, quantized: bool = False, dtype: str = "fp32") -> None:
     """The peer computes this model and this batch, or a one-line ValueError. `quantized`: the

@@ -72,6 +72,7 @@ LAYERWISE_KEYS = ("first_divergent_layer", "first_divergent_module", "first_dive
 #: what `compare --backend` takes: every runner but the reference, and the in-flight batching check
 COMPARE_BACKENDS = (*BACKENDS, INFLIGHT)
 names.check_same_names("compare backends", COMPARE_BACKENDS, names.COMPARE_BACKENDS)
+names.check_same_names("decoder-only backends", (*DECODER_ONLY, INFLIGHT), names.DECODER_ONLY_BACKENDS)
 
 
 def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | None) -> dict[str, tuple[float, float]]:
@@ -209,7 +210,7 @@ def compare(
     unknown = [b for b in backends if b not in COMPARE_BACKENDS or b == "torch"]
     if unknown:
         raise ValueError(f"unknown backend {unknown[0]!r} for --backend; choose from {', '.join(COMPARE_BACKENDS[1:])}")
-    if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in (*DECODER_ONLY, INFLIGHT)]):
+    if artifact.kind != "decoder" and (decoder_only := [b for b in backends if b in names.DECODER_ONLY_BACKENDS]):
         raise ValueError(f"--backend {decoder_only[0]} lowers a decoder's attention or residual norms; "
                          f"{artifact.path} holds a {artifact.kind!r}: compare it with ort, ort-contrib or trt")
     if any(t is not None and not (math.isfinite(t) and t >= 0) for t in (atol, rtol)):

@@ -11,16 +11,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moedeploy.compare.api import INFLIGHT, compare, not_runnable_here
+from moedeploy.compare.all_checks import all_backends_problem
+from moedeploy.compare.api import compare, not_runnable_here
 from moedeploy.compare.report import divergence_note, plain
 from moedeploy.export import BLOCKS, DECODER, export
 from moedeploy.export.exporter import library_versions
+from moedeploy.names import DECODER_ONLY_BACKENDS
 from moedeploy.runtime.ort import SessionError
-from moedeploy.runtime.runners import DECODER_ONLY
-from moedeploy.runtime.tensorrt import (
+from moedeploy.runtime.tensorrt import require_gpu
+from moedeploy.runtime.tensorrt_import import (
     TensorRTUnavailable,
-    require_gpu,
-    require_tensorrt,
     tensorrt_available,
 )
 from moedeploy.utils.io import OutputRefused, atomic_write_json, atomic_write_text, few_names
@@ -61,16 +61,13 @@ def run_all(
     targets = targets or [*BLOCKS, DECODER]
     if reason := not_runnable_here(dtype, backends):  # before exporting anything it could not compare
         raise SessionError(f"moedeploy all --dtype {dtype} stops before exporting: {reason}")
+    if problem := all_backends_problem(backends, targets):
+        raise SessionError(problem)
     if "trt" in backends:  # else every target is exported, then fails to build
         try:
-            require_tensorrt()
             require_gpu()
         except TensorRTUnavailable as e:
             raise SessionError(f"moedeploy all --backend trt stops before exporting: {e}") from None
-    decoder_only = (*DECODER_ONLY, INFLIGHT)  # lowerings with nothing to lower in a block
-    if any(t != DECODER for t in targets) and all(b in decoder_only for b in backends):
-        raise SessionError(f"--backend {','.join(backends)} runs the decoder only, and the blocks need a backend too; "
-                           f"add ort (--backend ort,{','.join(backends)})")
     rows = []
     for i, target in enumerate(targets, 1):
         progress(f"[{i}/{len(targets)}] {target}")
@@ -84,7 +81,7 @@ def run_all(
 
                 build_engine(artifact)
             # the decoder-only lowerings (GroupQueryAttention, fused residual norms) have nothing to lower in a block
-            compared = [b for b in backends if target == DECODER or b not in decoder_only]
+            compared = [b for b in backends if target == DECODER or b not in DECODER_ONLY_BACKENDS]
             report = compare(artifact, compared, iterations=iterations, seed=seed, layerwise=True)
             row["report"] = f"{target}/report/report.html"
             first = report["comparisons"][0]["outputs"]

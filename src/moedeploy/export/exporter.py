@@ -86,7 +86,7 @@ from moedeploy.export.tokenizer_files import copy_tokenizer
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import ModuleWeights, WeightSource, fingerprint, finite_check
-from moedeploy.names import DECODER
+from moedeploy.names import DECODER, export_options_problem
 from moedeploy.plugins import moe
 from moedeploy.utils.io import (
     OutputRefused,
@@ -152,19 +152,11 @@ def export(
     parse_dtype(dtype)  # fail before any work
     if calibration_batches < 0:
         raise ValueError(f"--calibration-batches must be >= 0, got {calibration_batches}")
-    if target == DECODER:
-        if preset_name is not None and checkpoint is not None:
-            raise ValueError("--preset and --checkpoint both given: a checkpoint brings its own shape; drop --preset")
-    else:
+    if target != DECODER:
         get_block(target)
-        if checkpoint is not None:
-            raise ValueError("--checkpoint applies to the decoder only (`moedeploy export decoder --checkpoint DIR`)")
-        if preset_name is not None:
-            raise ValueError(f"--preset applies to the decoder only; block {target!r} has one fixed shape")
-        if max_seq_len is not None:
-            raise ValueError("--max-seq-len applies to the decoder only (`moedeploy export decoder --max-seq-len N`)")
-        if quantization is not None:
-            raise ValueError("--quantize applies to the decoder only (`moedeploy export decoder --quantize int8`)")
+    if problem := export_options_problem(target, preset=preset_name, checkpoint=checkpoint is not None,
+                                         max_seq_len=max_seq_len is not None, quantize=quantization is not None):
+        raise ValueError(problem)
     if head_block_size is not None:
         if quantization is None:
             raise ValueError("--head-block-size applies with --quantize int8|int4 only")

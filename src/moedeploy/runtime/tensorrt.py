@@ -10,7 +10,6 @@ precision is the graph's), PREFER_AOT (engines that run without Python) or PREFE
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,31 +17,15 @@ from pathlib import Path
 import onnx
 
 from moedeploy.export.artifact import MANIFEST_DIGEST_KEY, Artifact
+from moedeploy.runtime.tensorrt_import import (  # noqa: F401 (tensorrt_available: re-exported for callers)
+    TensorRTUnavailable,
+    require_tensorrt,
+    tensorrt_available,
+)
 from moedeploy.runtime.tensorrt_lowering import lower_for_tensorrt
 from moedeploy.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 ENGINES_DIR = "engines"
-INSTALL_HINT = (
-    "TensorRT is not installed: on a machine with an NVIDIA GPU run "
-    "`pip install 'moedeploy[gpu]'` (TensorRT >= 10.9 from NVIDIA's index)"
-)
-
-
-class TensorRTUnavailable(RuntimeError):
-    """TensorRT (or a GPU for it) is missing; the message says how to get it."""
-
-
-def tensorrt_available() -> bool:
-    return importlib.util.find_spec("tensorrt") is not None
-
-
-def require_tensorrt():
-    """Import and return the tensorrt module, or raise TensorRTUnavailable with the fix."""
-    if not tensorrt_available():
-        raise TensorRTUnavailable(INSTALL_HINT)
-    import tensorrt
-
-    return tensorrt
 
 
 def require_gpu() -> str:

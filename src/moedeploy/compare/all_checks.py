@@ -1,0 +1,27 @@
+"""`moedeploy all`'s refusals of its --backend list that need neither torch nor an export.
+
+Why a module of its own: the command line makes these checks before importing torch (seconds
+on a small machine), and run_all makes the same ones for callers of the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moedeploy.names import DECODER, DECODER_ONLY_BACKENDS
+from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_tensorrt
+
+
+def all_backends_problem(backends: Sequence[str], targets: Sequence[str]) -> str | None:
+    """Why `moedeploy all` cannot compare `targets` on `backends` (one line), or None: TensorRT
+    is named and not installed (else every target would be exported, then fail to build), or
+    every backend named runs the decoder only and a block is among the targets."""
+    if "trt" in backends:
+        try:
+            require_tensorrt()
+        except TensorRTUnavailable as e:
+            return f"moedeploy all --backend trt stops before exporting: {e}"
+    if any(t != DECODER for t in targets) and backends and all(b in DECODER_ONLY_BACKENDS for b in backends):
+        return (f"--backend {','.join(backends)} runs the decoder only, and the blocks need a backend too; "
+                f"add ort (--backend ort,{','.join(backends)})")
+    return None
