@@ -547,9 +547,9 @@ def compare_cmd(
     check_artifact_folder(artifact)
     backends = _split_backends(backend)
     if "trt" in backends:  # before torch is imported; compare() also asks for a GPU and this artifact's engine
-        from moedeploy.runtime.tensorrt_import import require_tensorrt
+        from moedeploy.runtime.tensorrt_import import require_installed
 
-        require_tensorrt()
+        require_installed()
     from moedeploy.compare.api import compare
 
     with progress_steps(f"comparing {artifact}") as progress:
@@ -644,15 +644,16 @@ def build_cmd(
     <artifact>/engines/<gpu>_trt<version>_<dtype>_<aot|jit>.plan with its build log and metadata.
     """
     check_artifact_folder(artifact)
-    from moedeploy.runtime.tensorrt_import import require_tensorrt
+    from moedeploy.runtime.tensorrt_import import require_installed
 
-    require_tensorrt()  # before torch is imported
+    require_installed()  # before torch is imported
     from moedeploy.export import Artifact
     from moedeploy.export.preflight import aot_moe_note
-    from moedeploy.runtime.tensorrt import build_engine, require_gpu
+    from moedeploy.runtime.tensorrt import build_engine, require_gpu, require_tensorrt
 
     loaded = Artifact.load(artifact)
     refuse_experts_option_unquantized(ctx, loaded)
+    require_tensorrt()
     require_gpu()
     if aot and (note := aot_moe_note(loaded)):
         err.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)

@@ -276,6 +276,75 @@ def test_a_large_body_is_checked_whole_in_a_child_process() -> None:
         '"inputs" must be a non-empty list of input objects ({"name", "shape", "datatype", "data"})'
 
 
+def test_a_large_body_check_never_queues_and_has_a_time_limit(monkeypatch, caplog) -> None:
+    """While one large body is being checked, another 500 passes through unchecked at once (a
+    client sending such bodies cannot hold others' answers, or their bodies, behind its own);
+    a check past WHOLE_CHECK_S is given up, and Triton's answer stands."""
+    import asyncio
+    import logging
+
+    from moedeploy.serving import front
+    from moedeploy.serving.front import CancelledRequests, HttpFront
+
+    started: list[float] = []
+
+    async def slow_check(body, json_length):
+        started.append(len(body))
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(front, "whole_body_problem", slow_check)
+    monkeypatch.setattr(front, "WHOLE_CHECK_S", 0.5)
+    proxy = HttpFront("127.0.0.1", 0, "http://127.0.0.1:1", 2**20, [], CancelledRequests())
+
+    async def scenario():
+        proxy._whole_checks = asyncio.Semaphore(1)
+        first = asyncio.ensure_future(proxy._whole_body_problem(bytearray(10), None))
+        await asyncio.sleep(0.05)
+        second = await asyncio.wait_for(proxy._whole_body_problem(bytearray(20), None), 0.2)  # not queued
+        return second, await first
+
+    with caplog.at_level(logging.INFO, logger="moedeploy.serving"):
+        assert asyncio.run(scenario()) == (None, None)
+    assert started == [10]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("20-byte inference body Triton refused passes its answer on unchecked" in m for m in messages), messages
+    assert any("could not check a 10-byte inference body Triton refused: no answer in 0.5 s" in m for m in messages)
+
+
+def test_counting_values_agrees_with_a_plain_recursive_walk() -> None:
+    """count_values judges lists whole, walks rows in turn and halves a refused list of values:
+    on random nested data of every JSON type its count and first wrong value are a recursive
+    walk's, value by value in document order."""
+    from moedeploy.serving.infer_body import _all_valid, count_values
+
+    def walk(data, ok):
+        """(values before the first wrong one, (it,) or ()), one value at a time."""
+        if not isinstance(data, list):
+            return (1, ()) if ok is None or ok([data]) else (0, (data,))
+        count = 0
+        for item in data:
+            n, wrong = walk(item, ok)
+            count += n
+            if wrong:
+                return count, wrong
+        return count, ()
+
+    rng = random.Random(0)
+    values = [0, 1, -5, 255, 256, 2**63, -(2**63) - 1, 2.5, True, False, None, "a", float("nan")]
+
+    def data(depth):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(values)
+        return [data(depth - 1) for _ in range(rng.randrange(0, 6))]
+
+    for datatype in ("INT64", "UINT8", "FP32", "BOOL", "BYTES", "INT8", "UNKNOWN"):
+        ok = _all_valid(datatype)
+        for _ in range(400):
+            sample = data(4)
+            got, expected = count_values(sample, ok), walk(sample, ok)
+            assert got[0] == expected[0] and repr(got[1]) == repr(expected[1]), (datatype, sample)
+
+
 INT64_IDS = {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [5, 6, 7]}
 INT64_RANGE = "send integers from -9223372036854775808 to 9223372036854775807"
 

@@ -78,15 +78,16 @@ def require_torch_compile() -> None:
 
 
 def require_tensorrt(gpu: bool = True) -> None:
-    """`trt` needs TensorRT and (`gpu`) a visible NVIDIA GPU (the messages carry the install command)."""
-    from moedeploy.runtime.tensorrt_import import TensorRTUnavailable
-    from moedeploy.runtime.tensorrt_import import require_tensorrt as find_tensorrt
+    """`trt` needs TensorRT and (`gpu`) a visible NVIDIA GPU (the messages carry the install
+    command). Without `gpu` nothing is imported: the command line's check before torch."""
+    from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_installed
 
     try:
-        find_tensorrt()
+        require_installed()
         if gpu:
-            from moedeploy.runtime.tensorrt import require_gpu
+            from moedeploy.runtime.tensorrt import require_gpu, require_tensorrt
 
+            require_tensorrt()
             require_gpu()
     except TensorRTUnavailable as e:
         raise TensorRTUnavailable(f"backend 'trt': {e}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moedeploy.names import DECODER, DECODER_ONLY_BACKENDS
-from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_tensorrt
+from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_installed
 
 
 def all_backends_problem(backends: Sequence[str], targets: Sequence[str]) -> str | None:
@@ -18,7 +18,7 @@ def all_backends_problem(backends: Sequence[str], targets: Sequence[str]) -> str
     every backend named runs the decoder only and a block is among the targets."""
     if "trt" in backends:
         try:
-            require_tensorrt()
+            require_installed()
         except TensorRTUnavailable as e:
             return f"moedeploy all --backend trt stops before exporting: {e}"
     if any(t != DECODER for t in targets) and backends and all(b in DECODER_ONLY_BACKENDS for b in backends):

@@ -26,10 +26,17 @@ def tensorrt_available() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
-def require_tensorrt() -> ModuleType:
-    """Import and return the tensorrt module, or raise TensorRTUnavailable with the fix."""
+def require_installed() -> None:
+    """Raise TensorRTUnavailable with the fix unless TensorRT is installed; imports nothing (the
+    command line's check before torch: importing TensorRT first would also change the order in
+    which the CUDA libraries load)."""
     if not tensorrt_available():
         raise TensorRTUnavailable(INSTALL_HINT)
+
+
+def require_tensorrt() -> ModuleType:
+    """Import and return the tensorrt module, or raise TensorRTUnavailable with the fix."""
+    require_installed()
     import tensorrt
 
     return tensorrt

@@ -55,6 +55,9 @@ from moedeploy.serving.infer_body import (
 from moedeploy.serving.specs import ServingError
 
 LOGGER = logging.getLogger("moedeploy.serving")
+#: the most seconds the check of a large inference body Triton answered 500 may take (64 MiB of
+#: JSON parses in about 6 s here); past it Triton's answer stands
+WHOLE_CHECK_S = 30.0
 #: Added by the HTTP front to each inference request of a generation model; Triton passes it
 #: on as a request parameter of this name (lower case: HTTP header names are case-insensitive).
 REQUEST_ID_HEADER = "moedeploy-request-id"
@@ -243,14 +246,20 @@ class HttpFront(LoopServer):
 
     async def _whole_body_problem(self, body: bytearray, json_length: str | None) -> str | None:
         """infer_body's whole check of a large body, in a child process; None if it finds nothing
-        or cannot run (then Triton's own answer stands, and the log says why)."""
+        or does not run (then Triton's own answer stands, and the log says why). One runs at a
+        time, for at most WHOLE_CHECK_S: a 500 met while one runs passes through unchecked, so a
+        client sending such bodies never queues another's answer (or holds its body) behind it."""
         assert self._whole_checks is not None
+        if self._whole_checks.locked():
+            LOGGER.info("http front: a %d-byte inference body Triton refused passes its answer on unchecked: another "
+                        "large body is being checked", len(body))
+            return None
         async with self._whole_checks:
             try:
-                return await whole_body_problem(body, json_length)
-            except (OSError, RuntimeError, ValueError) as e:
+                return await asyncio.wait_for(whole_body_problem(body, json_length), WHOLE_CHECK_S)
+            except (OSError, RuntimeError, ValueError, asyncio.TimeoutError) as e:
                 LOGGER.warning("http front: could not check a %d-byte inference body Triton refused: %s", len(body),
-                               _one_line(e))
+                               _one_line(e) if str(e) else f"no answer in {WHOLE_CHECK_S:g} s")
                 return None
 
     async def _handle(self, request):
