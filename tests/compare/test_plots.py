@@ -110,6 +110,30 @@ def test_suptitle_does_not_collide_with_panel_titles():
             assert title.y1 <= top.y0, (n, ax.get_title())
 
 
+def _outside(fig) -> list[float]:
+    """How far (inches) what a drawn figure shows reaches past each edge (left, bottom, right,
+    top): the bounding box bbox_inches="tight" would have grown the picture to, against the
+    canvas. Nothing past an edge: all four at most 0."""
+    fig.canvas.draw()
+    box = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+    return [round(v, 2) for v in (-box.x0, -box.y0, box.x1 - fig.get_figwidth(), box.y1 - fig.get_figheight())]
+
+
+def test_every_label_and_title_lies_inside_the_saved_picture():
+    """The picture is the figure's canvas (no bbox_inches="tight", which drew each figure twice
+    to grow the canvas around what stuck out): long titles widen the figure and long module
+    names heighten it, so nothing is cut at an edge."""
+    long_title = "ort-skipnorm vs eager PyTorch, a backend compared on its one output"
+    one = {"y": _pair(1)}
+    assert max(_outside(plots.histogram_figure(one, {"y": (ATOL, RTOL)}, long_title))) <= 0.01
+    eager = np.linspace(-1, 1, 50)
+    names = ["embed", *(f"model.layers.{i}.block_sparse_moe.experts.gate_up_proj" for i in range(3)), "lm_head"]
+    modules = [_module(name, eager, eager + 1e-3 * (i + 1)) for i, name in enumerate(names)]
+    title = "worst error per module relative to its tolerance, execution order (first input)"
+    assert max(_outside(plots.layer_figure(modules, title))) <= 0.01
+    assert max(_outside(plots.layer_figure(modules[:1] + modules[-1:], "t"))) <= 0.01
+
+
 def _module(name: str, eager: np.ndarray, backend: np.ndarray) -> dict:
     return {"module": name, **error_stats(eager, backend, ATOL, RTOL)}
 
