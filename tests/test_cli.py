@@ -535,6 +535,7 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["compare", "empty", "--backend", "ort,tensorflow"], 1, "empty has no manifest.json"),
         (["all", "--backend", "ort,tensorflow"], 1, "unknown backend 'tensorflow' in --backend; choose from: ort,"),
         (["export", "--list"], 0, ""),
+        (["version"], 0, ""),
         (["export", "decoder", "--checkpoint", "badjson", "--out", "out"], 1, "config.json is not readable JSON"),
         (["export", "rmsnorm", "--checkpoint", "empty", "--out", "out"], 1, "--checkpoint applies to the decoder only"),
         (["export", "decoder", "--preset", "small", "--checkpoint", "empty", "--out", "out"], 1, "drop --preset"),

@@ -41,6 +41,11 @@ def test_version_lists_every_library_with_its_installed_version() -> None:
         else:
             assert printed[distribution] == expected
     assert printed["moedeploy"] and printed["torch"]  # the manifest's libraries are still listed first
+    # read from metadata, they are the versions the imported modules (and so the manifest) say
+    from moedeploy.export.exporter import library_versions
+
+    assert list(printed)[:5] == list(library_versions())
+    assert {k: printed[k] for k in library_versions()} == library_versions()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")

@@ -292,10 +292,10 @@ def version() -> None:
 
     Optional ones that are missing say "not installed", with the command that installs them.
     """
-    from moedeploy.export.exporter import library_versions
-    from moedeploy.utils.versions import supporting_versions
+    # from package metadata: no torch imported for a list of numbers
+    from moedeploy.utils.versions import core_versions, supporting_versions
 
-    for name, v in {**library_versions(), **supporting_versions()}.items():
+    for name, v in {**core_versions(), **supporting_versions()}.items():
         out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
 
 

@@ -108,6 +108,7 @@ def _noop(_: str) -> None:
 
 
 def library_versions() -> dict[str, str]:
+    """The versions of the libraries this process runs (utils/versions.CORE), as a manifest records them."""
     import onnxruntime
     import onnxscript
 

@@ -45,6 +45,20 @@ def installed_version(import_name: str, providers: Mapping[str, list[str]] | Non
     return None
 
 
+#: the libraries an artifact's manifest records (export/exporter.library_versions reads them
+#: off the imported modules; `moedeploy version` off their metadata, without importing torch)
+CORE = ("torch", "onnx", "onnxscript", "onnxruntime")
+
+
+def core_versions() -> dict[str, str]:
+    """moedeploy, then each library of CORE: its installed version (metadata), or "not installed"."""
+    import moedeploy
+
+    providers = importlib.metadata.packages_distributions()
+    return {"moedeploy": moedeploy.__version__,
+            **{name: installed_version(name, providers) or NOT_INSTALLED for name in CORE}}
+
+
 def supporting_versions() -> dict[str, str]:
     """Python, then each library of LIBRARIES: its version, or "not installed (<how to get it>)"."""
     versions = {"python": platform.python_version()}
