@@ -6,6 +6,8 @@ element's error as a fraction of that allowance, so the limit line sits at exact
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,13 @@ def test_every_label_and_title_lies_inside_the_saved_picture():
     long_title = "ort-skipnorm vs eager PyTorch, a backend compared on its one output"
     one = {"y": _pair(1)}
     assert max(_outside(plots.histogram_figure(one, {"y": (ATOL, RTOL)}, long_title))) <= 0.01
+    for n in (1, 2, 4):  # outputs of long names: each panel's title over its own column
+        named = {f"model.layers.{i}.block_sparse_moe.experts.down_proj.output": _pair(i) for i in range(n)}
+        fig = plots.histogram_figure(named, {k: (ATOL, RTOL) for k in named}, "onnxrt vs eager PyTorch")
+        assert max(_outside(fig)) <= 0.01, n
+        renderer = fig.canvas.get_renderer()
+        titles = sorted((ax.title.get_window_extent(renderer) for ax in fig.axes), key=lambda box: box.x0)
+        assert all(left.x1 <= right.x0 for left, right in itertools.pairwise(titles)), n  # no overlap
     eager = np.linspace(-1, 1, 50)
     names = ["embed", *(f"model.layers.{i}.block_sparse_moe.experts.gate_up_proj" for i in range(3)), "lm_head"]
     modules = [_module(name, eager, eager + 1e-3 * (i + 1)) for i, name in enumerate(names)]

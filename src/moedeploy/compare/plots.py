@@ -40,11 +40,12 @@ def _to_data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _wide_enough(fig, text) -> None:
-    """Widen `fig` to hold `text` (a title) whole: the constrained layout fits the axes around a
-    title, never the figure around it, so a long title in a one-panel figure was cut at both
-    edges. Measuring one text needs no drawing of the figure."""
-    needed = text.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi + 0.3
+def _wide_enough(fig, text, share: int = 1, margin: float = 0.3) -> None:
+    """Widen `fig` so that each of `share` equal columns holds `text` (a title) whole, plus
+    `margin` inches: the constrained layout fits the axes around a title, never the figure
+    around it, so a long title was cut at the canvas's edges. Measuring a text needs no drawing
+    of the figure."""
+    needed = share * (text.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi + margin)
     if needed > fig.get_figwidth():
         fig.set_figwidth(needed)
 
@@ -121,6 +122,9 @@ def histogram_figure(pairs: dict[str, tuple[np.ndarray, np.ndarray]], tolerances
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.4), squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names, strict=True):
         _histogram_panel(ax, name, fractions[name], *tolerances[name])
+    # a panel's title (its output's name) over its column, beside the y axis's labels: 0.9 in
+    widest = max((ax.title for ax in axes[0]), key=lambda t: len(t.get_text()))
+    _wide_enough(fig, widest, share=len(names), margin=0.9)
     fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="outside lower center")
     shown = ""
     if len(names) < len(fractions):
