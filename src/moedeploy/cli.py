@@ -293,9 +293,12 @@ def version() -> None:
     Optional ones that are missing say "not installed", with the command that installs them.
     """
     # from package metadata: no torch imported for a list of numbers
+    import importlib.metadata
+
     from moedeploy.utils.versions import core_versions, supporting_versions
 
-    for name, v in {**core_versions(), **supporting_versions()}.items():
+    providers = importlib.metadata.packages_distributions()  # one scan of the installed packages
+    for name, v in {**core_versions(providers), **supporting_versions(providers)}.items():
         out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
 
 

@@ -77,18 +77,23 @@ def require_torch_compile() -> None:
                          f"or set CXX ({type(e).__name__})") from None
 
 
-def require_tensorrt(gpu: bool = True) -> None:
-    """`trt` needs TensorRT and (`gpu`) a visible NVIDIA GPU (the messages carry the install
-    command). Without `gpu` nothing is imported: the command line's check before torch."""
+def require_tensorrt_installed() -> None:
+    """`trt` needs TensorRT: found without importing it (the command line's check before torch)."""
     from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_installed
 
     try:
         require_installed()
-        if gpu:
-            from moedeploy.runtime.tensorrt import require_gpu, require_tensorrt
+    except TensorRTUnavailable as e:
+        raise TensorRTUnavailable(f"backend 'trt': {e}") from None
 
-            require_tensorrt()
-            require_gpu()
+
+def require_tensorrt_gpu() -> None:
+    """`trt` needs TensorRT and a visible NVIDIA GPU (the messages carry the install command)."""
+    from moedeploy.runtime.tensorrt import TensorRTUnavailable, require_gpu, require_tensorrt
+
+    try:
+        require_tensorrt()
+        require_gpu()
     except TensorRTUnavailable as e:
         raise TensorRTUnavailable(f"backend 'trt': {e}") from None
 
@@ -101,7 +106,7 @@ def require_peer(name: str) -> None:
 def require_installed(backends: Iterable[str]) -> list[str]:
     """The requested backends, parsed, whose packages are all installed: the checks that import
     nothing (find_spec only), which the command line makes before importing torch."""
-    checks = {"hf": require_transformers, "trt": lambda: require_tensorrt(gpu=False),
+    checks = {"hf": require_transformers, "trt": require_tensorrt_installed,
               "llama.cpp": lambda: require_peer("llama.cpp"), "openvino": lambda: require_peer("openvino")}
     parsed = parse_backends(backends)
     for name in parsed:
@@ -117,7 +122,7 @@ def require_backends(backends: Iterable[str]) -> list[str]:
     if "torch-compile" in parsed:
         require_torch_compile()
     if "trt" in parsed:
-        require_tensorrt()
+        require_tensorrt_gpu()
     return parsed
 
 

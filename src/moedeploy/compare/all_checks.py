@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from moedeploy.names import DECODER, DECODER_ONLY_BACKENDS
 from moedeploy.runtime.tensorrt_import import TensorRTUnavailable, require_installed
 
+#: how `all` starts its refusal of --backend trt (no TensorRT here, or no GPU: compare/suite.py)
+TRT_STOPS = "moedeploy all --backend trt stops before exporting"
+
 
 def all_backends_problem(backends: Sequence[str], targets: Sequence[str]) -> str | None:
     """Why `moedeploy all` cannot compare `targets` on `backends` (one line), or None: TensorRT
@@ -20,7 +23,7 @@ def all_backends_problem(backends: Sequence[str], targets: Sequence[str]) -> str
         try:
             require_installed()
         except TensorRTUnavailable as e:
-            return f"moedeploy all --backend trt stops before exporting: {e}"
+            return f"{TRT_STOPS}: {e}"
     if any(t != DECODER for t in targets) and backends and all(b in DECODER_ONLY_BACKENDS for b in backends):
         return (f"--backend {','.join(backends)} runs the decoder only, and the blocks need a backend too; "
                 f"add ort (--backend ort,{','.join(backends)})")

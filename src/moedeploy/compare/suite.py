@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moedeploy.compare.all_checks import all_backends_problem
+from moedeploy.compare.all_checks import TRT_STOPS, all_backends_problem
 from moedeploy.compare.api import compare, not_runnable_here
 from moedeploy.compare.report import divergence_note, plain
 from moedeploy.export import BLOCKS, DECODER, export
@@ -67,7 +67,7 @@ def run_all(
         try:
             require_gpu()
         except TensorRTUnavailable as e:
-            raise SessionError(f"moedeploy all --backend trt stops before exporting: {e}") from None
+            raise SessionError(f"{TRT_STOPS}: {e}") from None
     rows = []
     for i, target in enumerate(targets, 1):
         progress(f"[{i}/{len(targets)}] {target}")

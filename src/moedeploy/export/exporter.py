@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import json
 import math
 import re
@@ -97,6 +98,7 @@ from moedeploy.utils.io import (
     require_free_space,
 )
 from moedeploy.utils.progress import size_text
+from moedeploy.utils.versions import CORE
 
 Progress = Callable[[str], None]
 #: Room the golden I/O and manifest need besides the weights (Polygraphy JSON is base64, ~1.4x).
@@ -109,16 +111,8 @@ def _noop(_: str) -> None:
 
 def library_versions() -> dict[str, str]:
     """The versions of the libraries this process runs (utils/versions.CORE), as a manifest records them."""
-    import onnxruntime
-    import onnxscript
-
-    return {
-        "moedeploy": moedeploy.__version__,
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxscript": onnxscript.__version__,
-        "onnxruntime": onnxruntime.__version__,
-    }
+    return {"moedeploy": moedeploy.__version__,
+            **{name: importlib.import_module(name).__version__ for name in CORE}}
 
 
 def export(

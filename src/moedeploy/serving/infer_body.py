@@ -46,11 +46,9 @@ def infer_body_problem(body: bytes | bytearray, json_length: str | None, *, whol
     """Why Triton must not read this inference request (one line), or None. `json_length`: the
     request's Inference-Header-Content-Length, the length of its JSON part (None: all JSON).
     A JSON part over PARSED_JSON_BYTES has only its declared shapes checked, unless `whole`."""
-    if json_length is not None:
-        text = json_length.strip()
-        if not (text.isascii() and text.isdecimal()) or int(text) > len(body):
-            return f"{JSON_LENGTH_HEADER} must be the length of the body's JSON part, at most {len(body)}"
-        body = memoryview(body)[:int(text)]
+    if (part := _json_part(body, json_length)) is None:
+        return f"{JSON_LENGTH_HEADER} must be the length of the body's JSON part, at most {len(body)}"
+    body = part
     if len(body) > PARSED_JSON_BYTES and ((problem := _declared_size_problem(body)) is not None or not whole):
         return problem
     payload, problem = parse_json(bytes(body))
@@ -101,11 +99,21 @@ def _parameters_problem(parameters: Any, level: str) -> str | None:
     return None
 
 
+def _json_part(body: bytes | bytearray, json_length: str | None) -> memoryview | None:
+    """The body's JSON part: all of it, or the first `json_length` bytes; None when that header
+    is not a length within the body."""
+    if json_length is None:
+        return memoryview(body)
+    text = json_length.strip()
+    if not (text.isascii() and text.isdecimal()) or int(text) > len(body):
+        return None
+    return memoryview(body)[:int(text)]
+
+
 def checked_partly(body: bytes | bytearray, json_length: str | None) -> bool:
     """Whether infer_body_problem read only the declared shapes of this body's JSON part."""
-    text = (json_length or "").strip()
-    size = int(text) if text.isascii() and text.isdecimal() else len(body)
-    return min(size, len(body)) > PARSED_JSON_BYTES
+    part = _json_part(body, json_length)
+    return part is not None and len(part) > PARSED_JSON_BYTES
 
 
 #: the child's program: the body on stdin, its problem (a JSON string, or null) on stdout

@@ -50,19 +50,19 @@ def installed_version(import_name: str, providers: Mapping[str, list[str]] | Non
 CORE = ("torch", "onnx", "onnxscript", "onnxruntime")
 
 
-def core_versions() -> dict[str, str]:
+def core_versions(providers: Mapping[str, list[str]] | None = None) -> dict[str, str]:
     """moedeploy, then each library of CORE: its installed version (metadata), or "not installed"."""
     import moedeploy
 
-    providers = importlib.metadata.packages_distributions()
+    providers = importlib.metadata.packages_distributions() if providers is None else providers
     return {"moedeploy": moedeploy.__version__,
             **{name: installed_version(name, providers) or NOT_INSTALLED for name in CORE}}
 
 
-def supporting_versions() -> dict[str, str]:
+def supporting_versions(providers: Mapping[str, list[str]] | None = None) -> dict[str, str]:
     """Python, then each library of LIBRARIES: its version, or "not installed (<how to get it>)"."""
     versions = {"python": platform.python_version()}
-    providers = importlib.metadata.packages_distributions()
+    providers = importlib.metadata.packages_distributions() if providers is None else providers
     for import_name, (distribution, hint) in LIBRARIES.items():
         version = installed_version(import_name, providers)
         versions[distribution] = version or f"{NOT_INSTALLED} ({hint})"
