@@ -172,3 +172,31 @@ def test_a_cache_folder_linked_out_of_the_artifact_is_neither_written_nor_read(s
         assert golden_error(Artifact.load(folder)) <= 1e-5
     assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
     assert "moedeploy keeps its caches inside the artifact only" in caplog.text and "lowered in memory" in caplog.text
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_writing_a_large_cache_frees_its_lowering(store, tmp_path, monkeypatch, large) -> None:
+    """A block's lowering holds its whole weights in a graph of reference cycles: writing a cache
+    of RELEASE_ABOVE_BYTES or more frees that graph at once; a smaller one is left to Python's
+    collector. Automatic collection is off meanwhile; the threshold is moved to either side of
+    this block's few kilobytes."""
+    import gc
+
+    import onnx_ir as ir
+
+    folder = tmp_path / "moe"
+    shutil.copytree(store.block("moe").path, folder, ignore=shutil.ignore_patterns(CACHE_DIR, "report"))
+    monkeypatch.setattr(ort_module, "RELEASE_ABOVE_BYTES", 1 if large else 1 << 40)
+
+    def graphs() -> int:
+        return sum(isinstance(o, ir.Graph) for o in gc.get_objects())
+
+    gc.collect()
+    before = graphs()
+    gc.disable()
+    try:
+        create_session(Artifact.load(folder))
+        assert cache_files(Artifact.load(folder), ".json")  # the cache was written, not read
+        assert graphs() == before if large else graphs() > before
+    finally:
+        gc.enable()
