@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -185,8 +186,6 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def render_html(report: dict[str, Any], values: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]) -> str:
     """report.html; `values`: backend -> output -> (eager, backend) arrays, for the histograms."""
-    import jinja2
-
     view = dict(report)
     view["comparisons"] = []
     for c in report["comparisons"]:
@@ -201,14 +200,21 @@ def render_html(report: dict[str, Any], values: dict[str, dict[str, tuple[np.nda
                 c["layerwise"]["modules"], "worst error per module relative to its tolerance, execution order (first input)"
             )
         view["comparisons"].append(c)
-    template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    env.undefined = jinja2.ChainableUndefined  # optional keys (histogram, layer_plot) may be absent
-    return env.from_string(template_text).render(
+    return _html_template().render(
         r=view, fmt=fmt, flips=_flips, quantization_intro=quantization_intro, quantization_cells=quantization_cells, inflight_text=inflight_text,
         quantization_columns=QUANTIZATION_COLUMNS, checkpoint_clause=_checkpoint_clause(report), divergence_note=_html_note(divergence_note(report, _code)),
         routing_note=_html_note(routing_note(report, _code)),
     )
+
+
+@functools.cache
+def _html_template():
+    """report.html's template, compiled once a process (moedeploy all renders 15 reports)."""
+    import jinja2
+
+    template_text = resources.files("moedeploy.compare").joinpath("templates/report.html.j2").read_text()
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined)  # histogram, layer_plot may be absent
+    return env.from_string(template_text)
 
 
 def _code(name: str) -> str:
