@@ -498,11 +498,19 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
     took 5-6 s each: the command imported the exporter (torch, ONNX) before looking at its
     arguments. They are answered from moedeploy.names now; each still exits 1 with its line. So
     are options that do not go together, a checkpoint's unreadable config.json, and a backend
-    whose package is missing (TensorRT: 5-7 s each before)."""
+    whose package is missing (TensorRT: 5-7 s each before), a checkpoint of a family moedeploy
+    does not take or with a field of the wrong type, and `families` (5-7 s before)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / "config.json").write_text("{not json")
     (tmp_path / "art").mkdir()  # an artifact at a glance: its manifest is read only once torch is loaded
+    (tmp_path / "llama").mkdir()  # a family moedeploy does not take
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (tmp_path / "mixtral").mkdir()  # a head count written as a string
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": "4", "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 96, "max_position_embeddings": 128}))
     (tmp_path / "art" / "manifest.json").write_text("{}")
     script = textwrap.dedent("""
         import contextlib, io, json, sys
@@ -541,6 +549,12 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["export", "decoder", "--preset", "small", "--checkpoint", "empty", "--out", "out"], 1, "drop --preset"),
         (["export", "moe", "--quantize", "int8", "--out", "out"], 1, "--quantize applies to the decoder only"),
         (["all", "--backend", "ort-gqa"], 1, "--backend ort-gqa runs the decoder only"),
+        (["export", "decoder", "--checkpoint", "llama", "--out", "out"], 1,
+         "llama/config.json: model_type 'llama' is not supported; supported: mixtral,"),
+        (["export", "decoder", "--checkpoint", "mixtral", "--out", "out"], 1,
+         "mixtral/config.json: Mixtral: num_attention_heads is '4', not an integer; fix it in config.json"),
+        (["compare", "art", "--checkpoint", "llama"], 1, "model_type 'llama' is not supported"),
+        (["families"], 0, ""),
     ]
     if importlib.util.find_spec("tensorrt") is None:
         cases += [(["all", "--backend", "ort,trt"], 1, "stops before exporting: TensorRT is not installed"),
@@ -555,7 +569,7 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         assert got_code == code, (args, stderr)
         assert message in stderr and len(stderr.splitlines()) == (1 if code else 0), (args, stderr)
     assert result["torch"] is False
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "badjson", "empty"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "badjson", "empty", "llama", "mixtral"]
     assert [p.name for p in (tmp_path / "art").iterdir()] == ["manifest.json"]
 
 

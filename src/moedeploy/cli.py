@@ -373,7 +373,6 @@ def export_cmd(
         export_options_problem,
         preset_problem,
     )
-    from moedeploy.utils.io import read_json_object
 
     if list_blocks:  # plain lines for scripts: name, a tab, what it is
         for name, summary in BLOCKS.items():
@@ -398,7 +397,9 @@ def export_cmd(
     if target == DECODER and checkpoint is not None:  # the checkpoint the decoder reads: its folder and config.json
         if problem := checkpoint_folder_problem(checkpoint):
             raise UserError(problem)
-        read_json_object(checkpoint / "config.json", UserError)
+        from moedeploy.models.checkpoint_config import read_config
+
+        read_config(checkpoint)  # its family and options, as the exporter will read them (a CheckpointError)
     uses_batchnorm = target in BATCHNORM_BLOCKS
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):
@@ -549,6 +550,10 @@ def compare_cmd(
     """
     check_artifact_folder(artifact)
     backends = _split_backends(backend)
+    if checkpoint is not None:  # a checkpoint the decoder cannot take, before torch is imported
+        from moedeploy.models.checkpoint_config import read_config
+
+        read_config(checkpoint)
     if "trt" in backends:  # before torch is imported; compare() also asks for a GPU and this artifact's engine
         from moedeploy.runtime.tensorrt_import import require_installed
 

@@ -22,19 +22,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moedeploy.models.checkpoint_config import (  # noqa: F401 (CheckpointError, config_json_name: re-exported)
+    FORMAT,
+    CheckpointError,
+    config_json_name,
+    read_config,
+)
 from moedeploy.models.config import DecoderConfig
-from moedeploy.models.families import Family, UnsupportedOption, family_for
-from moedeploy.models.families.base import Derived, checked_field_types
-from moedeploy.names import checkpoint_folder_problem
-from moedeploy.utils.io import atomic_directory, atomic_write_json, few_names, read_json_object
+from moedeploy.models.families import Family
+from moedeploy.models.families.base import Derived
+from moedeploy.utils.io import atomic_directory, atomic_write_json, few_names
 
-FORMAT = "moedeploy"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A folder that is not a loadable checkpoint; the message says what is wrong with it."""
 
 
 def save_decoder(model: torch.nn.Module, path: str | Path) -> None:
@@ -82,78 +82,6 @@ def load_decoder(path: str | Path, dtype: torch.dtype | None = None):
     # Non-persistent buffers were built on the meta device: rebuild them for real.
     model.rope = rotary_embedding(config)
     return model.eval()
-
-
-#: DecoderConfig's fields as a Hugging Face config.json names them (families/base.common), for
-#: messages about a checkpoint's config; the expert count and width have a name per family
-HF_FIELD_NAMES = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-                  "n_kv_heads": "num_key_value_heads", "top_k": "num_experts_per_tok",
-                  "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
-                  "expert_hidden": "the experts' intermediate size"}  # n_experts: the family's experts_key
-_FIELD_NAME = re.compile(r"\b(" + "|".join([*HF_FIELD_NAMES, "n_experts"]) + r")\b")
-
-
-def config_json_name(path: Path, field: str, family: str) -> str:
-    """DecoderConfig's `field` as the config.json of checkpoint `path` names it: a Hugging Face
-    family's name (its expert count's key included), or the field itself in moedeploy's own
-    format, whose config.json holds DecoderConfig's fields."""
-    try:
-        own = json.loads((path / "config.json").read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        own = False
-    if own:
-        return field
-    try:
-        names = _hf_field_names(family_for(family))
-    except UnsupportedOption:
-        names = HF_FIELD_NAMES
-    return names.get(field, field)
-
-
-def _hf_field_names(family: Family) -> dict[str, str]:
-    """DecoderConfig's field names -> the names in `family`'s config.json (its own expert count key)."""
-    return {**HF_FIELD_NAMES, "n_experts": family.experts_key}
-
-
-def _parse(make: Callable[[], DecoderConfig], path: Path, family: Family | None = None) -> DecoderConfig:
-    """The config `make` reads from `path`/config.json; its errors as CheckpointErrors that name
-    the fields as that file does (a Hugging Face family's names, not DecoderConfig's; None:
-    moedeploy's own config.json, which uses DecoderConfig's)."""
-    try:
-        return make()
-    except UnsupportedOption as e:
-        raise CheckpointError(f"{path / 'config.json'}: {family.title if family else 'moedeploy'}: {e}") from None
-    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
-        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        null = (isinstance(e, TypeError) and "NoneType" in detail) or detail.endswith("must be an integer, got None")
-        if null and (nulls := _null_numeric_fields(path)):
-            detail = f"{', '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null where a number is needed; give it a value"
-        if family is not None:
-            names = _hf_field_names(family)
-            detail = _FIELD_NAME.sub(lambda m: names[m.group(1)], detail)
-        raise CheckpointError(f"{path / 'config.json'}: invalid config: {detail}") from None
-
-
-def _null_numeric_fields(path: Path) -> list[str]:
-    """The sizes config.json sets to null that no family may leave unset (a null expert count
-    reached a comparison as None); fields a config may leave null (head_dim, ...) are not named."""
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [key for key in SIZES_NEVER_NULL if isinstance(hf, dict) and key in hf and hf[key] is None]
-
-
-#: config.json sizes that, where a config has them, must hold a number
-SIZES_NEVER_NULL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts",
-                    "intermediate_size", "moe_intermediate_size", "max_position_embeddings", "rms_norm_eps")
-
-
-def _read_config(path: Path) -> dict:
-    if problem := checkpoint_folder_problem(path):
-        raise CheckpointError(problem)
-    return read_json_object(path / "config.json", CheckpointError)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -222,20 +150,13 @@ class CheckpointWeights:
         from moedeploy.models.decoder import MoEDecoder
 
         self.path = path = Path(path)
-        raw_config = _read_config(path)
-        if raw_config.get("format") == FORMAT:
-            self.config = _parse(lambda: DecoderConfig.from_dict(raw_config["config"]), path)
-            dtypes: dict[str, str] = {}
+        self.config, family = read_config(path)
+        dtypes: dict[str, str] = {}
+        if family is None:  # moedeploy's own format: our tensor names
             headers = _read_headers(path, dtypes)
             self._parts = {name: _Part(((file, name),)) for name, (file, _) in headers.items()}
             self._shapes = {name: shape for name, (_, shape) in headers.items()}
         else:
-            try:
-                family = family_for(raw_config.get("model_type"))
-            except UnsupportedOption as e:
-                raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-            self.config = _parse(lambda: family.config(checked_field_types(raw_config)), path, family)
-            dtypes = {}
             try:
                 self._parts, self._shapes = _hf_parts(_read_headers(path, dtypes), self.config, family)
             except CheckpointError as e:  # name the folder: the weights and its config.json disagree

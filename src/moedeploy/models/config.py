@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moedeploy import names
-from moedeploy.plugins.moe import NO_LIMIT, ExpertActivation, Routing
+from moedeploy.moe_attributes import NO_LIMIT, ExpertActivation, Routing
 
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
@@ -80,7 +80,7 @@ class DecoderConfig:
     swiglu_alpha: float = 1.0
     swiglu_beta: float = 0.0
     swiglu_limit: float = 0.0
-    # routing (see moedeploy.plugins.moe.Routing)
+    # routing (see moedeploy.moe_attributes.Routing)
     scoring: str = "softmax"
     score_bias: bool = False  # a per-expert bias that only selects (e_score_correction_bias)
     n_group: int = 1

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moedeploy.models.config import DecoderConfig
+
+if TYPE_CHECKING:  # a family maps config.json without torch: the command line checks a checkpoint before loading it
+    import torch
 
 
 class UnsupportedOption(ValueError):

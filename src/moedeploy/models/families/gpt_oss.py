@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moedeploy.models import mxfp4
 from moedeploy.models.config import DecoderConfig
 from moedeploy.models.families.base import (
     LAYER,
@@ -82,6 +81,9 @@ CODES = ("U8", "U8")
 def _mxfp4_experts(experts: str, ours: str, E: int, H: int, I: int) -> dict[str, Derived]:  # noqa: E741
     """MXFP4 experts: blocks run along the input dim, so one expert's (2I, H/32, 16) blocks
     unpack to its (2I, H) = (out, in) gate_up weight, gate and up rows interleaved."""
+    # torch: only once weights are read, never for config.json alone
+    from moedeploy.models import mxfp4
+
     if H % mxfp4.BLOCK or I % mxfp4.BLOCK:
         raise refuse("quantization_config.quant_method", "mxfp4",
                      f"hidden_size ({H}) and intermediate_size ({I}) must be multiples of {mxfp4.BLOCK}")
