@@ -499,7 +499,8 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
     arguments. They are answered from moedeploy.names now; each still exits 1 with its line. So
     are options that do not go together, a checkpoint's unreadable config.json, and a backend
     whose package is missing (TensorRT: 5-7 s each before), a checkpoint of a family moedeploy
-    does not take or with a field of the wrong type, and `families` (5-7 s before)."""
+    does not take or with a field of the wrong type, `families`, and `all --dtype bf16` where ONNX
+    Runtime has only its CPU provider (5-7 s before)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / "config.json").write_text("{not json")
@@ -556,6 +557,11 @@ def test_mistakes_seen_on_the_command_line_are_refused_without_loading_torch(tmp
         (["compare", "art", "--checkpoint", "llama"], 1, "model_type 'llama' is not supported"),
         (["families"], 0, ""),
     ]
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():  # bf16 has no kernels on the CPU provider
+        cases.append((["all", "--dtype", "bf16"], 1, "--dtype bf16 stops before exporting: ONNX Runtime's CPU provider "
+                      "has no bfloat16 kernels"))
     if importlib.util.find_spec("tensorrt") is None:
         cases += [(["all", "--backend", "ort,trt"], 1, "stops before exporting: TensorRT is not installed"),
                   (["build", "art"], 1, "TensorRT is not installed"),

@@ -595,8 +595,12 @@ def all_cmd(
     if problem := dtype_problem(dtype) or preset_problem(preset_name):
         raise UserError(problem)
     backends = _split_backends(backend) if backend else None
-    if backends is not None:  # run_all checks them again, and asks for a GPU; this, before torch is imported
-        from moedeploy.compare.all_checks import all_backends_problem
+    # run_all checks these again, and asks for a GPU; these, before torch is imported
+    from moedeploy.compare.all_checks import all_backends_problem, not_runnable_here
+
+    if reason := not_runnable_here(dtype, backends or ["ort"]):  # ONNX Runtime is among the default backends
+        raise UserError(f"moedeploy all --dtype {dtype} stops before exporting: {reason}")
+    if backends is not None:
         from moedeploy.names import BLOCKS, DECODER
 
         if problem := all_backends_problem(backends, [*BLOCKS, DECODER]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 from torch import nn
 
 from moedeploy import names
+from moedeploy.compare.all_checks import not_runnable_here
 from moedeploy.compare.data import ArtifactDataLoader
 from moedeploy.compare.inflight import BACKEND as INFLIGHT
 from moedeploy.compare.inflight import inflight_accuracy
@@ -39,7 +40,7 @@ from moedeploy.export.exporter import library_versions
 from moedeploy.export.reference import check_same_config, eager_decoder, load_reference, unquantized
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
-from moedeploy.runtime.ort import SessionError, default_providers, dtype_unsupported
+from moedeploy.runtime.ort import SessionError
 from moedeploy.runtime.runners import (
     BACKENDS,
     DECODER_ONLY,
@@ -87,22 +88,6 @@ def resolve_tolerances(artifact: Artifact, atol: float | None, rtol: float | Non
             rtol if rtol is not None else t.get("rtol", default[1]),
         )
     return result
-
-
-def not_runnable_here(dtype: str, backends: Iterable[str], unsigned_codes: bool = False) -> str | None:
-    """Why `backends` cannot run `dtype` graphs on this machine, or None when they can.
-
-    ONNX Runtime's CPU provider has no bfloat16 kernels (runtime/ort.py refuses such a
-    session). Saying so before any work replaces a Polygraphy traceback in `compare` and 15
-    failed rows in `moedeploy all`. `unsigned_codes` (an --asymmetric quantized export):
-    TensorRT takes none either, so it is not offered.
-    """
-    on_ort = [b for b in backends if b.startswith("ort")]
-    if on_ort and (reason := dtype_unsupported(dtype, default_providers()[0])):
-        elsewhere = "" if unsigned_codes else "compare them with --backend trt on a GPU, or "
-        return (f"{reason}, so {dtype} graphs do not run on --backend {on_ort[0]} on this machine; "
-                f"{elsewhere}export with --dtype fp32 or fp16")
-    return None
 
 
 def eager_reference(artifact: Artifact, checkpoint: str | Path | None = None, dequantized: bool = True) -> nn.Module:

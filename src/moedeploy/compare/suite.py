@@ -11,8 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moedeploy.compare.all_checks import TRT_STOPS, all_backends_problem
-from moedeploy.compare.api import compare, not_runnable_here
+from moedeploy.compare.all_checks import TRT_STOPS, all_backends_problem, not_runnable_here
+from moedeploy.compare.api import compare
 from moedeploy.compare.report import divergence_note, plain
 from moedeploy.export import BLOCKS, DECODER, export
 from moedeploy.export.exporter import library_versions

@@ -27,6 +27,7 @@ from moedeploy.runtime.lowering import (
     NormLowering,
     lower_for_ort,
 )
+from moedeploy.runtime.providers import CPU, CUDA, default_providers, dtype_unsupported  # noqa: F401 (re-exported)
 from moedeploy.utils.io import atomic_write_json, normalise_modes
 
 CACHE_DIR = "cache"
@@ -44,8 +45,6 @@ DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 #: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
 PROFILE_FOLDER_PREFIX = "moedeploy-ort-profile-"
 
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
 
 
 #: The oldest ONNX Runtime the lowerings are tested with (pyproject's bound). Older releases load
@@ -89,22 +88,6 @@ def upgrade_hint() -> str:
     package = onnxruntime_distribution()
     return (f" (this onnxruntime {ort.__version__} is older than the {tested} moedeploy's lowerings need: "
             f"pip install -U '{package}>={tested}')")
-
-
-def dtype_unsupported(dtype: str, provider: str) -> str | None:
-    """Why ONNX Runtime cannot run an artifact of `dtype` on `provider`, or None when it can.
-
-    The one rule that session creation, `compare`/`all` and `bench` all ask before any work.
-    """
-    if dtype == "bf16" and provider == CPU:
-        return "ONNX Runtime's CPU provider has no bfloat16 kernels"
-    return None
-
-
-def default_providers() -> list[str]:
-    """CUDA first when onnxruntime-gpu is installed (it falls back to CPU per node), else CPU."""
-    available = ort.get_available_providers()
-    return [CUDA, CPU] if CUDA in available else [CPU]
 
 
 @dataclass
