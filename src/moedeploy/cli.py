@@ -119,7 +119,7 @@ class UserError(Exception):
 _USER_ERROR_CLASSES = (
     ("moedeploy.export.artifact", "ArtifactError"),
     ("moedeploy.export.onnx_export", "ExportError"),
-    ("moedeploy.models.checkpoint", "CheckpointError"),
+    ("moedeploy.models.checkpoint_config", "CheckpointError"),
     ("moedeploy.runtime.lowering", "LoweringError"),
     ("moedeploy.runtime.ort", "SessionError"),
     ("moedeploy.runtime.tensorrt_import", "TensorRTUnavailable"),

@@ -59,6 +59,10 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
+
 if TYPE_CHECKING:
     from moedeploy.models.attention import Attention, RotaryEmbedding, StaticLayerCache, causal_mask
     from moedeploy.models.checkpoint import CheckpointError, load_decoder, save_decoder
