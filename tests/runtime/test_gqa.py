@@ -16,6 +16,7 @@ from moedeploy.runtime import gqa
 from moedeploy.runtime.generation import OrtDecoder
 from moedeploy.runtime.lowering import LoweringError
 from moedeploy.runtime.ort import create_session, profile_events
+from tests.runtime.lowering_garbage import graphs_left_by
 
 from ..families.cases import _family_config, cases, make_model, prompt, save_checkpoint
 
@@ -169,24 +170,7 @@ def test_a_large_lowering_is_freed_before_the_session_is_handed_over(exported, m
     collector's next full pass; a smaller one is left to it (a full pass costs more than the graph
     holds). Automatic collection is off meanwhile, so only create_session's own collection can
     free it. This graph is a few hundred KB, so the threshold is moved to either side of it."""
-    import gc
-
-    import onnx_ir as ir
-
-    from moedeploy.runtime import ort as ort_sessions
-
     _, artifact = exported
-    monkeypatch.setattr(ort_sessions, "RELEASE_ABOVE_BYTES", 1 if large else 1 << 40)
-
-    def graphs() -> int:
-        return sum(isinstance(o, ir.Graph) for o in gc.get_objects())
-
-    gc.collect()
-    before = graphs()
-    gc.disable()
-    try:
-        session = create_session(artifact, attention_lowering="gqa")
-        assert session.lowering["attention_gqa"] > 0
-        assert graphs() == before if large else graphs() > before
-    finally:
-        gc.enable()
+    session, left = graphs_left_by(lambda: create_session(artifact, attention_lowering="gqa"), monkeypatch, large)
+    assert session.lowering["attention_gqa"] > 0
+    assert left == 0 if large else left > 0

@@ -20,6 +20,7 @@ import moedeploy.runtime.ort as ort_module
 from moedeploy.export.artifact import MANIFEST, Artifact
 from moedeploy.runtime.ort import CACHE_DIR, create_session
 from tests.export.artifacts import plain_session, rewrite_manifest
+from tests.runtime.lowering_garbage import graphs_left_by
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -180,23 +181,8 @@ def test_writing_a_large_cache_frees_its_lowering(store, tmp_path, monkeypatch, 
     of RELEASE_ABOVE_BYTES or more frees that graph at once; a smaller one is left to Python's
     collector. Automatic collection is off meanwhile; the threshold is moved to either side of
     this block's few kilobytes."""
-    import gc
-
-    import onnx_ir as ir
-
     folder = tmp_path / "moe"
     shutil.copytree(store.block("moe").path, folder, ignore=shutil.ignore_patterns(CACHE_DIR, "report"))
-    monkeypatch.setattr(ort_module, "RELEASE_ABOVE_BYTES", 1 if large else 1 << 40)
-
-    def graphs() -> int:
-        return sum(isinstance(o, ir.Graph) for o in gc.get_objects())
-
-    gc.collect()
-    before = graphs()
-    gc.disable()
-    try:
-        create_session(Artifact.load(folder))
-        assert cache_files(Artifact.load(folder), ".json")  # the cache was written, not read
-        assert graphs() == before if large else graphs() > before
-    finally:
-        gc.enable()
+    _, left = graphs_left_by(lambda: create_session(Artifact.load(folder)), monkeypatch, large)
+    assert cache_files(Artifact.load(folder), ".json")  # the cache was written, not read
+    assert left == 0 if large else left > 0
