@@ -368,7 +368,6 @@ def export_cmd(
         BATCHNORM_BLOCKS,
         BLOCKS,
         DECODER,
-        checkpoint_folder_problem,
         dtype_problem,
         export_options_problem,
         preset_problem,
@@ -394,12 +393,11 @@ def export_cmd(
     if problem := export_options_problem(target, preset=preset_name, checkpoint=checkpoint is not None,
                                          max_seq_len=max_seq_len is not None, quantize=quantize_as is not None):
         raise UserError(problem)
-    if target == DECODER and checkpoint is not None:  # the checkpoint the decoder reads: its folder and config.json
-        if problem := checkpoint_folder_problem(checkpoint):
-            raise UserError(problem)
+    if target == DECODER and checkpoint is not None:
         from moedeploy.models.checkpoint_config import read_config
 
-        read_config(checkpoint)  # its family and options, as the exporter will read them (a CheckpointError)
+        # its folder, config.json, family and options, as the exporter will read them (a CheckpointError)
+        read_config(checkpoint)
     uses_batchnorm = target in BATCHNORM_BLOCKS
     for option in ("fold_bn", "calibration_batches"):
         if not uses_batchnorm and given(ctx, option):

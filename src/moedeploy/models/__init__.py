@@ -7,7 +7,7 @@ refuse a model it cannot take, or list the families, before torch is imported (5
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 #: each public name -> the module under moedeploy.models that defines it
 _WHERE = {
@@ -22,32 +22,7 @@ _WHERE = {
     "BatchNorm": "norms", "LayerNorm": "norms", "RMSNorm": "norms",
 }
 
-__all__ = [
-    "MLP",
-    "PRESETS",
-    "Attention",
-    "BatchNorm",
-    "BatchNormMLP",
-    "CheckpointError",
-    "DecoderConfig",
-    "DecoderLayer",
-    "EncoderLayer",
-    "FeedForward",
-    "LayerNorm",
-    "MoEDecoder",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "SamplingConfig",
-    "SparseMoE",
-    "StaticLayerCache",
-    "SwiGLU",
-    "causal_mask",
-    "generate_tokens",
-    "load_decoder",
-    "preset",
-    "save_decoder",
-    "swiglu_hidden_dim",
-]
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
@@ -62,14 +37,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_WHERE})
 
-
-if TYPE_CHECKING:
-    from moedeploy.models.attention import Attention, RotaryEmbedding, StaticLayerCache, causal_mask
-    from moedeploy.models.checkpoint import CheckpointError, load_decoder, save_decoder
-    from moedeploy.models.config import PRESETS, DecoderConfig, preset
-    from moedeploy.models.decoder import MoEDecoder
-    from moedeploy.models.ffn import MLP, BatchNormMLP, FeedForward, SwiGLU, swiglu_hidden_dim
-    from moedeploy.models.generation import SamplingConfig, generate_tokens
-    from moedeploy.models.layers import DecoderLayer, EncoderLayer
-    from moedeploy.models.moe import SparseMoE
-    from moedeploy.models.norms import BatchNorm, LayerNorm, RMSNorm

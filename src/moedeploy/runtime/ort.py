@@ -45,8 +45,6 @@ DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 #: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
 PROFILE_FOLDER_PREFIX = "moedeploy-ort-profile-"
 
-
-
 #: The oldest ONNX Runtime the lowerings are tested with (pyproject's bound). Older releases load
 #: the portable artifact, but refuse contrib nodes the lowerings write: 1.30's GroupQueryAttention
 #: takes 16 inputs, not 17, and its QMoE has no accuracy_level (seen on a GPU machine's image).
