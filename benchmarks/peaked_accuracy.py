@@ -79,6 +79,7 @@ def main() -> None:
         llama_logits,
         llama_quantized,
         ort_logits,
+        print_notes,
     )
 
     from moedeploy.bench.api import cache_dir, quantized_variant
@@ -119,10 +120,9 @@ def main() -> None:
         rows.append(row | {f"{k}_level0": v for k, v in exact.items()})
     if missing("llama.cpp") is None:
         f32 = gguf_file(fp32, folder, progress)
-        rows.append({"system": "llama.cpp f32", **distribution_metrics(reference, llama_logits(f32, stream, args.threads))})
-        for kind, *_ in LLAMA_FORMATS.values():
-            logits = llama_logits(llama_quantized(f32, kind), stream, args.threads)
-            rows.append({"system": f"llama.cpp {kind}", **distribution_metrics(reference, logits)})
+        for kind in ("f32", *(kind for kind, *_ in LLAMA_FORMATS.values())):
+            logits, note = llama_logits(f32 if kind == "f32" else llama_quantized(f32, kind), stream, args.threads)
+            rows.append({"system": f"llama.cpp {kind}", **distribution_metrics(reference, logits), **note})
     print(f"\nthe small preset trained {args.steps} steps on a {args.vocab}-token Markov chain: mean top probability "
           f"{peak:.3f}, argmax = the chain's likeliest next token on {chain_top1:.1%} of positions; "
           f"accuracy against fp32 eager on {args.stream} tokens of the chain")
@@ -133,6 +133,7 @@ def main() -> None:
                   if "kl_mean_level0" in r else "")
         print(f"{r['system']:18s} {r['kl_mean']:9.5f} {r['kl_median']:9.6f} {r['kl_max']:8.4f} {r['top1']:6.3f} "
               f"{r['max_logit_error']:8.3f}{level0}")
+    print_notes(rows)
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "mean_top_probability": peak,
                                          "chain_top1": chain_top1, "rows": rows}, indent=2, default=float))

@@ -86,14 +86,20 @@ def ort_logits(artifact, tokens: torch.Tensor, threads: int, nbits_accuracy: int
     return decoder.step(tokens, 0)[0].numpy()
 
 
-def llama_logits(gguf: Path, tokens: torch.Tensor, threads: int) -> np.ndarray:
-    from llama_cpp import Llama
+def llama_logits(gguf: Path, tokens: torch.Tensor, threads: int, extra_buffers: bool = True) -> tuple[np.ndarray, dict]:
+    """llama.cpp's teacher-forced logits, in a child process (a llama.cpp crash costs its row, not the
+    run), and the row's note when its extra weight buffers had to be off (`{}` when not)."""
+    from moedeploy.bench.peers import llama_stream_logits_in_child
 
-    n = tokens.shape[1]
-    llm = Llama(model_path=str(gguf), n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads, n_threads_batch=threads,
-                logits_all=True, verbose=False)
-    llm.eval(tokens[0].tolist())
-    return np.array(llm.scores[:n], dtype=np.float32)
+    logits, note = llama_stream_logits_in_child(str(gguf), tokens[0].tolist(), threads, extra_buffers)
+    return logits, {"note": note} if note else {}
+
+
+def print_notes(rows: list[dict]) -> None:
+    """The rows' notes (a llama.cpp row run without its extra weight buffers), one line each."""
+    for row in rows:
+        if row.get("note"):
+            print(f"note: {row['system']}: {row['note']}")
 
 
 def openvino_logits(artifact, compressed: Path | None, tokens: torch.Tensor, threads: int) -> np.ndarray:
@@ -193,8 +199,9 @@ def main() -> None:
     context = 128 + 32
     for name, (artifact, backend, peer_model, b) in systems.items():
         r = timed[name]
-        if backend == "llama.cpp":
-            acc = distribution_metrics(reference, llama_logits(peer_model, stream, args.threads))
+        if backend == "llama.cpp":  # with its extra buffers only where the timing ran with them
+            logits, note = llama_logits(peer_model, stream, args.threads, r.get("llama_extra_buffers", True))
+            acc = distribution_metrics(reference, logits) | ({"note": r["note"]} if "note" in r else note)
         elif backend == "openvino":
             acc = distribution_metrics(reference, openvino_logits(artifact, peer_model, stream, args.threads))
         else:  # at the accuracy level bench times (4: int8 activations), and at 0 (float compute) beside it
@@ -225,6 +232,7 @@ def main() -> None:
               f"{row['prefill_ms']:10.1f} {row['step_mb']:8.1f} {row['kl_mean']:9.5f} {row['kl_max']:8.4f} "
               f"{row['top1']:6.3f} {row['greedy_vs_fp32']:6.3f}"
               + (f"  {row['kl_mean_level0']:.5f}, {row['top1_level0']:.3f}" if "kl_mean_level0" in row else ""))
+    print_notes(rows)
     for row in rows:
         if "decode_all" in row:
             spread = row["decode_all"]

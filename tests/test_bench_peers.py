@@ -158,6 +158,57 @@ def test_rounds_pool_every_timed_run_and_keep_the_highest_peak() -> None:
     assert failed == {"backend": "ort", "error": "boom"}
 
 
+def test_a_round_run_without_llama_cpps_extra_buffers_marks_the_merged_row() -> None:
+    from moedeploy.bench.api import merge_rounds
+
+    plain = _result("llama.cpp", [2.0], [1.0], 1.0, [[1]]) | {"note": "buffers off", "llama_extra_buffers": False}
+    merged = merge_rounds([_result("llama.cpp", [1.0], [1.0], 1.0, [[1]]), plain])
+    assert merged["note"] == "buffers off" and merged["llama_extra_buffers"] is False
+    assert "note" not in merge_rounds([_result("ort", [1.0], [1.0], 1.0, [[1]])] * 2)
+
+
+def test_a_worker_killed_by_a_signal_is_named_by_the_signal() -> None:
+    """A real child killed by SIGSEGV: its return code is -11, read as the signal's name."""
+    import signal
+    import subprocess
+    import sys
+
+    from moedeploy.bench.decode import crash_text
+
+    done = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
+                          capture_output=True, check=False)
+    assert done.returncode == -signal.SIGSEGV
+    assert crash_text(done.returncode) == "killed by SIGSEGV (signal 11)"
+    assert crash_text(1) is None and crash_text(0) is None
+
+
+def test_llama_cpp_killed_by_a_signal_runs_again_without_its_extra_buffers() -> None:
+    """The retry policy: llama.cpp's worker killed by a signal runs once more with peer_extra_buffers
+    off and says so; an error that is not a crash, or another backend's crash, is reported as it is."""
+    from moedeploy.bench.decode import Settings, retry_llama_without_extra_buffers
+    from moedeploy.bench.peers import PLAIN_BUFFERS_NOTE
+
+    calls: list[bool] = []
+
+    def crashes_with_extra_buffers(settings: Settings) -> dict:
+        calls.append(settings.peer_extra_buffers)
+        if settings.peer_extra_buffers:
+            return {"backend": settings.backend, "error": "the worker was killed by SIGSEGV (signal 11)", "signal": 11}
+        return {"backend": settings.backend, "decode_tokens_per_s": 5.0}
+
+    result = retry_llama_without_extra_buffers(crashes_with_extra_buffers, Settings("a", "llama.cpp"))
+    assert calls == [True, False]
+    assert result["decode_tokens_per_s"] == 5.0 and result["llama_extra_buffers"] is False
+    assert result["note"] == f"{PLAIN_BUFFERS_NOTE} (the worker was killed by SIGSEGV (signal 11))"
+    calls.clear()
+    crashed = retry_llama_without_extra_buffers(crashes_with_extra_buffers, Settings("a", "ort"))
+    assert calls == [True] and crashed["signal"] == 11  # only llama.cpp has buffers to turn off
+    calls.clear()
+    failed = retry_llama_without_extra_buffers(lambda s: calls.append(s.peer_extra_buffers) or {"error": "bad file"},
+                                               Settings("a", "llama.cpp"))
+    assert calls == [True] and failed == {"error": "bad file"}
+
+
 FAKE_MACHINE = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "onnxruntime": "x",
                 "moedeploy": "x", "bandwidth_gbs": 10.0, "gemm_gflops": 100.0, "huge_pages": "off (test)"}
 
@@ -180,7 +231,9 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     def worker(settings):
         round_no = order.count(settings.backend)
         order.append(settings.backend)
-        return _result(settings.backend, [rates[settings.backend][round_no]], [5.0], 300.0, [[1, 2, 3]])
+        result = _result(settings.backend, [rates[settings.backend][round_no]], [5.0], 300.0, [[1, 2, 3]])
+        # a round that says how it ran differently (as a llama.cpp worker retried without its extra buffers)
+        return result | ({"note": "ran without its extra buffers"} if (settings.backend, round_no) == ("ort", 1) else {})
 
     monkeypatch.setattr(api, "run_in_subprocess", worker)
     out = tmp_path / "bench.json"
@@ -198,6 +251,8 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     assert report["settings"]["rounds"] == 2
     assert report["raw"][0]["decode_tokens_per_s_all"] == [50.0, 25.0]
     assert "min / median / max over 2 runs (2 rounds of 1):" in done.stdout
+    assert "ort: ran without its extra buffers" in report["warnings"]
+    assert "warning: ort: ran without its extra buffers" in done.stderr
     # medians 87.5 / 37.5 = 2.333; by round 100 / 50 = 2 and 75 / 25 = 3, median 2.5
     ratio = report["ratios"]["ort_vs_torch"]
     assert ratio["decode_speedup"] == 2.333
@@ -252,6 +307,35 @@ def test_llama_cpp_on_the_gguf_computes_the_eager_model(tmp_path: Path) -> None:
     for choose in (argmax_greedy(step), greedy):  # the logits' argmax, then llama.cpp's own greedy path
         reset(1, 40)
         assert greedy_tokens(choose, prompt, 16) == expected
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+def test_llama_cpp_without_extra_buffers_still_computes_the_eager_model(tmp_path: Path) -> None:
+    """use_extra_bufts off reaches llama.cpp's model params (and llama-cpp-python's defaults are
+    restored after), and the teacher-forced logits of every position, computed in a child, are
+    the eager model's."""
+    import llama_cpp.llama as high_level
+
+    from moedeploy.bench.gguf import write_gguf
+    from moedeploy.bench.peers import llama_model, llama_stream_logits_in_child
+
+    config = preset("tiny")
+    torch.manual_seed(0)
+    model = MoEDecoder(config).eval()
+    path = str(write_gguf(config, ModuleWeights(model), tmp_path / "m.gguf", "0" * 64))
+    defaults = high_level.llama_cpp.llama_model_default_params
+    assert llama_model(path, True, n_ctx=16, verbose=False).model_params.use_extra_bufts is True
+    assert llama_model(path, False, n_ctx=16, verbose=False).model_params.use_extra_bufts is False
+    assert high_level.llama_cpp.llama_model_default_params is defaults
+    assert llama_model(path, True, n_ctx=16, verbose=False).model_params.use_extra_bufts is True
+    ids = torch.randint(0, config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = model(ids, model.new_cache(1, 10), 0)[0].numpy()
+    for extra in (True, False):
+        logits, note = llama_stream_logits_in_child(path, ids[0].tolist(), threads=2, extra_buffers=extra)
+        # every position of one batch through llama.cpp's f16 KV cache: within 1e-3 of logits ~0.3
+        np.testing.assert_allclose(logits, ours, rtol=0, atol=1e-3)
+        assert note is None  # f32 weights have no AMX or repacked buffers to crash in
 
 
 @pytest.fixture(scope="module")

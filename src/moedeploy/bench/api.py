@@ -520,6 +520,7 @@ def bench(
     warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat * rounds))]
     if cache_note := cache_holds_step_warning(machine.get("last_level_cache_mb"), step_bytes):
         warnings.append(cache_note)
+    warnings += [f"{r['backend']}: {r['note']}" for r in ok if "note" in r]
     # hf runs transformers' Mixtral with its own random weights: only the others share weights.
     # A quantized export's backends run int8 activations (accuracy level 4), rounded differently
     # by each kernel: their tokens are reported, not held to agree (compare judges their accuracy)
@@ -597,6 +598,9 @@ def merge_rounds(runs: list[dict]) -> dict:
         merged[key] = max(r[key] for r in runs)
     merged["baseline_rss_mb"] = min(r["baseline_rss_mb"] for r in runs)
     merged["bandwidth_gbs"] = statistics.median(r["bandwidth_gbs"] for r in runs)
+    for r in runs:  # a round that ran without llama.cpp's extra weight buffers marks the whole row
+        if "note" in r:
+            merged.update(note=r["note"], llama_extra_buffers=r.get("llama_extra_buffers"))
     return merged
 
 

@@ -49,6 +49,7 @@ class Settings:
     seed: int = 0
     checkpoint: str | None = None  # eager torch reads this folder (else the one the manifest names)
     peer_model: str | None = None  # the weights in a peer's own format (llama.cpp: a GGUF; openvino: a compressed IR)
+    peer_extra_buffers: bool = True  # llama.cpp: its AMX / repacked weight buffers (off after they crash)
 
 
 def _reset_peak_rss() -> None:
@@ -156,7 +157,7 @@ def stepper(settings: Settings, artifact) -> Stepper:
         from moedeploy.bench.peers import llama_cpp_stepper
 
         return llama_cpp_stepper(settings.peer_model, settings.threads, settings.prompt_len + settings.new_tokens,
-                                 settings.prompt_len)
+                                 settings.prompt_len, settings.peer_extra_buffers)
     if settings.backend == "openvino":
         from moedeploy.bench.openvino_peer import openvino_stepper
 
@@ -252,7 +253,41 @@ def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
     """One backend's run in a fresh process. Every backend's worker, peers included, starts with
     the huge pages the `moedeploy` command gives itself (moedeploy/utils/huge_pages.py), so all
     are timed as they run under moedeploy, and the bandwidth each worker measures is read in the
-    same pages as its weights."""
+    same pages as its weights. A llama.cpp worker killed by a signal runs once more without its
+    extra weight buffers (`retry_llama_without_extra_buffers`)."""
+    return retry_llama_without_extra_buffers(lambda s: _worker(s, timeout), settings)
+
+
+def retry_llama_without_extra_buffers(run: Callable[[Settings], dict], settings: Settings) -> dict:
+    """`run(settings)`, and for a llama.cpp worker that a signal killed, `run` again with its AMX /
+    repacked weight buffers off: those segfault on some AMX hosts (ggml-org/llama.cpp#20824), and a
+    peer comparison that loses its quantized llama.cpp rows to that says nothing. The retried
+    result says so (`note`, `llama_extra_buffers: false`), and so does each report that prints it."""
+    result = run(settings)
+    if settings.backend != "llama.cpp" or not settings.peer_extra_buffers or result.get("signal") is None:
+        return result
+    from dataclasses import replace
+
+    from moedeploy.bench.peers import PLAIN_BUFFERS_NOTE
+
+    retried = run(replace(settings, peer_extra_buffers=False))
+    return retried | {"llama_extra_buffers": False, "note": f"{PLAIN_BUFFERS_NOTE} ({result['error']})"}
+
+
+def crash_text(returncode: int) -> str | None:
+    """'killed by SIGSEGV (signal 11)' for a process a signal ended (a negative return code), else None."""
+    import signal
+
+    if returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "a signal"
+    return f"killed by {name} (signal {-returncode})"
+
+
+def _worker(settings: Settings, timeout: float) -> dict:
     import os
     import subprocess
 
@@ -264,6 +299,8 @@ def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
         env=with_huge_pages(os.environ),
     )
     if done.returncode:
+        if (crash := crash_text(done.returncode)) is not None:  # no Python line to show: name the signal
+            return {"backend": settings.backend, "error": f"the worker was {crash}", "signal": -done.returncode}
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit code {done.returncode}"
         return {"backend": settings.backend, "error": re.sub(r"^[\w.]+(Error|Exception|Unavailable): ", "", last)}

@@ -95,14 +95,75 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
         raise
 
 
-def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int) -> Stepper:
+#: what a llama.cpp row says when it ran without its extra weight buffers (bench retries so after a crash)
+PLAIN_BUFFERS_NOTE = ("its extra weight buffers (AMX / repacked quantized weights) crashed this process, a "
+                      "known llama.cpp fault on some AMX CPUs (ggml-org/llama.cpp#20824); run with them off")
+
+
+def llama_model(gguf: str, extra_buffers: bool = True, **kwargs):
+    """llama_cpp.Llama over `gguf`. `extra_buffers=False` loads the weights without llama.cpp's extra
+    buffer types (model params' `use_extra_bufts`): no AMX or repacked copies of quantized weights,
+    which segfault in `ggml_backend_amx_mul_mat` on some AMX hosts. llama-cpp-python takes no
+    argument for it, so its default model params are swapped for this one construction."""
+    import llama_cpp
+    import llama_cpp.llama as high_level
+
+    if extra_buffers:
+        return llama_cpp.Llama(model_path=gguf, **kwargs)
+    module = high_level.llama_cpp  # the low-level module the constructor reads its defaults from
+    defaults = module.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(model_path=gguf, **kwargs)
+    finally:
+        module.llama_model_default_params = defaults
+
+
+def llama_stream_logits(gguf: str, ids: list[int], threads: int, extra_buffers: bool = True):
+    """Teacher-forced logits (len(ids), vocab) at every position of `ids`, as one llama.cpp batch."""
+    import numpy as np
+
+    n = len(ids)
+    llm = llama_model(gguf, extra_buffers, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads,
+                      n_threads_batch=threads, logits_all=True, verbose=False)
+    llm.eval(ids)
+    return np.array(llm.scores[:n], dtype=np.float32)
+
+
+def llama_stream_logits_in_child(gguf: str, ids: list[int], threads: int, extra_buffers: bool = True):
+    """`llama_stream_logits` in a spawned process, so that llama.cpp crashing costs its row and
+    not the whole benchmark; after a crash, once more without its extra weight buffers (as
+    `decode.retry_llama_without_extra_buffers` times it). Returns the logits and the note a
+    report shows beside them when this call had to turn the buffers off (else None)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    for extra in (True, False) if extra_buffers else (False,):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            try:
+                logits = pool.submit(llama_stream_logits, gguf, ids, threads, extra).result()
+            except BrokenProcessPool:
+                continue
+        return logits, None if extra == extra_buffers else PLAIN_BUFFERS_NOTE
+    raise RuntimeError(f"llama.cpp crashed computing {Path(gguf).name}'s logits, with its extra weight buffers "
+                       "on and off")
+
+
+def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int, extra_buffers: bool = True) -> Stepper:
     """reset(batch, total), step(ids, start) -> last-position logits (1, vocab) on llama.cpp, and
     greedy(ids, start) -> (1, 1): NumPy's argmax over the logits where llama.cpp keeps them (no copy)."""
     import numpy as np
-    from llama_cpp import Llama, llama_get_logits_ith
+    from llama_cpp import llama_get_logits_ith
 
-    llm = Llama(model_path=gguf, n_ctx=total, n_batch=max(prompt_len, 1), n_ubatch=max(prompt_len, 1),
-                n_threads=threads, n_threads_batch=threads, use_mmap=True, logits_all=False, verbose=False)
+    llm = llama_model(gguf, extra_buffers, n_ctx=total, n_batch=max(prompt_len, 1), n_ubatch=max(prompt_len, 1),
+                      n_threads=threads, n_threads_batch=threads, use_mmap=True, logits_all=False, verbose=False)
 
     def reset(batch: int, _total: int) -> None:
         llm.reset()
