@@ -25,7 +25,7 @@ from moedeploy.bench.api import (
     target_config,
 )
 from moedeploy.bench.checks import require_backends
-from moedeploy.bench.decode import Settings, run_in_subprocess
+from moedeploy.bench.decode import Settings, keeps_extra_buffers, run_in_subprocess
 from moedeploy.bench.peers import gguf_file
 from moedeploy.bench.report_file import (
     at_least,
@@ -59,8 +59,12 @@ def main() -> int:
             print(f"round {round_no}/{args.rounds}: {backend} at {context} tokens of context", file=sys.stderr)
             runs[context, backend].append(run_in_subprocess(Settings(
                 str(artifact.path), backend, 1, context, args.new_tokens, args.threads, args.repeat,
-                peer_model=peer_model if backend == "llama.cpp" else None)))
+                peer_model=peer_model if backend == "llama.cpp" else None,
+                peer_extra_buffers=keeps_extra_buffers(runs[context, backend]))))
     results = {f"{b}@{c}": merge_rounds(r) for (c, b), r in runs.items()}
+    for name, r in results.items():
+        if "note" in r:
+            print(f"note: {name}: {r['note']}", file=sys.stderr)
     failed = {name: r["error"] for name, r in results.items() if "error" in r}
     if failed:
         print(json.dumps(failed, indent=1), file=sys.stderr)

@@ -121,7 +121,11 @@ def main() -> None:
     if missing("llama.cpp") is None:
         f32 = gguf_file(fp32, folder, progress)
         for kind in ("f32", *(kind for kind, *_ in LLAMA_FORMATS.values())):
-            logits, note = llama_logits(f32 if kind == "f32" else llama_quantized(f32, kind), stream, args.threads)
+            try:
+                logits, note = llama_logits(f32 if kind == "f32" else llama_quantized(f32, kind), stream, args.threads)
+            except RuntimeError as e:  # the other rows stay
+                rows.append({"system": f"llama.cpp {kind}", "error": str(e)})
+                continue
             rows.append({"system": f"llama.cpp {kind}", **distribution_metrics(reference, logits), **note})
     print(f"\nthe small preset trained {args.steps} steps on a {args.vocab}-token Markov chain: mean top probability "
           f"{peak:.3f}, argmax = the chain's likeliest next token on {chain_top1:.1%} of positions; "
@@ -129,6 +133,9 @@ def main() -> None:
     print(f"{'system':18s} {'KL mean':>9s} {'KL median':>9s} {'KL max':>8s} {'top-1':>6s} {'max err':>8s}"
           "  level 0: KL mean, median, top-1")
     for r in rows:
+        if "error" in r:
+            print(f"{r['system']:18s} error: {r['error']}")
+            continue
         level0 = (f"  {r['kl_mean_level0']:.5f}, {r['kl_median_level0']:.6f}, {r['top1_level0']:.3f}"
                   if "kl_mean_level0" in r else "")
         print(f"{r['system']:18s} {r['kl_mean']:9.5f} {r['kl_median']:9.6f} {r['kl_max']:8.4f} {r['top1']:6.3f} "

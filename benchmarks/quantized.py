@@ -140,7 +140,7 @@ def main() -> None:
         rotated,
         target_config,
     )
-    from moedeploy.bench.decode import Settings, run_in_subprocess
+    from moedeploy.bench.decode import Settings, keeps_extra_buffers, run_in_subprocess
     from moedeploy.bench.machine import cpu_model, measure_bandwidth_gbs
     from moedeploy.bench.peers import gguf_file, missing
     from moedeploy.bench.roofline import decode_step_bytes
@@ -185,7 +185,8 @@ def main() -> None:
         for name, (artifact, backend, peer_model, _) in rotated(list(systems.items()), round_no - 1):
             progress(f"timing {name}, round {round_no}/{args.rounds}")
             runs[name].append(run_in_subprocess(Settings(str(artifact.path), backend, 1, 128, 64, args.threads,
-                                                         args.repeat, peer_model=str(peer_model) if peer_model else None)))
+                                                         args.repeat, peer_model=str(peer_model) if peer_model else None,
+                                                         peer_extra_buffers=keeps_extra_buffers(runs[name]))))
     timed = {name: merge_rounds(r) for name, r in runs.items()}
 
     progress(f"accuracy on a {args.stream}-token stream against fp32 eager PyTorch")
@@ -200,8 +201,12 @@ def main() -> None:
     for name, (artifact, backend, peer_model, b) in systems.items():
         r = timed[name]
         if backend == "llama.cpp":  # with its extra buffers only where the timing ran with them
-            logits, note = llama_logits(peer_model, stream, args.threads, r.get("llama_extra_buffers", True))
-            acc = distribution_metrics(reference, logits) | ({"note": r["note"]} if "note" in r else note)
+            try:
+                logits, note = llama_logits(peer_model, stream, args.threads, r.get("llama_extra_buffers", True))
+            except RuntimeError as e:  # its timings stay in the table
+                acc = {"accuracy_error": str(e)}
+            else:
+                acc = distribution_metrics(reference, logits) | ({"note": r["note"]} if "note" in r else note)
         elif backend == "openvino":
             acc = distribution_metrics(reference, openvino_logits(artifact, peer_model, stream, args.threads))
         else:  # at the accuracy level bench times (4: int8 activations), and at 0 (float compute) beside it
@@ -228,10 +233,12 @@ def main() -> None:
             continue
         family = row["system"].split()[0]
         own_fp32 = base.get(f"{family} f32" if family == "llama.cpp" else f"{family} fp32")
-        print(f"{row['system']:20s} {row['decode_tokens_per_s']:12.1f} {row['decode_tokens_per_s'] / own_fp32:7.2f} "
-              f"{row['prefill_ms']:10.1f} {row['step_mb']:8.1f} {row['kl_mean']:9.5f} {row['kl_max']:8.4f} "
-              f"{row['top1']:6.3f} {row['greedy_vs_fp32']:6.3f}"
-              + (f"  {row['kl_mean_level0']:.5f}, {row['top1_level0']:.3f}" if "kl_mean_level0" in row else ""))
+        accuracy = (f"accuracy: {row['accuracy_error']}" if "accuracy_error" in row else
+                    f"{row['kl_mean']:9.5f} {row['kl_max']:8.4f} {row['top1']:6.3f} {row['greedy_vs_fp32']:6.3f}"
+                    + (f"  {row['kl_mean_level0']:.5f}, {row['top1_level0']:.3f}" if "kl_mean_level0" in row else ""))
+        print(f"{row['system']:20s} {row['decode_tokens_per_s']:12.1f} "
+              f"{row['decode_tokens_per_s'] / own_fp32 if own_fp32 else float('nan'):7.2f} "
+              f"{row['prefill_ms']:10.1f} {row['step_mb']:8.1f} {accuracy}")
     print_notes(rows)
     for row in rows:
         if "decode_all" in row:

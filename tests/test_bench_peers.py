@@ -183,30 +183,65 @@ def test_a_worker_killed_by_a_signal_is_named_by_the_signal() -> None:
 
 
 def test_llama_cpp_killed_by_a_signal_runs_again_without_its_extra_buffers() -> None:
-    """The retry policy: llama.cpp's worker killed by a signal runs once more with peer_extra_buffers
-    off and says so; an error that is not a crash, or another backend's crash, is reported as it is."""
-    from moedeploy.bench.decode import Settings, retry_llama_without_extra_buffers
-    from moedeploy.bench.peers import PLAIN_BUFFERS_NOTE
+    """The retry policy: llama.cpp's worker that crashed (SIGSEGV) runs once more with
+    peer_extra_buffers off and says so; one killed from outside (SIGKILL: the OOM killer, a user),
+    an error that is not a crash, or another backend's crash is reported as it is."""
+    from moedeploy.bench.decode import (
+        Settings,
+        keeps_extra_buffers,
+        retry_llama_without_extra_buffers,
+    )
+    from moedeploy.bench.peers import plain_buffers_note
 
     calls: list[bool] = []
 
-    def crashes_with_extra_buffers(settings: Settings) -> dict:
-        calls.append(settings.peer_extra_buffers)
-        if settings.peer_extra_buffers:
-            return {"backend": settings.backend, "error": "the worker was killed by SIGSEGV (signal 11)", "signal": 11}
-        return {"backend": settings.backend, "decode_tokens_per_s": 5.0}
+    def killed_with_extra_buffers(signal_number: int):
+        def run(settings: Settings) -> dict:
+            calls.append(settings.peer_extra_buffers)
+            if settings.peer_extra_buffers:
+                return {"backend": settings.backend, "error": f"its worker was killed by X (signal {signal_number})",
+                        "signal": signal_number}
+            return {"backend": settings.backend, "decode_tokens_per_s": 5.0}
+        return run
 
-    result = retry_llama_without_extra_buffers(crashes_with_extra_buffers, Settings("a", "llama.cpp"))
+    result = retry_llama_without_extra_buffers(killed_with_extra_buffers(11), Settings("a", "llama.cpp"))
     assert calls == [True, False]
     assert result["decode_tokens_per_s"] == 5.0 and result["llama_extra_buffers"] is False
-    assert result["note"] == f"{PLAIN_BUFFERS_NOTE} (the worker was killed by SIGSEGV (signal 11))"
-    calls.clear()
-    crashed = retry_llama_without_extra_buffers(crashes_with_extra_buffers, Settings("a", "ort"))
-    assert calls == [True] and crashed["signal"] == 11  # only llama.cpp has buffers to turn off
+    assert result["note"] == plain_buffers_note("its worker was killed by X (signal 11)")
+    assert result["note"].startswith("its worker was killed by X (signal 11) with its extra weight buffers")
+    assert not keeps_extra_buffers([{"decode_tokens_per_s": 1.0}, result])  # later rounds start without them
+    assert keeps_extra_buffers([{"decode_tokens_per_s": 1.0}]) and keeps_extra_buffers([])
+    for backend, signal_number in (("llama.cpp", 9), ("ort", 11)):
+        calls.clear()
+        crashed = retry_llama_without_extra_buffers(killed_with_extra_buffers(signal_number), Settings("a", backend))
+        assert calls == [True] and crashed["signal"] == signal_number
     calls.clear()
     failed = retry_llama_without_extra_buffers(lambda s: calls.append(s.peer_extra_buffers) or {"error": "bad file"},
                                                Settings("a", "llama.cpp"))
     assert calls == [True] and failed == {"error": "bad file"}
+
+
+def test_stream_logits_in_a_child_survive_its_crash_and_name_what_happened() -> None:
+    """Children that really crash, fail and hang: the parent goes on, retries a crash without the
+    extra buffers (with the note), and says in one line what it got instead of logits."""
+    from moedeploy.bench.peers import llama_stream_logits_in_child, plain_buffers_note
+    from tests.child_stand_ins import (
+        always_segfaults,
+        raises_value_error,
+        segfaults_with_extra_buffers,
+        sleeps,
+    )
+
+    value, note = llama_stream_logits_in_child("m.gguf", [1, 2], 2, compute=segfaults_with_extra_buffers)
+    assert value == [2, 4] and note == plain_buffers_note("llama.cpp was killed by SIGSEGV (signal 11)")
+    assert llama_stream_logits_in_child("m.gguf", [1, 2], 2, extra_buffers=False,
+                                        compute=segfaults_with_extra_buffers) == ([2, 4], None)
+    with pytest.raises(RuntimeError, match=r"^llama.cpp computing m.gguf's logits was killed by SIGSEGV \(signal 11\)$"):
+        llama_stream_logits_in_child("m.gguf", [1], 2, compute=always_segfaults)
+    with pytest.raises(RuntimeError, match=r"^llama.cpp computing m.gguf's logits failed: ValueError: no such model$"):
+        llama_stream_logits_in_child("m.gguf", [1], 2, compute=raises_value_error)
+    with pytest.raises(RuntimeError, match=r"^llama.cpp computing m.gguf's logits took more than 2 s$"):
+        llama_stream_logits_in_child("m.gguf", [1], 2, timeout=2, compute=sleeps)
 
 
 FAKE_MACHINE = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "onnxruntime": "x",

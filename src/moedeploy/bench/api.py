@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from moedeploy.bench.checks import BACKENDS, require_backends, require_engine, require_ort_dtype
-from moedeploy.bench.decode import Settings, run_in_subprocess
+from moedeploy.bench.decode import Settings, keeps_extra_buffers, run_in_subprocess
 from moedeploy.bench.machine import describe
 from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weight_bytes
@@ -469,7 +469,8 @@ def bench(
             progress(f"{label}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, x{repeat}{of_rounds}")
             runs[label].append(run_in_subprocess(Settings(
                 str(variants[variant_name].path), backend, batch, prompt_len, new_tokens, threads, repeat, checkpoint=checkpoint,
-                peer_model=str(peer_model) if backend == "llama.cpp" else None)) | {"backend": label, "variant": variant_name})
+                peer_model=str(peer_model) if backend == "llama.cpp" else None,
+                peer_extra_buffers=keeps_extra_buffers(runs[label]))) | {"backend": label, "variant": variant_name})
     raw = [merge_rounds(label_runs) for label_runs in runs.values()]
 
     context = prompt_len + new_tokens // 2  # the average decode step's history

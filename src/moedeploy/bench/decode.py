@@ -261,17 +261,24 @@ def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
 def retry_llama_without_extra_buffers(run: Callable[[Settings], dict], settings: Settings) -> dict:
     """`run(settings)`, and for a llama.cpp worker that a signal killed, `run` again with its AMX /
     repacked weight buffers off: those segfault on some AMX hosts (ggml-org/llama.cpp#20824), and a
-    peer comparison that loses its quantized llama.cpp rows to that says nothing. The retried
-    result says so (`note`, `llama_extra_buffers: false`), and so does each report that prints it."""
+    peer comparison that loses its quantized llama.cpp rows to that says nothing. Only a crash
+    (`peers.CRASH_SIGNALS`), not a kill from outside. The retried result says so (`note`,
+    `llama_extra_buffers: false`), and so does each report that prints it."""
+    from moedeploy.bench.peers import CRASH_SIGNALS, plain_buffers_note
+
     result = run(settings)
-    if settings.backend != "llama.cpp" or not settings.peer_extra_buffers or result.get("signal") is None:
+    if settings.backend != "llama.cpp" or not settings.peer_extra_buffers or result.get("signal") not in CRASH_SIGNALS:
         return result
     from dataclasses import replace
 
-    from moedeploy.bench.peers import PLAIN_BUFFERS_NOTE
-
     retried = run(replace(settings, peer_extra_buffers=False))
-    return retried | {"llama_extra_buffers": False, "note": f"{PLAIN_BUFFERS_NOTE} ({result['error']})"}
+    return retried | {"llama_extra_buffers": False, "note": plain_buffers_note(result["error"])}
+
+
+def keeps_extra_buffers(earlier_rounds: list[dict]) -> bool:
+    """Whether a backend's next round starts with llama.cpp's extra weight buffers on: not once a
+    round had to run without them (each round would crash again, and its rounds would mix the two)."""
+    return all(r.get("llama_extra_buffers", True) for r in earlier_rounds)
 
 
 def crash_text(returncode: int) -> str | None:
@@ -300,7 +307,7 @@ def _worker(settings: Settings, timeout: float) -> dict:
     )
     if done.returncode:
         if (crash := crash_text(done.returncode)) is not None:  # no Python line to show: name the signal
-            return {"backend": settings.backend, "error": f"the worker was {crash}", "signal": -done.returncode}
+            return {"backend": settings.backend, "error": f"its worker was {crash}", "signal": -done.returncode}
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit code {done.returncode}"
         return {"backend": settings.backend, "error": re.sub(r"^[\w.]+(Error|Exception|Unavailable): ", "", last)}

@@ -9,6 +9,7 @@ command in the report) and refused in one line when named in `--backend`.
 from __future__ import annotations
 
 import errno
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,9 +96,15 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
         raise
 
 
-#: what a llama.cpp row says when it ran without its extra weight buffers (bench retries so after a crash)
-PLAIN_BUFFERS_NOTE = ("its extra weight buffers (AMX / repacked quantized weights) crashed this process, a "
-                      "known llama.cpp fault on some AMX CPUs (ggml-org/llama.cpp#20824); run with them off")
+#: signals of a process that crashed by itself (a fault, an abort), as llama.cpp's AMX kernels do on
+#: some AMX CPUs; not SIGKILL or SIGTERM, which another process (the OOM killer, a user) sends
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT})
+
+
+def plain_buffers_note(what_happened: str) -> str:
+    """What a llama.cpp row says when it ran again without its extra weight buffers after `what_happened`."""
+    return (f"{what_happened} with its extra weight buffers (AMX / repacked quantized weights) on, and ran again "
+            "with them off (llama.cpp's AMX kernels crash so on some AMX CPUs: ggml-org/llama.cpp#20824)")
 
 
 def llama_model(gguf: str, extra_buffers: bool = True, **kwargs):
@@ -136,24 +143,28 @@ def llama_stream_logits(gguf: str, ids: list[int], threads: int, extra_buffers: 
     return np.array(llm.scores[:n], dtype=np.float32)
 
 
-def llama_stream_logits_in_child(gguf: str, ids: list[int], threads: int, extra_buffers: bool = True):
-    """`llama_stream_logits` in a spawned process, so that llama.cpp crashing costs its row and
-    not the whole benchmark; after a crash, once more without its extra weight buffers (as
-    `decode.retry_llama_without_extra_buffers` times it). Returns the logits and the note a
-    report shows beside them when this call had to turn the buffers off (else None)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
+def llama_stream_logits_in_child(gguf: str, ids: list[int], threads: int, extra_buffers: bool = True,
+                                 timeout: float = 1800.0, compute: Callable = llama_stream_logits):
+    """`compute(gguf, ids, threads, extra_buffers)` (llama.cpp's stream logits) in a spawned process,
+    so that llama.cpp crashing costs its row and not the whole benchmark; after a crash by a
+    signal in `CRASH_SIGNALS`, once more without its extra weight buffers (as
+    `decode.retry_llama_without_extra_buffers` times it). Returns the logits and the note a report
+    shows beside them when this call had to turn the buffers off (else None); a RuntimeError in
+    one line when it got no logits."""
+    from moedeploy.bench.decode import crash_text
+    from moedeploy.utils.child_process import in_child
 
-    for extra in (True, False) if extra_buffers else (False,):
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            try:
-                logits = pool.submit(llama_stream_logits, gguf, ids, threads, extra).result()
-            except BrokenProcessPool:
-                continue
-        return logits, None if extra == extra_buffers else PLAIN_BUFFERS_NOTE
-    raise RuntimeError(f"llama.cpp crashed computing {Path(gguf).name}'s logits, with its extra weight buffers "
-                       "on and off")
+    outcome, value = in_child(compute, (gguf, ids, threads, extra_buffers), timeout)
+    if outcome == "signal" and extra_buffers and value in CRASH_SIGNALS:
+        first = crash_text(-value)
+        outcome, value = in_child(compute, (gguf, ids, threads, False), timeout)
+        if outcome == "ok":
+            return value, plain_buffers_note(f"llama.cpp was {first}")
+    if outcome == "ok":
+        return value, None
+    what = {"signal": lambda: f"was {crash_text(-value)}", "timeout": lambda: f"took more than {timeout:.0f} s",
+            "error": lambda: f"failed: {value}"}[outcome]()
+    raise RuntimeError(f"llama.cpp computing {Path(gguf).name}'s logits {what}")
 
 
 def llama_cpp_stepper(gguf: str, threads: int, total: int, prompt_len: int, extra_buffers: bool = True) -> Stepper:
