@@ -253,16 +253,16 @@ def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
     """One backend's run in a fresh process. Every backend's worker, peers included, starts with
     the huge pages the `moedeploy` command gives itself (moedeploy/utils/huge_pages.py), so all
     are timed as they run under moedeploy, and the bandwidth each worker measures is read in the
-    same pages as its weights. A llama.cpp worker killed by a signal runs once more without its
-    extra weight buffers (`retry_llama_without_extra_buffers`)."""
+    same pages as its weights. A llama.cpp worker that crashed runs once more without its extra
+    weight buffers (`retry_llama_without_extra_buffers`)."""
     return retry_llama_without_extra_buffers(lambda s: _worker(s, timeout), settings)
 
 
 def retry_llama_without_extra_buffers(run: Callable[[Settings], dict], settings: Settings) -> dict:
-    """`run(settings)`, and for a llama.cpp worker that a signal killed, `run` again with its AMX /
-    repacked weight buffers off: those segfault on some AMX hosts (ggml-org/llama.cpp#20824), and a
-    peer comparison that loses its quantized llama.cpp rows to that says nothing. Only a crash
-    (`peers.CRASH_SIGNALS`), not a kill from outside. The retried result says so (`note`,
+    """`run(settings)`, and for a llama.cpp worker that crashed (a signal in `peers.CRASH_SIGNALS`,
+    not a kill from outside), `run` again with its AMX / repacked weight buffers off: those
+    segfault on some AMX hosts (ggml-org/llama.cpp#20824), and a peer comparison that loses its
+    quantized llama.cpp rows to that says nothing. The retried result says what happened (`note`,
     `llama_extra_buffers: false`), and so does each report that prints it."""
     from moedeploy.bench.peers import CRASH_SIGNALS, plain_buffers_note
 
