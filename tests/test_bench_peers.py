@@ -173,7 +173,7 @@ def test_a_worker_killed_by_a_signal_is_named_by_the_signal() -> None:
     import subprocess
     import sys
 
-    from moedeploy.bench.decode import crash_text
+    from moedeploy.utils.child_process import crash_text
 
     done = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
                           capture_output=True, check=False)

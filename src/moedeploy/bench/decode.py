@@ -260,19 +260,20 @@ def run_in_subprocess(settings: Settings, timeout: float = 1800) -> dict:
 
 def retry_llama_without_extra_buffers(run: Callable[[Settings], dict], settings: Settings) -> dict:
     """`run(settings)`, and for a llama.cpp worker that crashed (a signal in `peers.CRASH_SIGNALS`,
-    not a kill from outside), `run` again with its AMX / repacked weight buffers off: those
-    segfault on some AMX hosts (ggml-org/llama.cpp#20824), and a peer comparison that loses its
-    quantized llama.cpp rows to that says nothing. The retried result says what happened (`note`,
-    `llama_extra_buffers: false`), and so does each report that prints it."""
-    from moedeploy.bench.peers import CRASH_SIGNALS, plain_buffers_note
-
-    result = run(settings)
-    if settings.backend != "llama.cpp" or not settings.peer_extra_buffers or result.get("signal") not in CRASH_SIGNALS:
-        return result
+    not a kill from outside), `run` again with its AMX / repacked weight buffers off
+    (`peers.with_extra_buffers_fallback`): those segfault on some AMX hosts
+    (ggml-org/llama.cpp#20824), and a peer comparison that loses its quantized llama.cpp rows to
+    that says nothing. The retried result says what happened (`note`, `llama_extra_buffers:
+    false`), and so does each report that prints it."""
     from dataclasses import replace
 
-    retried = run(replace(settings, peer_extra_buffers=False))
-    return retried | {"llama_extra_buffers": False, "note": plain_buffers_note(result["error"])}
+    from moedeploy.bench.peers import CRASH_SIGNALS, with_extra_buffers_fallback
+
+    result, note = with_extra_buffers_fallback(
+        lambda extra: run(settings if extra == settings.peer_extra_buffers else replace(settings, peer_extra_buffers=extra)),
+        lambda r: r["error"] if settings.backend == "llama.cpp" and r.get("signal") in CRASH_SIGNALS else None,
+        settings.peer_extra_buffers)
+    return result if note is None else result | {"llama_extra_buffers": False, "note": note}
 
 
 def keeps_extra_buffers(earlier_rounds: list[dict]) -> bool:
@@ -281,23 +282,11 @@ def keeps_extra_buffers(earlier_rounds: list[dict]) -> bool:
     return all(r.get("llama_extra_buffers", True) for r in earlier_rounds)
 
 
-def crash_text(returncode: int) -> str | None:
-    """'killed by SIGSEGV (signal 11)' for a process a signal ended (a negative return code), else None."""
-    import signal
-
-    if returncode >= 0:
-        return None
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = "a signal"
-    return f"killed by {name} (signal {-returncode})"
-
-
 def _worker(settings: Settings, timeout: float) -> dict:
     import os
     import subprocess
 
+    from moedeploy.utils.child_process import crash_text
     from moedeploy.utils.huge_pages import with_huge_pages
 
     done = subprocess.run(

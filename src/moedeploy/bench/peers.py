@@ -12,7 +12,7 @@ import errno
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -99,6 +99,7 @@ def gguf_file(artifact: Artifact, cache: Path, progress: Callable[[str], None],
 #: signals of a process that crashed by itself (a fault, an abort), as llama.cpp's AMX kernels do on
 #: some AMX CPUs; not SIGKILL or SIGTERM, which another process (the OOM killer, a user) sends
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT})
+T = TypeVar("T")
 
 
 def plain_buffers_note(what_happened: str) -> str:
@@ -143,25 +144,35 @@ def llama_stream_logits(gguf: str, ids: list[int], threads: int, extra_buffers: 
     return np.array(llm.scores[:n], dtype=np.float32)
 
 
+def with_extra_buffers_fallback(run: Callable[[bool], T], crash: Callable[[T], str | None],
+                                extra_buffers: bool = True) -> tuple[T, str | None]:
+    """`run(extra_buffers)`, and where `crash(result)` says it crashed (a line, else None) with the
+    buffers on, `run(False)` once more: the one retry policy of the timed workers
+    (`decode.retry_llama_without_extra_buffers`) and of the stream logits. Returns the last result
+    and the note a report shows beside it when the buffers had to be turned off (else None)."""
+    result = run(extra_buffers)
+    what = crash(result) if extra_buffers else None
+    if what is None:
+        return result, None
+    return run(False), plain_buffers_note(what)
+
+
 def llama_stream_logits_in_child(gguf: str, ids: list[int], threads: int, extra_buffers: bool = True,
                                  timeout: float = 1800.0, compute: Callable = llama_stream_logits):
     """`compute(gguf, ids, threads, extra_buffers)` (llama.cpp's stream logits) in a spawned process,
     so that llama.cpp crashing costs its row and not the whole benchmark; after a crash by a
-    signal in `CRASH_SIGNALS`, once more without its extra weight buffers (as
-    `decode.retry_llama_without_extra_buffers` times it). Returns the logits and the note a report
-    shows beside them when this call had to turn the buffers off (else None); a RuntimeError in
-    one line when it got no logits."""
-    from moedeploy.bench.decode import crash_text
-    from moedeploy.utils.child_process import in_child
+    signal in `CRASH_SIGNALS`, once more without its extra weight buffers
+    (`with_extra_buffers_fallback`). Returns the logits and the note a report shows beside them
+    when this call had to turn the buffers off (else None); a RuntimeError in one line when it
+    got no logits."""
+    from moedeploy.utils.child_process import crash_text, in_child
 
-    outcome, value = in_child(compute, (gguf, ids, threads, extra_buffers), timeout)
-    if outcome == "signal" and extra_buffers and value in CRASH_SIGNALS:
-        first = crash_text(-value)
-        outcome, value = in_child(compute, (gguf, ids, threads, False), timeout)
-        if outcome == "ok":
-            return value, plain_buffers_note(f"llama.cpp was {first}")
+    (outcome, value), note = with_extra_buffers_fallback(
+        lambda extra: in_child(compute, (gguf, ids, threads, extra), timeout),
+        lambda o: f"llama.cpp was {crash_text(-o[1])}" if o[0] == "signal" and o[1] in CRASH_SIGNALS else None,
+        extra_buffers)
     if outcome == "ok":
-        return value, None
+        return value, note
     what = {"signal": lambda: f"was {crash_text(-value)}", "timeout": lambda: f"took more than {timeout:.0f} s",
             "error": lambda: f"failed: {value}"}[outcome]()
     raise RuntimeError(f"llama.cpp computing {Path(gguf).name}'s logits {what}")

@@ -10,6 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def crash_text(returncode: int) -> str | None:
+    """'killed by SIGSEGV (signal 11)' for a process a signal ended (a negative return code), else None."""
+    import signal
+
+    if returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "a signal"
+    return f"killed by {name} (signal {-returncode})"
+
+
 def in_child(compute: Callable, args: tuple, timeout: float) -> tuple[str, object]:
     """`compute(*args)` in a spawned process: ("ok", its value), ("error", its exception in one
     line), ("signal", the number of the signal that ended it) or ("timeout", None) after
