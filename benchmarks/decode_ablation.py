@@ -17,8 +17,12 @@ microseconds to each of the step's several hundred small nodes. So this measures
                 (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE node
                 by zeros (its router still runs: the NaN guard reads the logits).
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
+  -row-selection
+                each taken expert's branch on every token, its routing weight 0 off its own,
+                instead of gathering its tokens and scattering them back: the same answer for
+                finite values (bit for bit at one token), and what selecting rows costs a step.
 
-The last two drop the nodes their edit leaves unread (ONNX Runtime would still run them).
+The last three drop the nodes their edit leaves unread (ONNX Runtime would still run them).
 
 An ablated graph computes the wrong answer on purpose; only its time means something, and the
 difference to `step` is what that part costs. Two ways to time, all variants in one process,
@@ -79,7 +83,11 @@ def _names_read(node: onnx.NodeProto) -> set[str]:
 def prune(model: onnx.ModelProto) -> None:
     """Drop the nodes nothing reads any more: ONNX Runtime keeps running dead nodes, so an
     ablation that only rewires would still pay for what fed the removed part."""
-    graph = model.graph
+    _prune_graph(model.graph)
+
+
+def _prune_graph(graph: onnx.GraphProto) -> None:
+    """`prune` on one graph: the main graph, or an If branch (whose outputs are what it must keep)."""
     live = {value.name for value in graph.output}
     kept = []
     for node in reversed(graph.node):
@@ -142,9 +150,45 @@ def without_nan_guard(model: onnx.ModelProto) -> int:
     return count
 
 
+def without_row_selection(model: onnx.ModelProto) -> int:
+    """Each taken expert branch run on every token instead of gathering its own: each Gather by
+    the branch's rows (of the tokens, and of their routing weights) -> the tensor it gathers
+    from, and the ScatterND into zeros -> the rows it scatters, now one per token; `prune`
+    drops the NonZero and what only it fed. Tokens the expert does not take get its output
+    times their routing weight 0, so the result is unchanged for finite values (bit for bit at
+    one token, where the branch's rows are all the rows), and a prefill does every taken
+    expert's work for every token: time decode steps with it, not prompts. What a decode step
+    pays for selecting rows in its taken branches."""
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "If" or "/experts" not in node.name:
+            continue
+        branch = next(a.g for a in node.attribute if a.name == "then_branch")
+        nonzero = [n for n in branch.node if n.op_type == "NonZero"]
+        scatter = [n for n in branch.node if n.op_type == "ScatterND"]
+        if len(nonzero) != 1 or len(scatter) != 1:
+            raise ValueError(f"-row-selection: {node.name}'s taken branch is not one NonZero's rows gathered and "
+                             "scattered back (a per-expert lowering this script does not know)")
+        rows = {n.output[0] for n in branch.node if n.op_type == "Reshape" and n.input[0] == nonzero[0].output[0]}
+        for gather in [n for n in branch.node if n.op_type == "Gather" and n.input[1] in rows]:
+            _rewire(branch, gather.output[0], gather.input[0])
+        branch.output[0].name = scatter[0].input[2]
+        _prune_graph(branch)
+        count += 1
+    return count
+
+
 VARIANTS: dict[str, Edit | None] = {
     "step": None, "-attention": without_attention, "-experts": without_experts, "-nan-guard": without_nan_guard,
+    "-row-selection": without_row_selection,
 }
+#: variants only some lowerings have anything to remove for: skipped, with a line saying so, elsewhere
+#: (experts on com.microsoft::MoE or QMoE, not on Ifs: fp32 experts other than SwiGLU, quantized ones)
+OPTIONAL = {"-row-selection"}
+
+
+class NothingToRemove(ValueError):
+    """An edit found nothing of what it removes in this graph."""
 
 
 def decoder_variant(artifact, edit: Edit | None, threads: int):
@@ -167,8 +211,8 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
                                         RUN_ACCURACY)
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
-        raise ValueError(f"{edit.__name__}: nothing to remove in this graph (not a GroupQueryAttention decoder "
-                         "with its experts on Ifs or on com.microsoft::MoE / QMoE?)")
+        raise NothingToRemove(f"{edit.__name__}: nothing to remove in this graph (not a GroupQueryAttention decoder "
+                              "with its experts on Ifs or on com.microsoft::MoE / QMoE?)")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
@@ -284,7 +328,14 @@ def measure(args: argparse.Namespace) -> None:
     if args.context + beyond > config.max_positions:
         raise ValueError(f"--context {args.context} and {beyond} more tokens exceed the model's "
                          f"{config.max_positions} positions")
-    variants = {name: decoder_variant(artifact, edit, args.threads) for name, edit in VARIANTS.items()}
+    variants = {}
+    for name, edit in VARIANTS.items():
+        try:
+            variants[name] = decoder_variant(artifact, edit, args.threads)
+        except NothingToRemove as e:
+            if name not in OPTIONAL:
+                raise
+            print(f"{name}: skipped, {e}")
     if args.generate is None:
         runs = {} if quantized else {"floor": gemv_floor(config, args.threads)}
         runs |= {name: bound_step(decoder, args.context) for name, decoder in variants.items()}
@@ -307,12 +358,13 @@ def measure(args: argparse.Namespace) -> None:
     how = (f"greedy generations of {args.generate} tokens after a {args.context}-token prompt, {args.rounds} rounds"
            if args.generate else f"one decode step after {args.context} tokens, {args.rounds} rounds x {args.steps} runs")
     print(f"{cpu_model()}, {args.threads} threads, {bandwidth:.1f} GB/s read; {how}")
-    print(f"{'variant':12s} {'ms (median)':>11s} {'min-max':>13s} {'- step, paired':>15s}")
+    width = max(len(name) for name in times)
+    print(f"{'variant':{width}s} {'ms (median)':>11s} {'min-max':>13s} {'- step, paired':>15s}")
     report = {"bandwidth_gbs": bandwidth, "context": args.context, "threads": args.threads,
               "generate": args.generate, "quantized": quantized, "ms": times}
     for name, values in times.items():
         paired = statistics.median(v - s for v, s in zip(values, step, strict=True))
-        print(f"{name:12s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
+        print(f"{name:{width}s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
     write_script_report(args.json, "decode_ablation", report)
 
 

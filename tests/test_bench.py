@@ -748,3 +748,52 @@ def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(scri
     last = stderr.strip().splitlines()[-1]  # argparse's usage may come before its one error line
     assert "error: " in last and message in last, stderr
     assert (artifact.path / "manifest.json").read_bytes() == manifest and not (tmp_path / "cache").exists()
+
+
+def test_decode_ablation_row_selection_leaves_the_logits_unchanged(tmp_path_factory, monkeypatch) -> None:
+    """-row-selection runs each taken expert on every token, times its routing weight (0 off its
+    own tokens), so the edited graph must give the lowered graph's logits: bit for bit at one
+    token, and to float rounding over a prompt (more rows through each Gemm). The branches it
+    edits must have lost their NonZero, row Gathers and ScatterND, or the variant times nothing."""
+    import importlib
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from moedeploy.models.config import DecoderConfig
+    from moedeploy.runtime.ort import lowered_model, reads_weights_from, session_options
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    siblings = {p.stem for p in BENCHMARKS.glob("*.py")} - set(sys.modules)
+    try:
+        ablation = importlib.import_module("decode_ablation")
+        artifact = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+        config = DecoderConfig.from_manifest(artifact.manifest["config"])
+        model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto")
+        assert counts["moe_experts"] == sum(config.is_moe_layer(i) for i in range(config.n_layers)) > 0
+        edited = onnx.load_from_string(model_bytes)
+        assert ablation.without_row_selection(edited) == counts["moe_experts"] * config.n_experts
+        for node in edited.graph.node:
+            if node.op_type == "If" and "/experts" in node.name:
+                ops = {n.op_type for n in next(a.g for a in node.attribute if a.name == "then_branch").node}
+                assert not ops & {"NonZero", "ScatterND"} and "Gemm" in ops, ops
+        options = reads_weights_from(session_options(2), artifact)
+        lowered, ablated = (ort.InferenceSession(m, options, providers=["CPUExecutionProvider"])
+                            for m in (model_bytes, edited.SerializeToString()))
+        (kh, kd), (vh, vd) = config.kv_cache_dims
+        rng = np.random.default_rng(0)
+        for tokens in (1, 12):
+            feed = {"input_ids": rng.integers(0, config.vocab_size, (1, tokens))}
+            for i in range(config.n_layers):
+                feed[f"past_key_values.{i}.key"] = np.zeros((1, kh, 0, kd), np.float32)
+                feed[f"past_key_values.{i}.value"] = np.zeros((1, vh, 0, vd), np.float32)
+            expected, got = lowered.run(["logits"], feed)[0], ablated.run(["logits"], feed)[0]
+            assert np.isfinite(expected).all() and np.abs(expected).max() > 0
+            if tokens == 1:
+                np.testing.assert_array_equal(got, expected)
+            else:
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        for name in siblings:
+            sys.modules.pop(name, None)
