@@ -19,14 +19,18 @@ microseconds to each of the step's several hundred small nodes. So this measures
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
   -row-selection
                 each taken expert's branch on every token, its routing weight 0 off its own,
-                instead of gathering its tokens and scattering them back: the same answer for
-                finite values (bit for bit at one token), and what selecting rows costs a step.
+                instead of gathering its tokens and scattering them back: the same answer
+                wherever the expert's outputs are finite (bit for bit at one token), and what
+                selecting rows costs a step.
 
 The last three drop the nodes their edit leaves unread (ONNX Runtime would still run them).
+A variant whose edit does not apply to the lowering (-attention where GroupQueryAttention takes
+packed q/k/v, as in quantized artifacts; -row-selection where the experts are not on Ifs) is left
+out with a line saying why, and named in the --json report's `skipped`.
 
-An ablated graph computes the wrong answer on purpose; only its time means something, and the
-difference to `step` is what that part costs. Two ways to time, all variants in one process,
-interleaved over the rounds, the differences paired by round:
+An ablated graph computes the wrong answer on purpose (-row-selection excepted); only its time
+means something, and the difference to `step` is what that part costs. Two ways to time, all
+variants in one process, interleaved over the rounds, the differences paired by round:
 
   step mode     (default) re-run one bound decode step at the same position, so the same
                 experts every run: the least noisy. A quantized step's few tens of MB can stay
@@ -61,6 +65,12 @@ from moedeploy.bench.report_file import script_report_check, write_script_report
 Edit = Callable[[onnx.ModelProto], int]
 #: positions a step-mode cache holds beyond the prompt (the timed step re-runs at the first of them)
 STEP_HEADROOM = 8
+
+
+class VariantSkipped(ValueError):
+    """An edit that does not apply to this lowering (packed q/k/v for -attention; experts on
+    com.microsoft::MoE or QMoE rather than on Ifs for -row-selection): the variant is left out of
+    the run, with a line saying why, and the others are measured."""
 
 
 def _rewire(graph: onnx.GraphProto, old: str, new: str) -> None:
@@ -106,8 +116,8 @@ def without_attention(model: onnx.ModelProto) -> int:
     for node in list(graph.node):
         if node.op_type == "GroupQueryAttention":
             if not node.input[1]:
-                raise ValueError("-attention takes separate q, k and v inputs, and this graph hands "
-                                 "GroupQueryAttention packed q/k/v (fused quantized projections)")
+                raise VariantSkipped("it takes separate q, k and v inputs, and this graph hands "
+                                     "GroupQueryAttention packed q/k/v (fused quantized projections)")
             index = list(graph.node).index(node)
             graph.node.remove(node)
             for offset, (src, dst) in enumerate(zip([node.input[0], node.input[3], node.input[4]], node.output[:3], strict=True)):
@@ -153,10 +163,11 @@ def without_nan_guard(model: onnx.ModelProto) -> int:
 def without_row_selection(model: onnx.ModelProto) -> int:
     """Each taken expert branch run on every token instead of gathering its own: each Gather by
     the branch's rows (of the tokens, and of their routing weights) -> the tensor it gathers
-    from, and the ScatterND into zeros -> the rows it scatters, now one per token; `prune`
-    drops the NonZero and what only it fed. Tokens the expert does not take get its output
-    times their routing weight 0, so the result is unchanged for finite values (bit for bit at
-    one token, where the branch's rows are all the rows), and a prefill does every taken
+    from, and the ScatterND into zeros -> the rows it scatters, now one per token; the branch
+    is then pruned of the NonZero and what only it fed. Tokens the expert does not take get its
+    output times their routing weight 0, so the result is unchanged wherever the expert's
+    outputs are finite (bit for bit at one token, where the branch's rows are all the rows; a
+    token whose output overflowed would now add Inf * 0), and a prefill does every taken
     expert's work for every token: time decode steps with it, not prompts. What a decode step
     pays for selecting rows in its taken branches."""
     count = 0
@@ -182,13 +193,6 @@ VARIANTS: dict[str, Edit | None] = {
     "step": None, "-attention": without_attention, "-experts": without_experts, "-nan-guard": without_nan_guard,
     "-row-selection": without_row_selection,
 }
-#: variants only some lowerings have anything to remove for: skipped, with a line saying so, elsewhere
-#: (experts on com.microsoft::MoE or QMoE, not on Ifs: fp32 experts other than SwiGLU, quantized ones)
-OPTIONAL = {"-row-selection"}
-
-
-class NothingToRemove(ValueError):
-    """An edit found nothing of what it removes in this graph."""
 
 
 def decoder_variant(artifact, edit: Edit | None, threads: int):
@@ -211,8 +215,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
                                         RUN_ACCURACY)
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
-        raise NothingToRemove(f"{edit.__name__}: nothing to remove in this graph (not a GroupQueryAttention decoder "
-                              "with its experts on Ifs or on com.microsoft::MoE / QMoE?)")
+        raise VariantSkipped("nothing of what it removes is in this lowering")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
@@ -328,14 +331,13 @@ def measure(args: argparse.Namespace) -> None:
     if args.context + beyond > config.max_positions:
         raise ValueError(f"--context {args.context} and {beyond} more tokens exceed the model's "
                          f"{config.max_positions} positions")
-    variants = {}
+    variants, skipped = {}, {}
     for name, edit in VARIANTS.items():
         try:
             variants[name] = decoder_variant(artifact, edit, args.threads)
-        except NothingToRemove as e:
-            if name not in OPTIONAL:
-                raise
-            print(f"{name}: skipped, {e}")
+        except VariantSkipped as e:
+            skipped[name] = str(e)
+            print(f"{name}: skipped: {e}")
     if args.generate is None:
         runs = {} if quantized else {"floor": gemv_floor(config, args.threads)}
         runs |= {name: bound_step(decoder, args.context) for name, decoder in variants.items()}
@@ -361,7 +363,7 @@ def measure(args: argparse.Namespace) -> None:
     width = max(len(name) for name in times)
     print(f"{'variant':{width}s} {'ms (median)':>11s} {'min-max':>13s} {'- step, paired':>15s}")
     report = {"bandwidth_gbs": bandwidth, "context": args.context, "threads": args.threads,
-              "generate": args.generate, "quantized": quantized, "ms": times}
+              "generate": args.generate, "quantized": quantized, "ms": times, "skipped": skipped}
     for name, values in times.items():
         paired = statistics.median(v - s for v, s in zip(values, step, strict=True))
         print(f"{name:{width}s} {statistics.median(values):11.2f} {min(values):6.2f}-{max(values):<6.2f} {paired:+15.2f}")
