@@ -126,15 +126,24 @@ def without_attention(model: onnx.ModelProto) -> int:
     return count
 
 
+def _is_expert_if(node: onnx.NodeProto) -> bool:
+    """One expert's If of the per-expert MoE lowering (plugins/moe_experts.py names them so)."""
+    return node.op_type == "If" and "/experts" in node.name
+
+
+def _branch(node: onnx.NodeProto, name: str) -> onnx.GraphProto:
+    """An If's then_branch or else_branch."""
+    return next(a.g for a in node.attribute if a.name == name)
+
+
 def without_experts(model: onnx.ModelProto) -> int:
     """Each expert's If -> what its untaken branch returns (the zeros it adds); each
     com.microsoft::MoE or QMoE node -> zeros of its input's shape. `prune` then drops what only
     those read (the Ifs' conditions, the nodes' weights), not the routing the NaN guard reads."""
     graph, count = model.graph, 0
     for node in list(graph.node):
-        if node.op_type == "If" and "/experts" in node.name:
-            skipped = next(a.g for a in node.attribute if a.name == "else_branch")
-            _rewire(graph, node.output[0], skipped.node[0].input[0])
+        if _is_expert_if(node):
+            _rewire(graph, node.output[0], _branch(node, "else_branch").node[0].input[0])
         elif node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
             index = list(graph.node).index(node)
             graph.node.insert(index, helper.make_node("Sub", [node.input[0], node.input[0]], [node.output[0]]))
@@ -172,9 +181,9 @@ def without_row_selection(model: onnx.ModelProto) -> int:
     pays for selecting rows in its taken branches."""
     count = 0
     for node in model.graph.node:
-        if node.op_type != "If" or "/experts" not in node.name:
+        if not _is_expert_if(node):
             continue
-        branch = next(a.g for a in node.attribute if a.name == "then_branch")
+        branch = _branch(node, "then_branch")
         nonzero = [n for n in branch.node if n.op_type == "NonZero"]
         scatter = [n for n in branch.node if n.op_type == "ScatterND"]
         if len(nonzero) != 1 or len(scatter) != 1:
