@@ -10,8 +10,10 @@ microseconds to each of the step's several hundred small nodes. So this measures
                 time ONNX Runtime's kernels need to read those bytes here (fp32 artifacts, step
                 mode).
   step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
-                the greedy token; fp32 experts on one If per expert, quantized ones on
-                com.microsoft::QMoE at the level bench runs them).
+                the greedy token; fp32 experts on com.microsoft::MoE, each cut into one
+                piece per thread (plugins/moe_split.py), where they qualify, else on one If
+                per expert; quantized ones on com.microsoft::QMoE at the level bench runs
+                them).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
   -experts      the step without its experts: each expert's If replaced by its untaken branch
                 (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE node
@@ -207,9 +209,11 @@ VARIANTS: dict[str, Edit | None] = {
 def decoder_variant(artifact, edit: Edit | None, threads: int):
     """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`; a
     quantized artifact's at the accuracy level bench runs it at."""
+    from moedeploy.plugins import moe_split
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
+        keep_alive,
         lowered_model,
         reads_weights_from,
         session_options,
@@ -221,14 +225,16 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     if edit is None:
         return decoder
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace",
-                                        RUN_ACCURACY)
+                                        RUN_ACCURACY, expert_pieces=threads)
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
+    split_experts = moe_split.supply(model, artifact.path, options)  # the experts cut into pieces, if any
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    keep_alive(session, split_experts)
     decoder.lowered = LoweredSession(session, "CPUExecutionProvider", counts)
     return decoder
 

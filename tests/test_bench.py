@@ -639,7 +639,7 @@ def test_bench_quantize_refusals_are_one_line_before_any_work(tmp_path: Path, mo
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     runner = CliRunner()
     for args, message in ((["--quantize", "int3"], "choose int8 or int4"),
-                          (["--quantize", "int8", "--backend", "torch"], "add one of ort, ort-gqa, ort-contrib"),
+                          (["--quantize", "int8", "--backend", "torch"], "add one of ort, ort-gqa, ort-gqa-experts, ort-contrib"),
                           (["--quantize", "int8", "--block-size", "24"], "must be a power of two"),
                           (["--block-size", "64"], "--block-size applies with --quantize int8|int4 only"),
                           (["--quantize", ","], "--quantize names int8, int4 or both, comma-separated")):

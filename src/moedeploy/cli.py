@@ -514,7 +514,8 @@ def _quantization_thresholds(max_kl_mean: float | None, min_top1: float | None) 
 def compare_cmd(
     artifact: Path = typer.Argument(..., help="Artifact folder made by `moedeploy export`."),
     backend: str = typer.Option("ort", "--backend", help="Comma-separated backends to check against eager PyTorch: ort "
-                                "(the default lowering), ort-contrib (every MoE on com.microsoft::MoE), ort-gqa (a "
+                                "(the default lowering), ort-contrib (every MoE on com.microsoft::MoE), ort-experts (every fp32 MoE on "
+                                "one If per expert), ort-gqa (a "
                                 "decoder's attention on GroupQueryAttention), ort-skipnorm (residual + RMSNorm on "
                                 "SkipSimplifiedLayerNormalization), trt, ort-inflight (a decoder's sequences of different lengths decoded "
                                 "together on the in-flight batching row cache, each against eager PyTorch run whole)."),
@@ -738,7 +739,8 @@ def bench_cmd(
     target: str = typer.Argument(..., help="A decoder artifact folder; a checkpoint folder (config.json + safetensors: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, GLM-4-MoE, MiniMax-M2, or moedeploy's own), exported once (fp32) into the cache and reused only while its weights fingerprint and config still match; or a preset (tiny, small), exported once into the cache. The cache: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy."),
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
                                 "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
-                                "ort-contrib (ort with "
+                                "ort-gqa-experts (ort-gqa with every fp32 MoE on one If per expert, the lowering "
+                                "before each expert was cut into one piece per thread), ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
                                 "written once into the cache), openvino (the graph ort runs, on OpenVINO's CPU plugin at "
                                 "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),

@@ -23,7 +23,7 @@ PRESETS = ("tiny", "small")
 #: What `compare --backend` and `all --backend` take after "torch" (the reference the others are
 #: compared with): ONNX Runtime on each lowering (runtime/runners.py), TensorRT, and the in-flight
 #: batching check (compare/inflight.py); compare/api.py checks it against those at import.
-COMPARE_BACKENDS = ("torch", "ort", "ort-contrib", "ort-gqa", "ort-skipnorm", "trt", "ort-inflight")
+COMPARE_BACKENDS = ("torch", "ort", "ort-contrib", "ort-experts", "ort-gqa", "ort-skipnorm", "trt", "ort-inflight")
 #: Those of them with nothing to do on a block: lowerings of a decoder's attention or residual
 #: norms (runtime/runners.py's DECODER_ONLY) and the in-flight batching check.
 DECODER_ONLY_BACKENDS = ("ort-gqa", "ort-skipnorm", "ort-inflight")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,14 +156,16 @@ def test_layerwise_on_a_correct_decoder_localises_nothing(compared_decoder):
 
 
 def test_every_ort_lowering_of_the_decoder_passes_compare(artifacts, tmp_path):
-    """ort-contrib, ort-gqa and ort-skipnorm: each lowering checked against eager PyTorch, the
-    report naming the path that ran."""
+    """ort-contrib, ort-experts, ort-gqa and ort-skipnorm: each lowering checked against eager
+    PyTorch, the report naming the path that ran."""
     decoder = fresh_copy(artifacts.decoder(), tmp_path / "decoder")
-    report = compare(decoder, ["ort-contrib", "ort-gqa", "ort-skipnorm"], iterations=2)
+    report = compare(decoder, ["ort-contrib", "ort-experts", "ort-gqa", "ort-skipnorm"], iterations=2)
     assert report["passed"] is True
     paths = {c["backend"]: c["path"] for c in report["comparisons"]}
-    assert set(paths) == {"onnxrt-contrib", "onnxrt-gqa", "onnxrt-skipnorm"}
-    assert "2 moe::MoE on com.microsoft::MoE" in paths["onnxrt-contrib"]
+    assert set(paths) == {"onnxrt-contrib", "onnxrt-experts", "onnxrt-gqa", "onnxrt-skipnorm"}
+    on_contrib = "2 moe::MoE on com.microsoft::MoE"  # each expert in one piece per thread on 2+ CPUs
+    assert paths["onnxrt-contrib"].startswith(on_contrib if (os.cpu_count() or 1) < 2 else f"{on_contrib}, each expert cut")
+    assert paths["onnxrt-experts"].startswith("2 moe::MoE on one If per expert")
     assert "2 attention on com.microsoft::GroupQueryAttention" in paths["onnxrt-gqa"]
     assert "4 residual Add + moe::RMSNorm on SkipSimplifiedLayerNormalization" in paths["onnxrt-skipnorm"]
     with pytest.raises(ValueError, match="--backend ort-gqa lowers a decoder's attention"):

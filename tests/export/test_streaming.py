@@ -86,9 +86,13 @@ def test_streamed_artifact_matches_transformers(ckpt, dtype, checkpoints, export
     assert expected.std() > 0.3  # O(1) logits: the tolerance is a real bound
     atol, rtol = DECODER_TOLERANCES[dtype]
     np.testing.assert_allclose(_plain_ort_logits(artifact, ids), expected, atol=atol, rtol=rtol)
-    lowered = create_session(artifact)  # one Gemm per expert on its slice of the interleaved weight as stored
+    # one thread: one Gemm per expert on its slice of the interleaved weight as stored; two: the
+    # experts cut into two pieces each, re-laid from those stacks (plugins/moe_split.py)
+    lowered = create_session(artifact, threads=1)
     if dtype == "fp32":
         assert lowered.lowering["moe_experts"] == SHAPE["num_hidden_layers"]
+        split = create_session(artifact, threads=2)
+        assert split.lowering["moe_split"] == SHAPE["num_hidden_layers"]
     c = artifact.manifest["config"]
     feed = {"input_ids": ids.numpy().astype(np.int64)}
     for name in artifact.input_names()[1:]:

@@ -58,15 +58,22 @@ def test_plain_onnxruntime_matches_transformers(exported) -> None:
 def test_onnxruntime_greedy_tokens_match_transformers(exported) -> None:
     hf, artifact, _ = exported
     ids = prompt(hf.config.vocab_size, seed=8)
-    decoder = OrtDecoder(artifact)
+    decoder = OrtDecoder(artifact, threads=1)
     got = decoder.generate(ids, max_new_tokens=16)
     expected = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(got, expected)
     config = artifact.manifest["config"]
     n_moe = config["n_layers"] - len(config["dense_layers"])
-    assert decoder.lowering["moe_experts"] == n_moe  # the default on CPU fp32: one If per expert
-    assert decoder.lowering["moe_contrib"] == decoder.lowering["moe_function"] == 0
-    contrib = OrtDecoder(artifact, moe_lowering="contrib")
+    assert decoder.lowering["moe_experts"] == n_moe  # the default on CPU fp32, one thread: one If per expert
+    assert decoder.lowering["moe_contrib"] == decoder.lowering["moe_function"] == decoder.lowering["moe_split"] == 0
+    # two threads: each expert cut into two pieces on com.microsoft::MoE where it qualifies
+    # (tests/plugins/test_moe_split.py), one If per expert elsewhere
+    two = OrtDecoder(artifact, threads=2)
+    assert two.lowering["moe_split"] + two.lowering["moe_experts"] == n_moe
+    if hf.config.model_type == "mixtral":  # renormalised softmax, no biases: split where 2 divides the hidden size
+        assert two.lowering["moe_split"] == (n_moe if hf.config.intermediate_size % 2 == 0 else 0)
+    assert torch.equal(two.generate(ids, max_new_tokens=16), expected)
+    contrib = OrtDecoder(artifact, moe_lowering="contrib", threads=1)  # each expert whole
     assert torch.equal(contrib.generate(ids, max_new_tokens=16), expected)
     fast = hf.config.model_type in CONTRIB_FAMILIES
     # the others' routing runs on graph ops before com.microsoft::MoE

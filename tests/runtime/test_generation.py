@@ -36,11 +36,16 @@ def test_eager_greedy_is_argmax_without_cache(decoder, prompt, eager_greedy) -> 
     assert torch.equal(eager_greedy, tokens)
 
 
-@pytest.mark.parametrize("lowering", ["auto", "contrib", "experts", "function"])
-def test_greedy_tokens_match_eager(store, prompt, eager_greedy, lowering: str) -> None:
-    ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], moe_lowering=lowering)
-    assert ort_decoder.lowering["moe_contrib"] == (2 if lowering == "contrib" else 0)
-    assert ort_decoder.lowering["moe_experts"] == (2 if lowering in ("auto", "experts") else 0)
+@pytest.mark.parametrize(("lowering", "threads", "path"), [
+    ("auto", 2, "moe_split"), ("auto", 1, "moe_experts"), ("contrib", 3, "moe_split"), ("contrib", 1, "moe_contrib"),
+    ("experts", 2, "moe_experts"), ("function", 2, "moe_function"),
+])
+def test_greedy_tokens_match_eager(store, prompt, eager_greedy, lowering: str, threads: int, path: str) -> None:
+    """Every MoE lowering; with 2 or more threads the experts are cut into pieces on
+    com.microsoft::MoE in "auto" and "contrib" (3 pieces: the tiny decoder's expert hidden 96)."""
+    ort_decoder = OrtDecoder(store.decoder("fp32"), ["CPUExecutionProvider"], moe_lowering=lowering, threads=threads)
+    moe_counts = {k: ort_decoder.lowering[k] for k in ("moe_split", "moe_experts", "moe_contrib", "moe_function")}
+    assert moe_counts == {k: (2 if k == path else 0) for k in moe_counts}
     tokens = ort_decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
     assert tokens.shape == (2, 7 + NEW_TOKENS)
     assert torch.equal(tokens, eager_greedy)

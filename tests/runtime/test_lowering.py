@@ -67,8 +67,9 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
 
 
 def test_decoder_lowering_counts(store) -> None:
-    lowered = create_session(store.decoder("fp32"), CPU)
-    assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_function": 0,
+    lowered = create_session(store.decoder("fp32"), CPU, threads=1)
+    assert create_session(store.decoder("fp32"), CPU, threads=2).lowering["moe_split"] == 2  # the experts in pieces
+    assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_split": 0, "moe_function": 0,
                                 "rmsnorm_native": 5, "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 2, "logits_last": 0, "rmsnorm_skip": 0,
                                 "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,
                                 "greedy_token": 0}

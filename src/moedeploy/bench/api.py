@@ -255,7 +255,7 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
                 dtype=artifact.dtype if artifact is not None else "fp32")
     if "trt" in backends:
         require_engine(artifact, target)
-    if {"ort", "ort-gqa", "ort-contrib"} & set(backends):
+    if {"ort", "ort-gqa", "ort-gqa-experts", "ort-contrib"} & set(backends):
         require_ort_dtype(artifact)
     if Path(target).is_dir():
         return artifact, None
@@ -266,7 +266,7 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
 
 #: the backends that time a quantized variant (`--quantize`): ONNX Runtime's, on MatMulNBits.
 #: eager torch would time the dequantized float model, llama.cpp and TensorRT refuse the artifact.
-QUANTIZED_BACKENDS = ("ort", "ort-gqa", "ort-contrib")
+QUANTIZED_BACKENDS = ("ort", "ort-gqa", "ort-gqa-experts", "ort-contrib")
 
 
 def parse_variants(quantize: list[str] | None, block_size: int, backends: list[str]) -> list[QuantScheme]:

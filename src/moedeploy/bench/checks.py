@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 
 #: ort-gqa: ONNX Runtime with the decoder's attention on com.microsoft::GroupQueryAttention and the
 #: KV cache appended to in place (OrtDecoder(kv_cache="inplace"));
-#: ort-contrib: with every MoE on com.microsoft::MoE (the default lowering before the per-expert
-#: one): so one run shows what each lowering buys on this machine
+#: ort-gqa-experts: ort-gqa with every fp32 MoE on one If per expert (plugins/moe_experts.py, the
+#: default before the experts were cut into one piece per thread on com.microsoft::MoE);
+#: ort-contrib: with every MoE on com.microsoft::MoE (each expert cut into one piece per thread
+#: where plugins/moe_split takes it): so one run shows what each lowering buys on this machine
 #: llama.cpp, openvino: peer engines on the same weights (moedeploy.bench.peers)
-BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-contrib", "trt", "llama.cpp", "openvino")
+BACKENDS = ("torch", "torch-compile", "hf", "ort", "ort-gqa", "ort-gqa-experts", "ort-contrib", "trt", "llama.cpp", "openvino")
 TRANSFORMERS_HINT = "pip install 'transformers>=4.46' (or pip install 'moedeploy[dev]')"
 #: the peer engines (moedeploy.bench.peers), what each imports and how to install it
 PEERS = ("llama.cpp", "openvino")

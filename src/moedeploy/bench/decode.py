@@ -151,6 +151,8 @@ def stepper(settings: Settings, artifact) -> Stepper:
         return _ort_stepper(artifact, settings.threads)
     if settings.backend == "ort-gqa":
         return _ort_stepper(artifact, settings.threads, attention="gqa")
+    if settings.backend == "ort-gqa-experts":
+        return _ort_stepper(artifact, settings.threads, attention="gqa", moe="experts")
     if settings.backend == "ort-contrib":
         return _ort_stepper(artifact, settings.threads, moe="contrib")
     if settings.backend == "llama.cpp":

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import moedeploy
 from moedeploy.export.artifact import MODEL_DATA_FILE, MODEL_FILE, Artifact, sha256
 from moedeploy.models.config import DecoderConfig
+from moedeploy.plugins import moe_split
 from moedeploy.runtime.lowering import (
     LOWERING_VERSION,
     AttentionLowering,
@@ -154,10 +155,14 @@ def create_session(
     kv_cache: KVCache = "copy",
     nbits_accuracy: int = 0,
     prepack: bool = True,
+    expert_pieces: int | None = None,
 ) -> LoweredSession:
     """A session over the artifact's graph with the custom ops (and a decoder's attention)
     lowered for its first provider. logits="last": a decoder's LM head on the last position only.
-    prepack=False: the session shares the artifact's memory-mapped weights (`session_options`)."""
+    prepack=False: the session shares the artifact's memory-mapped weights (`session_options`).
+    expert_pieces: how many pieces plugins/moe_split cuts each expert into (1: not at all); by
+    default the session's threads (all CPUs where `threads` is None) on the CPU provider, 1
+    with prepack=False (the re-laid experts would be a private copy per session)."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -170,8 +175,10 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
+    if expert_pieces is None:
+        expert_pieces = (threads or os.cpu_count() or 1) if prepack and provider == "CPUExecutionProvider" else 1
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
-                                  kv_cache, nbits_accuracy)
+                                  kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
     if not prepack and counts.get("sign_flips"):
         # Signed codes reach the quantized kernels through BitwiseXor. Folded, each mapped session
@@ -182,27 +189,37 @@ def create_session(
         options.add_session_config_entry(DISABLED_OPTIMIZERS, "ConstantFolding")
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
+    split_experts = moe_split.supply(onnx.load_from_string(model), artifact.path, options) if counts.get("moe_split") else []
     try:
         session = ort.InferenceSession(model, options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}{upgrade_hint()}") from e
+    keep_alive(session, split_experts)
     lowered_here = len(model) if isinstance(model, bytes) else 0  # a path: cached, or released by write_cache
     del model
     release_freed_memory(lowered_here)
     return LoweredSession(session, provider, counts)
 
 
+def keep_alive(session: ort.InferenceSession, arrays: list) -> None:
+    """Tie arrays ONNX Runtime reads in place (moe_split.supply's) to the session's lifetime."""
+    if arrays:
+        session.moedeploy_owned_weights = arrays
+
+
 def lowered_model(
     artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
-    nbits_accuracy: int = 0,
+    nbits_accuracy: int = 0, expert_pieces: int = 1,
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
     An artifact with its weights in model.onnx.data (every decoder): the graph alone is
     loaded and lowered here, and its bytes are returned; the session reads the weights from
     the artifact's data file, which the lowering never copies (the streamed export stores the
-    experts in the layout com.microsoft::MoE takes). Nothing is cached: lowering a graph
+    experts in the layout com.microsoft::MoE takes), except the experts plugins/moe_split
+    re-lays (expert_pieces > 1, count "moe_split"): their placeholders must be filled with
+    moe_split.supply before a session loads the bytes. Nothing is cached: lowering a graph
     without its weights takes milliseconds. Otherwise (a block, weights inside model.onnx): a
     verified cache file's path, else the bytes of a graph lowered here (a read-only artifact:
     the cache is an optimisation, never a requirement).
@@ -211,7 +228,7 @@ def lowered_model(
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
                                         logits, norm_lowering, kv_cache, weights_dir=str(artifact.path),
-                                        nbits_accuracy=nbits_accuracy)
+                                        nbits_accuracy=nbits_accuracy, expert_pieces=expert_pieces)
         return lowered.SerializeToString(), counts
     if logits != "all" or norm_lowering != "native" or kv_cache != "copy" or attention_lowering != "graph":
         raise ValueError(f"the attention, logits, norm and KV-cache lowerings apply to decoder artifacts; "

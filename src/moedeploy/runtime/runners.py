@@ -22,12 +22,14 @@ from moedeploy.export.artifact import Artifact, to_numpy
 from moedeploy.export.decoder import past_names
 from moedeploy.export.reference import load_reference
 
-#: ort-contrib / ort-gqa / ort-skipnorm: ONNX Runtime on another lowering than the default (every
-#: MoE on com.microsoft::MoE; a decoder's attention on GroupQueryAttention; residual + RMSNorm on
-#: SkipSimplifiedLayerNormalization), so `compare` checks each lowering against eager PyTorch
+#: ort-contrib / ort-experts / ort-gqa / ort-skipnorm: ONNX Runtime on another lowering than the
+#: default (every MoE on com.microsoft::MoE; every fp32 MoE on one If per expert; a decoder's
+#: attention on GroupQueryAttention; residual + RMSNorm on SkipSimplifiedLayerNormalization), so
+#: `compare` checks each lowering against eager PyTorch
 ORT_LOWERINGS: dict[str, dict[str, str]] = {
     "ort": {},
     "ort-contrib": {"moe_lowering": "contrib"},
+    "ort-experts": {"moe_lowering": "experts"},
     "ort-gqa": {"attention_lowering": "gqa"},
     "ort-skipnorm": {"norm_lowering": "skip"},
 }
@@ -127,6 +129,9 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
         parts.append(f"{lowering['moe_routed']} moe::MoE on {on}, routed on graph ops (fast path)")
     if lowering.get("matmul_nbits"):
         parts.append(f"{lowering['matmul_nbits']} quantized Linear(s) on com.microsoft::MatMulNBits")
+    if lowering.get("moe_split"):
+        parts.append(f"{lowering['moe_split']} moe::MoE on com.microsoft::MoE, each expert cut into one piece "
+                     "per thread (fast path)")
     if lowering.get("moe_experts"):
         parts.append(f"{lowering['moe_experts']} moe::MoE on one If per expert over prepacked Gemms (fast path)")
     if lowering.get("moe_function"):
