@@ -1,4 +1,6 @@
-"""moe::MoE lowered to one ONNX If per expert: ONNX Runtime's fastest CPU path for decoding.
+"""moe::MoE lowered to one ONNX If per expert: the CPU fp32 default where plugins/moe_split.py
+does not apply (one thread; routings other than renormalised softmax top-k; expert biases), and
+the faster of the two in prefill.
 
 com.microsoft::MoE's CPU kernel multiplies each expert's weights unpacked and transposed,
 one expert per thread, with the experts split between threads by index; for the one token of

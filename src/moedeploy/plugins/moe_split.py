@@ -7,8 +7,9 @@ both of its top-2 of 8 land on one thread 3 times in 7 while the other idles. Cu
 expert's hidden dimension into P pieces and order them piece-major (virtual expert j*E + e is
 piece j of expert e): with P threads, thread j gets piece j of every expert, so each thread
 streams 1/P of each expert a token takes, whichever they are. On the 2-core AMD EPYC of
-session 39 that made greedy generation of the `small` preset 10-16% faster per token than the
-per-expert If lowering (paired, in one process) at the same memory (benchmarks/README.md).
+session 39, greedy generation of the `small` preset took 0.935-0.984x the per-expert If
+lowering's step time paired in one process, and `bench` decoded 1.05x and 1.22x its speed, at
+the same memory; prefill took 0.92-1.27x its time (benchmarks/README.md).
 
 A SwiGLU expert splits exactly along its hidden dimension: piece j holds rows j*I/P.. of gate
 and up and the same columns of down, and the expert's output is the sum of its pieces'.
@@ -171,9 +172,9 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array starting on a page boundary: a large malloc returns a page plus 16 bytes,
-    and the kernel's loads would then straddle cache lines (measured: 0.966x against 0.859x the
-    per-expert lowering's step time, unaligned against aligned)."""
+    """A float32 array starting on a page boundary, as ONNX Runtime aligns what it allocates (a
+    large malloc returns a page plus 16 bytes). Defensive, not measured to matter: paired in one
+    process, generations with malloc's offset took 0.995x the aligned arrays' step time."""
     count = int(np.prod(shape))
     buffer = np.empty(count * 4 + _PAGE, dtype=np.uint8)
     start = (-buffer.ctypes.data) % _PAGE
