@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from moedeploy.compare.data import ArtifactDataLoader
 from moedeploy.export.artifact import Artifact
 from moedeploy.export.decoder import DecoderWithPast
 from moedeploy.models import MoEDecoder, preset
+from moedeploy.runtime.ort import default_threads
 from tests.compare.helpers import BLOCK_NAMES, COMPARED_ITERATIONS, fresh_copy, numpy_stats
 
 ITERATIONS = COMPARED_ITERATIONS
@@ -164,7 +164,7 @@ def test_every_ort_lowering_of_the_decoder_passes_compare(artifacts, tmp_path):
     paths = {c["backend"]: c["path"] for c in report["comparisons"]}
     assert set(paths) == {"onnxrt-contrib", "onnxrt-experts", "onnxrt-gqa", "onnxrt-skipnorm"}
     on_contrib = "2 moe::MoE on com.microsoft::MoE"  # each expert in one piece per thread on 2+ CPUs
-    assert paths["onnxrt-contrib"].startswith(on_contrib if (os.cpu_count() or 1) < 2 else f"{on_contrib}, each expert cut")
+    assert paths["onnxrt-contrib"].startswith(on_contrib if default_threads() < 2 else f"{on_contrib}, each expert cut")
     assert paths["onnxrt-experts"].startswith("2 moe::MoE on one If per expert")
     assert "2 attention on com.microsoft::GroupQueryAttention" in paths["onnxrt-gqa"]
     assert "4 residual Add + moe::RMSNorm on SkipSimplifiedLayerNormalization" in paths["onnxrt-skipnorm"]

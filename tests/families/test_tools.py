@@ -10,13 +10,13 @@ and DeepSeek-V2/V3 (latent attention with a latent KV cache, group-limited routi
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from moedeploy.compare.api import compare
+from moedeploy.runtime.ort import default_threads
 
 from .cases import cases, make_model, prompt, save_checkpoint
 
@@ -46,7 +46,7 @@ def test_compare_passes_layerwise_and_names_the_path(family) -> None:
     report = compare(artifact, layerwise=True, iterations=2)
     assert report["passed"] and report["first_divergent_layer"] is None
     (comparison,) = report["comparisons"]
-    split = case == "qwen3_moe-headdim" and (os.cpu_count() or 1) >= 2
+    split = case == "qwen3_moe-headdim" and default_threads() >= 2  # ONNX Runtime's threads by default
     assert comparison["path"].startswith(f"{moe_layers(hf)} {SPLIT if split else EXPERTS}")
     # Every MoE layer was localised with its own routing (selection bias and groups included):
     # every token routed, none flipped.

@@ -115,6 +115,26 @@ def test_an_exact_tie_at_the_kth_place_takes_one_experts_pieces(tmp_path: Path) 
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_logits_one_ulp_apart_take_the_expert_the_eager_op_takes(tmp_path: Path) -> None:
+    """Two logits 1 ulp apart whose softmax rounds to one value: the eager op takes the lower
+    index (top-k over the softmax), and so must the split, though the other logit is larger."""
+    w = moe_weights(E, H, I, "swiglu", False, seed=41)
+    routing = Routing(1, True)
+    session, _, _ = split_session(tmp_path, streamed_model(tmp_path, w, routing), 2)
+    x, logits = inputs(2, seed=42)
+    logits[:] = -2.0
+    logits[:, 2] = 0.1
+    logits[:, 5] = float(np.nextafter(np.float32(0.1), np.float32(1.0)))
+    probs = torch.softmax(logits, dim=-1)
+    assert logits[0, 5] > logits[0, 2] and probs[0, 5] == probs[0, 2]  # the near-tie this is about
+    (y,) = session.run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
+    expected = eager(x, logits, w, routing)
+    expert_2 = moe_op.moe_reference(x, logits.index_fill(1, torch.tensor([5]), -9.0), w["w_gate"], w["w_up"],
+                                    w["w_down"], routing).numpy()
+    np.testing.assert_allclose(expected, expert_2, rtol=1e-6, atol=1e-6)  # eager took expert 2
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_non_finite_tokens_come_out_nan_as_in_eager(tmp_path: Path) -> None:
     w = moe_weights(E, H, I, "swiglu", False, seed=35)
     routing = Routing(2, True)

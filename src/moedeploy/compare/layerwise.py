@@ -120,8 +120,15 @@ def localize(
     """
     import onnxruntime as ort
 
+    from moedeploy.plugins import moe_split
     from moedeploy.runtime.lowering import lower_for_ort
-    from moedeploy.runtime.ort import decoder_config, reads_weights_from, session_options
+    from moedeploy.runtime.ort import (
+        decoder_config,
+        default_threads,
+        keep_alive,
+        reads_weights_from,
+        session_options,
+    )
     from moedeploy.runtime.runners import TorchRunner
 
     reference = reference if reference is not None else load_reference(artifact)
@@ -157,9 +164,14 @@ def localize(
     eager = _hook_outputs(reference, modules + routers, run_torch)
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
-    lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact))
+    # the lowering the backend's session runs, experts cut into pieces included (its default threads)
+    lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact),
+                               expert_pieces=default_threads())
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
-    session = ort.InferenceSession(lowered.SerializeToString(), reads_weights_from(session_options(), artifact))
+    options = reads_weights_from(session_options(), artifact)
+    split_experts = moe_split.supply(lowered, artifact.path, options)
+    session = ort.InferenceSession(lowered.SerializeToString(), options)
+    keep_alive(session, split_experts)
     names = [o.name for o in session.get_outputs()]
     graph_values = dict(zip(names, session.run(names, feed), strict=True))
 

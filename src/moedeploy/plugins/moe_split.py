@@ -9,13 +9,16 @@ piece j of expert e): with P threads, thread j gets piece j of every expert, so 
 streams 1/P of each expert a token takes, whichever they are. On the 2-core AMD EPYC of
 session 39, greedy generation of the `small` preset took 0.935-0.984x the per-expert If
 lowering's step time paired in one process, and `bench` decoded 1.05x and 1.22x its speed, at
-the same memory; prefill took 0.92-1.27x its time (benchmarks/README.md).
+1.08x the weights' memory against its 1.03x; prefill took 0.92-1.26x its time
+(benchmarks/README.md). Where the thread count has no divisor of the expert hidden size but 1,
+nothing is cut (`pieces_for`).
 
 A SwiGLU expert splits exactly along its hidden dimension: piece j holds rows j*I/P.. of gate
 and up and the same columns of down, and the expert's output is the sum of its pieces'.
 
-Routing: each token's top-k logits are kept (TopK: ties to the lower index, as the eager op)
-and every other one set to -inf, then repeated P times. The op's softmax over the k*P finite
+Routing: each token's top-k logits are kept and every other one set to -inf, then repeated P
+times. The k are chosen as the eager op chooses them: TopK over the softmax, ties to the lower
+index (logits 1 ulp apart often tie there; TopK over the logits would take the larger one). The op's softmax over the k*P finite
 entries gives each piece its expert's renormalised top-k weight / P, and it selects exactly
 those k*P entries whatever ties they hold (a tie at the k-th place, taken from the logits as
 they are, could mix pieces of different experts). The output is multiplied back by P.
@@ -91,12 +94,14 @@ def lower_to_split(graph: ir.Graph, node: ir.Node, pieces: int, provider: str) -
         return n.outputs[0]
 
     k = node_routing(node).top_k
-    top = ir.node("TopK", [logits, add("Constant", [], value=ir.tensor([k], dtype=ir.DataType.INT64))],
+    probs = add("Softmax", [logits], axis=-1)  # the NaN guard's too: ONNX Runtime computes it once
+    top = ir.node("TopK", [probs, add("Constant", [], value=ir.tensor([k], dtype=ir.DataType.INT64))],
                   {"axis": -1, "largest": 1, "sorted": 1}, num_outputs=2)
     new_nodes.append(top)
+    chosen = top.outputs[1]
     minus_inf = ir.tensor(np.array([-np.inf], np.float32))
     masked = add("ScatterElements", [add("ConstantOfShape", [add("Shape", [logits])], value=minus_inf),
-                                     top.outputs[1], top.outputs[0]], axis=-1)
+                                     chosen, add("GatherElements", [logits, chosen], axis=-1)], axis=-1)
     fc1 = _placeholder(graph, fused, FC1, pieces, [pieces * n_experts, 2 * hidden // pieces, dim])
     fc2 = _placeholder(graph, w_down, FC2, pieces, [pieces * n_experts, dim, hidden // pieces])
     attrs = {"k": k * pieces, "normalize_routing_weights": 1, **contrib_activation_attributes(node_activation(node))}

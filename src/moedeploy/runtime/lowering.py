@@ -5,7 +5,7 @@
                    (expert_pieces) and the experts qualify (fp32 SwiGLU on CPU, softmax top-k
                    renormalised, no biases, a streamed export's stacks): in generations on the
                    CPU it was measured on, 2-22% faster a decode step than the If per expert
-                   below, at 0.92-1.27x its prefill time (benchmarks/README.md); else
+                   below, at 0.92-1.26x its prefill time (benchmarks/README.md); else
                 -> one If per expert over prepacked Gemms (plugins/moe_experts.py) for fp32
                    SwiGLU experts on CPU, every routing: on the CPU it was measured on, faster
                    than com.microsoft::MoE in decode and prefill (benchmarks/README.md); else

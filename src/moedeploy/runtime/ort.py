@@ -161,7 +161,7 @@ def create_session(
     lowered for its first provider. logits="last": a decoder's LM head on the last position only.
     prepack=False: the session shares the artifact's memory-mapped weights (`session_options`).
     expert_pieces: how many pieces plugins/moe_split cuts each expert into (1: not at all); by
-    default the session's threads (all CPUs where `threads` is None) on the CPU provider, 1
+    default the session's threads (`default_threads()` where `threads` is None) on the CPU provider, 1
     with prepack=False (the re-laid experts would be a private copy per session)."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
@@ -176,7 +176,7 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     if expert_pieces is None:
-        expert_pieces = (threads or os.cpu_count() or 1) if prepack and provider == "CPUExecutionProvider" else 1
+        expert_pieces = (threads or default_threads()) if prepack and provider == "CPUExecutionProvider" else 1
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
@@ -199,6 +199,22 @@ def create_session(
     del model
     release_freed_memory(lowered_here)
     return LoweredSession(session, provider, counts)
+
+
+def default_threads() -> int:
+    """The intra-op threads ONNX Runtime starts when not told: one per physical core (SMT
+    siblings counted once) among the CPUs this process may run on."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
 
 
 def keep_alive(session: ort.InferenceSession, arrays: list) -> None:
