@@ -4,6 +4,7 @@ thing (and ONNX Runtime really runs it), the dense function body otherwise."""
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 from pathlib import Path
 
@@ -64,6 +65,25 @@ def test_fp32_moe_block_lowers_to_contrib_and_ort_runs_it(store, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
     folder = Path(experts.session.get_session_options().profile_file_prefix).parent
     assert folder.name.startswith("moedeploy-ort-profile-") and not folder.exists()
+
+
+def test_split_experts_live_as_long_as_the_bare_session(store) -> None:
+    """The experts moe_split re-lays, which ONNX Runtime reads in place, belong to the
+    InferenceSession itself: a caller that keeps only `.session` (the runners, the decoders)
+    still reads them once the wrapper is gone and freed memory has been handed out again."""
+    artifact = store.decoder("fp32")
+    c = artifact.manifest["config"]
+    ids = torch.randint(0, c["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    feed = {"input_ids": ids.numpy()}
+    for name in artifact.input_names()[1:]:
+        feed[name] = np.zeros((2, c["n_kv_heads"], 0, c["head_dim"]), np.float32)
+    bare = create_session(artifact, CPU, threads=2).session
+    gc.collect()
+    reused = [np.full(1 << 20, 7.0, np.float32) for _ in range(96)]  # 384 MB, where freed arrays were
+    got = bare.run(["logits"], feed)[0]
+    del reused
+    expected = create_session(artifact, CPU, threads=1).session.run(["logits"], feed)[0]  # one If per expert
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_decoder_lowering_counts(store) -> None:
