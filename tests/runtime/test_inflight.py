@@ -188,10 +188,12 @@ SEVEN_REQUESTS = [(4, 12), (9, 3), (4, 20), (2, 1), (13, 9), (6, 15), (4, 6)]  #
 
 def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = False) -> None:
     """Seven requests of different lengths and budgets from seven threads, started a few ms
-    apart (first_decodes: the others once the first has its first token), on three rows: each
-    gets the tokens transformers' greedy generate gives it alone."""
+    apart (first_decodes: the others once the first has its first token, the first with 48 new
+    tokens so that it still decodes when the second joins, however fast a step is), on three
+    rows: each gets the tokens transformers' greedy generate gives it alone."""
     vocab = hf.config.vocab_size
-    requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate(SEVEN_REQUESTS)]
+    budgets = [(4, 48), *SEVEN_REQUESTS[1:]] if first_decodes else SEVEN_REQUESTS
+    requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate(budgets)]
     expected = [hf.generate(torch.from_numpy(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
                 for p, new in requests]
     got: list[list[int]] = [[] for _ in requests]
