@@ -18,10 +18,11 @@ and up and the same columns of down, and the expert's output is the sum of its p
 
 Routing: each token's top-k logits are kept and every other one set to -inf, then repeated P
 times. The k are chosen as the eager op chooses them: TopK over the softmax, ties to the lower
-index (logits 1 ulp apart often tie there; TopK over the logits would take the larger one). The op's softmax over the k*P finite
-entries gives each piece its expert's renormalised top-k weight / P, and it selects exactly
-those k*P entries whatever ties they hold (a tie at the k-th place, taken from the logits as
-they are, could mix pieces of different experts). The output is multiplied back by P.
+index (logits 1 ulp apart often tie there; TopK over the logits would take the larger one).
+The op's softmax over the k*P finite entries gives each piece its expert's renormalised top-k
+weight / P, and it selects exactly those k*P entries whatever ties they hold (a tie at the k-th
+place, left in the logits, could mix pieces of different experts). The output is multiplied
+back by P.
 
 Weights: the piece-major order is a permutation of the stored stacks, so it cannot be a view
 into the artifact's data file. The graph reads placeholder initializers (external data over
@@ -29,7 +30,9 @@ the same bytes as the stacks they re-lay) that `supply` must override with the r
 arrays through SessionOptions.add_initializer, which ONNX Runtime reads without a copy: the
 session holds one copy of the experts, as the per-expert lowering holds its prepacked ones.
 A lowered graph with placeholders is never written anywhere: `runtime.ort.create_session`
-lowers, supplies and loads in one call.
+lowers, supplies and loads in one call. Loaded without `supply` it would run on the stacks in
+their stored order, a wrong answer; a placeholder cannot point at a missing file instead,
+because ONNX Runtime checks the path even of an initializer it is given.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def lower_to_split(graph: ir.Graph, node: ir.Node, pieces: int, provider: str) -
         return n.outputs[0]
 
     k = node_routing(node).top_k
-    probs = add("Softmax", [logits], axis=-1)  # the NaN guard's too: ONNX Runtime computes it once
+    probs = add("Softmax", [logits], axis=-1)  # what the eager op ranks
     top = ir.node("TopK", [probs, add("Constant", [], value=ir.tensor([k], dtype=ir.DataType.INT64))],
                   {"axis": -1, "largest": 1, "sorted": 1}, num_outputs=2)
     new_nodes.append(top)
