@@ -209,11 +209,10 @@ VARIANTS: dict[str, Edit | None] = {
 def decoder_variant(artifact, edit: Edit | None, threads: int):
     """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`; a
     quantized artifact's at the accuracy level bench runs it at."""
-    from moedeploy.plugins import moe_split
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
-        keep_alive,
+        load_lowered,
         lowered_model,
         reads_weights_from,
         session_options,
@@ -232,9 +231,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     options = reads_weights_from(session_options(threads), artifact)
     options.log_severity_level = 3  # initializers the edit left unused are reported otherwise
-    split_experts = moe_split.supply(model, artifact.path, options)  # the experts cut into pieces, if any
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    keep_alive(session, split_experts)
+    session = load_lowered(model, options, artifact.path)  # the experts cut into pieces supplied, if any
     decoder.lowered = LoweredSession(session, "CPUExecutionProvider", counts)
     return decoder
 

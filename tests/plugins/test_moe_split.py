@@ -18,7 +18,7 @@ from moedeploy.plugins import moe as moe_op
 from moedeploy.plugins import moe_split
 from moedeploy.plugins.moe import Routing
 from moedeploy.runtime.lowering import lower_for_ort
-from moedeploy.runtime.ort import EXTERNAL_DATA_FOLDER
+from moedeploy.runtime.ort import EXTERNAL_DATA_FOLDER, load_lowered
 from tests.export.artifacts import moe_node_model, moe_weights
 
 E, H, I = 8, 16, 24  # noqa: E741
@@ -46,13 +46,14 @@ def streamed_model(folder: Path, w: dict, routing: Routing) -> onnx.ModelProto:
 
 
 def split_session(folder: Path, model: onnx.ModelProto, pieces: int) -> tuple[ort.InferenceSession, dict, list]:
-    """What runtime.ort.create_session does for a decoder: lower, supply the placeholders, load."""
+    """What runtime.ort.create_session does for a decoder: lower, then load with the placeholders
+    supplied; also the arrays and OrtValues the session holds."""
     lowered, counts = lower_for_ort(model, CPU, "auto", weights_dir=str(folder), expert_pieces=pieces)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(folder))
-    owned = moe_split.supply(lowered, folder, options)
-    return ort.InferenceSession(lowered.SerializeToString(), options, providers=[CPU]), counts, owned
+    session = load_lowered(lowered, options, folder)
+    return session, counts, session.moedeploy_owned_weights
 
 
 def eager(x: torch.Tensor, logits: torch.Tensor, w: dict, routing: Routing) -> np.ndarray:

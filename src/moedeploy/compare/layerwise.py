@@ -118,14 +118,12 @@ def localize(
     `reference`: the eager module (default: rebuilt from the artifact), so a caller that has
     built it once, or from a moved checkpoint, compares with the same one.
     """
-    import onnxruntime as ort
 
-    from moedeploy.plugins import moe_split
     from moedeploy.runtime.lowering import lower_for_ort
     from moedeploy.runtime.ort import (
         decoder_config,
         default_threads,
-        keep_alive,
+        load_lowered,
         reads_weights_from,
         session_options,
     )
@@ -168,10 +166,7 @@ def localize(
     lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact),
                                expert_pieces=default_threads())
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
-    options = reads_weights_from(session_options(), artifact)
-    split_experts = moe_split.supply(lowered, artifact.path, options)
-    session = ort.InferenceSession(lowered.SerializeToString(), options)
-    keep_alive(session, split_experts)
+    session = load_lowered(lowered, reads_weights_from(session_options(), artifact), artifact.path)
     names = [o.name for o in session.get_outputs()]
     graph_values = dict(zip(names, session.run(names, feed), strict=True))
 

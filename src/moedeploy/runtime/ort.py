@@ -189,12 +189,10 @@ def create_session(
         options.add_session_config_entry(DISABLED_OPTIMIZERS, "ConstantFolding")
     if isinstance(model, bytes):
         reads_weights_from(options, artifact)
-    split_experts = moe_split.supply(onnx.load_from_string(model), artifact.path, options) if counts.get("moe_split") else []
     try:
-        session = ort.InferenceSession(model, options, providers=providers)
+        session = load_lowered(model, options, artifact.path, providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise SessionError(f"ONNX Runtime could not load {artifact.model_path}: {e}{upgrade_hint()}") from e
-    keep_alive(session, split_experts)
     lowered_here = len(model) if isinstance(model, bytes) else 0  # a path: cached, or released by write_cache
     del model
     release_freed_memory(lowered_here)
@@ -217,10 +215,22 @@ def default_threads() -> int:
     return max(1, len(cores))
 
 
-def keep_alive(session: ort.InferenceSession, arrays: list) -> None:
-    """Tie arrays ONNX Runtime reads in place (moe_split.supply's) to the session's lifetime."""
-    if arrays:
-        session.moedeploy_owned_weights = arrays
+def load_lowered(model: str | bytes | onnx.ModelProto, options: ort.SessionOptions, weights_dir: Path | str,
+                 providers: list[str] | None = None) -> ort.InferenceSession:
+    """An InferenceSession over a lowered graph (a path, bytes or a ModelProto) whose external
+    weights live in `weights_dir`: the one way to load a graph that may read moe_split's
+    placeholders. The experts it re-lays are supplied, and they belong to the InferenceSession
+    itself (ONNX Runtime reads them in place), so they live as long as anyone holds it."""
+    split_experts: list[object] = []
+    if isinstance(model, onnx.ModelProto):
+        split_experts = moe_split.supply(model, weights_dir, options)
+        model = model.SerializeToString()
+    elif isinstance(model, bytes) and moe_split.SPLIT_OF.encode() in model:  # no placeholder: nothing to parse
+        split_experts = moe_split.supply(onnx.load_from_string(model), weights_dir, options)
+    session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
+    if split_experts:
+        session.moedeploy_owned_weights = split_experts
+    return session
 
 
 def lowered_model(
