@@ -160,7 +160,8 @@ def lower_for_ort(
             counts["moe_experts"] += 1
         elif is_moe and moe_lowering == "experts":
             raise LoweringError(f"the per-expert lowering does not take node {node.name!r} (fp32 SwiGLU "
-                                f"experts with constant weights on the CPU provider only); use moe_lowering='auto'")
+                                f"experts with constant weights on the CPU provider only); use moe_lowering='auto' "
+                                f"(on the command line: --backend ort instead of ort-experts or ort-gqa-experts)")
         elif is_moe:
             eligible = moe.contrib_experts_eligible(node, provider)
             if moe_lowering == "contrib" and not eligible:
