@@ -12,8 +12,8 @@ microseconds to each of the step's several hundred small nodes. So this measures
   step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
                 the greedy token; fp32 experts on com.microsoft::MoE, each cut into one
                 piece per thread (plugins/moe_split.py), where they qualify, else on one If
-                per expert; quantized ones on com.microsoft::QMoE at the level bench runs
-                them).
+                per expert (everywhere with MOEDEPLOY_MOE_PATH=experts, as in a session);
+                quantized ones on com.microsoft::QMoE at the level bench runs them).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
   -experts      the step without its experts: each expert's If replaced by its untaken branch
                 (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE node
@@ -212,6 +212,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
+        default_expert_pieces,
         load_lowered,
         lowered_model,
         reads_weights_from,
@@ -224,7 +225,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     if edit is None:
         return decoder
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace",
-                                        RUN_ACCURACY, expert_pieces=threads)
+                                        RUN_ACCURACY, expert_pieces=default_expert_pieces("CPUExecutionProvider", threads))
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")

@@ -21,6 +21,11 @@ if "TRITON_INTERPRET" not in os.environ:
         pass
 
 
+# The tests expect each session's default MoE path (experts cut into pieces with 2+ threads);
+# a shell that chose the other one for its own sessions must not change what they check.
+os.environ.pop("MOEDEPLOY_MOE_PATH", None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def traces_shared_by_workers(request: pytest.FixtureRequest,
                              tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

@@ -15,7 +15,7 @@ import torch
 from moedeploy.export.blocks import TOLERANCES
 from moedeploy.plugins import moe as moe_op
 from moedeploy.runtime.lowering import LoweringError, lower_for_ort
-from moedeploy.runtime.ort import create_session, profile_events
+from moedeploy.runtime.ort import SessionError, create_session, profile_events
 from tests.export.artifacts import (
     eager_block,
     moe_node_model,
@@ -94,6 +94,22 @@ def test_decoder_lowering_counts(store) -> None:
                                 "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,
                                 "greedy_token": 0}
     assert lowered.provider == "CPUExecutionProvider"
+
+
+def test_the_moe_path_variable_chooses_between_split_and_if_per_expert(store, monkeypatch) -> None:
+    artifact = store.decoder("fp32")
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "experts")
+    lowered = create_session(artifact, CPU, threads=2).lowering
+    assert (lowered["moe_experts"], lowered["moe_split"]) == (2, 0)
+    # it chooses the default lowering's path only: asked for com.microsoft::MoE, the experts are still cut
+    assert create_session(artifact, CPU, moe_lowering="contrib", threads=2).lowering["moe_split"] == 2
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", " Split ")
+    lowered = create_session(artifact, CPU, threads=2).lowering
+    assert (lowered["moe_experts"], lowered["moe_split"]) == (0, 2)
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "fast")
+    with pytest.raises(SessionError, match=r"^MOEDEPLOY_MOE_PATH='fast' is not a MoE path: set it to split \(each "
+                                           r"expert cut into one piece per thread, the default\) or experts"):
+        create_session(artifact, CPU, threads=2)
 
 
 def test_lowering_never_changes_the_artifact(store) -> None:

@@ -122,7 +122,7 @@ def localize(
     from moedeploy.runtime.lowering import lower_for_ort
     from moedeploy.runtime.ort import (
         decoder_config,
-        default_threads,
+        default_expert_pieces,
         load_lowered,
         reads_weights_from,
         session_options,
@@ -162,9 +162,9 @@ def localize(
     eager = _hook_outputs(reference, modules + routers, run_torch)
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
-    # the lowering the backend's session runs, experts cut into pieces included (its default threads)
+    # the lowering the backend's session runs, experts cut into pieces where its session cuts them
     lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact),
-                               expert_pieces=default_threads())
+                               expert_pieces=default_expert_pieces("CPUExecutionProvider", None, moe_lowering=moe_lowering))
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
     session = load_lowered(lowered, reads_weights_from(session_options(), artifact), artifact.path)
     names = [o.name for o in session.get_outputs()]

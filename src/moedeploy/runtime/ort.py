@@ -41,6 +41,8 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 #: "1": the MatMul/Gemm weights are used as they lie in the artifact's memory-mapped data file
 #: instead of being repacked into a copy of the session's own
 DISABLE_PREPACKING = "session.disable_prepacking"
+#: which path fp32 MoE layers take in a CPU session: "split" (the default) or "experts" (default_expert_pieces)
+MOE_PATH_ENV, MOE_PATHS = "MOEDEPLOY_MOE_PATH", ("split", "experts")
 #: graph optimizers a session skips, by name (comma-separated)
 DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 #: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
@@ -161,8 +163,7 @@ def create_session(
     lowered for its first provider. logits="last": a decoder's LM head on the last position only.
     prepack=False: the session shares the artifact's memory-mapped weights (`session_options`).
     expert_pieces: how many pieces plugins/moe_split cuts each expert into (1: not at all); by
-    default the session's threads (`default_threads()` where `threads` is None) on the CPU provider, 1
-    with prepack=False (the re-laid experts would be a private copy per session)."""
+    default `default_expert_pieces`."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -176,7 +177,7 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     if expert_pieces is None:
-        expert_pieces = (threads or default_threads()) if prepack and provider == "CPUExecutionProvider" else 1
+        expert_pieces = default_expert_pieces(provider, threads, prepack, moe_lowering)
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
@@ -197,6 +198,37 @@ def create_session(
     del model
     release_freed_memory(lowered_here)
     return LoweredSession(session, provider, counts)
+
+
+def moe_path() -> str:
+    """MOEDEPLOY_MOE_PATH: "split" (unset: the default) or "experts"; SessionError naming the
+    choices for anything else."""
+    path = os.environ.get(MOE_PATH_ENV, "").strip().lower() or "split"
+    if path not in MOE_PATHS:
+        raise SessionError(f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r} is not a MoE path: set it to split (each "
+                           "expert cut into one piece per thread, the default) or experts (one If per expert), or unset it")
+    return path
+
+
+def default_expert_pieces(provider: str, threads: int | None, prepack: bool = True,
+                          moe_lowering: MoELowering = "auto") -> int:
+    """The pieces plugins/moe_split may cut each fp32 expert into (it cuts into the largest
+    divisor of the expert hidden size up to this, where the experts qualify): the threads
+    (`default_threads()` where `threads` is None) on the CPU provider; 1 with prepack=False (the
+    re-laid experts would be a private copy per session), on other providers, and for the
+    "auto" lowering where MOEDEPLOY_MOE_PATH=experts (its If per expert).
+
+    Which of the two paths decodes faster depends on the CPU, not on the model alone: in `bench`
+    the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core AVX-512 EPYC
+    reading about 53 GB/s, and 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC reading
+    14-22 GB/s (benchmarks/README.md), where MLAS's M = 1 transposed-B kernel, which each of
+    the op's threads runs alone, streams the experts slower than the If per expert's prepacked,
+    two-thread GEMVs. `moedeploy bench --backend ort-gqa,ort-gqa-experts` says which is faster
+    on a machine, and the variable sets it for every session there."""
+    path = moe_path()  # checked first: a wrong value is refused wherever it is set
+    if not prepack or provider != "CPUExecutionProvider":
+        return 1
+    return 1 if path == "experts" and moe_lowering == "auto" else (threads or default_threads())
 
 
 def default_threads() -> int:
