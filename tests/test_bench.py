@@ -78,6 +78,10 @@ def test_bench_cli_writes_the_documented_json(tmp_path: Path, tmp_path_factory) 
         assert metrics[(raw["backend"], "fraction_of_own_bandwidth_bound")]["value"] == pytest.approx(
             raw["decode_tokens_per_s"] / bound, abs=1e-3)
     assert "ort_vs_torch" in report["ratios"]
+    # each ONNX Runtime row says what its session ran: tiny's 2 MoE layers cut in two on 2 threads
+    lowering = {raw["backend"]: raw.get("lowering") for raw in report["raw"]}
+    assert lowering["torch"] is None
+    assert (lowering["ort-gqa"]["moe_split"], lowering["ort-gqa"]["attention_gqa"], lowering["ort"]["moe_split"]) == (2, 2, 2)
     for raw in report["raw"]:  # the spread is min / median / max of every timed run
         for key in ("decode_tokens_per_s", "prefill_ms"):
             runs = raw[f"{key}_all"]
@@ -799,3 +803,58 @@ def test_decode_ablation_row_selection_leaves_the_logits_unchanged(tmp_path_fact
     finally:
         for name in siblings:
             sys.modules.pop(name, None)
+
+
+def _timed(backend: str, rounds: list[float], **lowering: int) -> dict:
+    """A merged bench result with the figures the ratios read (decode tokens/s by round) and the
+    lowering counts an ONNX Runtime worker reports."""
+    import statistics
+
+    return {"backend": backend, "decode_tokens_per_s": statistics.median(rounds), "prefill_ms": 100.0,
+            "peak_rss_mb": 500.0, "decode_tokens_per_s_rounds": rounds} | ({"lowering": lowering} if lowering else {})
+
+
+def test_bench_reports_the_faster_moe_path() -> None:
+    """Which fp32 MoE path is faster depends on the CPU: where bench times both, it says which won
+    (paired by round) and how to choose it; only where the two rows really ran the two paths."""
+    from moedeploy.bench.api import _ratios
+    from moedeploy.bench.summary import moe_path_line
+
+    def pair(split_rounds: list[float], experts_rounds: list[float], split_pieces: int = 8) -> dict:
+        return _ratios([_timed("hf", [20.0] * len(split_rounds)),
+                        _timed("ort-gqa", split_rounds, moe_split=split_pieces, moe_experts=8 - split_pieces),
+                        _timed("ort-gqa-experts", experts_rounds, moe_split=0, moe_experts=8)])
+
+    ratios = pair([60.0, 66.0, 63.0], [64.0, 66.0, 70.0])
+    paired = ratios["ort-gqa_vs_ort-gqa-experts"]["decode_speedup_paired"]
+    assert paired == {"median": 0.938, "by_round": [0.938, 1.0, 0.9]}  # 60/64, 66/66, 63/70
+    assert ratios["ort-gqa_vs_ort-gqa-experts"]["decode_speedup"] == round(63 / 66, 3)
+    assert set(ratios) == {"ort-gqa_vs_hf", "ort-gqa-experts_vs_hf", "ort-gqa_vs_ort-gqa-experts"}
+    assert moe_path_line({"ratios": ratios}) == (
+        "MoE path: the If per expert (ort-gqa-experts) decoded x1.07 the default's speed here "
+        "(paired by round); MOEDEPLOY_MOE_PATH=experts makes it the path of every CPU session on this machine")
+    assert moe_path_line({"ratios": pair([70.0, 72.0], [64.0, 66.0])}) == (
+        "MoE path: the default, experts cut into one piece per thread (ort-gqa), decoded x1.09 the If per "
+        "expert's speed here (paired by round); keep it")  # 70/64 = 1.094, 72/66 = 1.091
+    assert moe_path_line({"ratios": pair([66.0, 67.0], [65.0, 66.0])}).startswith(  # x1.015: within 3%
+        "MoE path: no clear difference here between the default split (ort-gqa) and the If per expert")
+    assert moe_path_line({"ratios": pair([60.0], [66.0])}).endswith(  # x0.91 from one round's medians
+        "x1.10 the default's speed here (one round: rerun with --rounds 3 before choosing); "
+        "MOEDEPLOY_MOE_PATH=experts makes it the path of every CPU session on this machine")
+    # ort-gqa on Ifs too (one thread, MOEDEPLOY_MOE_PATH=experts, experts that cannot be cut) or
+    # on QMoE (a quantized artifact): the same path twice, nothing to choose between
+    assert "ort-gqa_vs_ort-gqa-experts" not in pair([60.0, 66.0], [64.0, 70.0], split_pieces=0)
+    assert "ort-gqa_vs_ort-gqa-experts" not in _ratios([_timed("ort-gqa", [60.0, 66.0], moe_split=8),
+                                                        _timed("ort-gqa-experts", [64.0, 70.0], moe_qmoe=8)])
+    assert moe_path_line({"ratios": _ratios([_timed("ort-gqa", [70.0], moe_split=8)])}) is None
+
+
+def test_bench_refuses_a_wrong_moe_path_before_any_work(monkeypatch, tmp_path) -> None:
+    from moedeploy.bench.api import bench
+    from moedeploy.runtime.ort import SessionError
+
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "ifs")
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path))
+    with pytest.raises(SessionError, match="MOEDEPLOY_MOE_PATH='ifs' is not a MoE path"):
+        bench("tiny", backends=["ort-gqa"])
+    assert list(tmp_path.iterdir()) == []  # nothing exported

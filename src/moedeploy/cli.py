@@ -784,7 +784,7 @@ def bench_cmd(
     if not variants and given(ctx, "block_size"):
         raise UserError("--block-size applies with --quantize int8|int4 only")
     from moedeploy.bench.api import bench
-    from moedeploy.bench.summary import cache_line, paired_text, spread_lines
+    from moedeploy.bench.summary import cache_line, moe_path_line, paired_text, spread_lines
     from moedeploy.utils.progress import size_text
 
     check_cache_writable(target, backends, peers)
@@ -828,6 +828,8 @@ def bench_cmd(
         by_round = f" (paired by round: {paired_text(paired)})" if paired else ""
         out.print(f"{name}: decode x{ratio['decode_speedup']:.2f}{by_round}, prefill time "
                   f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
+    if line := moe_path_line(report):
+        out.print(escape(line), highlight=False)
     if report["greedy_tokens_agree"] is False:  # None: the target is itself a quantized export (the note below)
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
     if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:

@@ -435,6 +435,10 @@ def bench(
     if peers:
         backends, skipped_peers = with_peers(backends)
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
+    if {"ort", "ort-gqa", "ort-gqa-experts", "ort-contrib"} & set(backends):
+        from moedeploy.runtime.ort import moe_path
+
+        moe_path()  # a wrong MOEDEPLOY_MOE_PATH refused before any export or timing, not in each worker
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     schemes = parse_variants(quantize, block_size, backends)
@@ -605,15 +609,30 @@ def merge_rounds(runs: list[dict]) -> dict:
     return merged
 
 
+#: the default fp32 MoE path (experts cut into pieces) against the other one a CPU session can take
+MOE_PATH_PAIR = ("ort-gqa", "ort-gqa-experts")
+
+
 def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
-    """Each backend against each baseline present: eager (torch, hf) and the peers."""
+    """Each backend against each baseline present: eager (torch, hf) and the peers; and the
+    default MoE path against the If per expert, which is faster depending on the CPU, where
+    `ort-gqa` did cut its experts and `ort-gqa-experts` ran them on Ifs (each result's lowering)."""
     by = {r["backend"]: r for r in ok}
     ratios = {}
     for name, r in by.items():
         for base in ("torch", "hf", *PEERS):
             if base in by and base != name:
                 ratios[f"{name}_vs_{base}"] = _ratio(r, by[base])
+    split, experts = MOE_PATH_PAIR
+    if split in by and experts in by and ran_split(by[split]) and by[experts].get("lowering", {}).get("moe_experts"):
+        ratios[f"{split}_vs_{experts}"] = _ratio(by[split], by[experts])
     return ratios
+
+
+def ran_split(result: dict) -> bool:
+    """Whether a backend's session cut its experts into pieces (plugins/moe_split): not with one
+    thread, MOEDEPLOY_MOE_PATH=experts, experts that do not qualify, or a quantized artifact."""
+    return bool(result.get("lowering", {}).get("moe_split"))
 
 
 def _ratio(r: dict, base: dict) -> dict[str, Any]:

@@ -136,8 +136,12 @@ def _ort_stepper(artifact, threads: int, attention: str = "graph", moe: str = "a
     # the level changes nothing in a float graph)
     decoder = OrtDecoder(artifact, threads=threads, attention_lowering=attention, moe_lowering=moe, logits="greedy",
                          kv_cache="inplace" if attention == "gqa" else "copy", nbits_accuracy=RUN_ACCURACY)
-    return (lambda batch, total: decoder.reset(batch, total), lambda ids, start: decoder.step(ids, start)[:, -1],
-            lambda ids, start: decoder.greedy_step(ids, start)[:, None])
+
+    def reset(batch: int, total: int) -> None:
+        decoder.reset(batch, total)
+
+    reset.lowering = decoder.lowering  # type: ignore[attr-defined]  # what the session runs, into the result
+    return reset, lambda ids, start: decoder.step(ids, start)[:, -1], lambda ids, start: decoder.greedy_step(ids, start)[:, None]
 
 
 def stepper(settings: Settings, artifact) -> Stepper:
@@ -244,7 +248,7 @@ def _timed(settings: Settings) -> dict:
         "load_peak_rss_mb": load_peak,
         "load_s": load_s,
         "tokens": tokens,
-    }
+    } | ({"lowering": lowering} if (lowering := getattr(reset, "lowering", None)) else {})
 
 
 if __name__ == "__main__":

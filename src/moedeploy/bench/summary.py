@@ -45,3 +45,31 @@ def cache_line(report: dict[str, Any]) -> str | None:
     return (f"the {report['settings']['target']!r} decoder was {done} the cache {cache['path']} "
             f"({readable_size(cache['bytes'])}){beside}; remove {'them' if quantized else 'it'} with `rm -r {paths}`, "
             "or set MOEDEPLOY_CACHE to keep it elsewhere")
+
+
+#: paired speedups this close to 1 are reported as no clear difference
+MOE_PATH_TIE = 0.03
+
+
+def moe_path_line(report: dict[str, Any]) -> str | None:
+    """Which fp32 MoE path decoded faster in this run, where bench timed both (ort-gqa with its
+    experts cut into pieces, the default, and ort-gqa-experts, the If per expert), and how to make
+    it the default: the faster one depends on the CPU (runtime.ort.default_expert_pieces)."""
+    from moedeploy.bench.api import MOE_PATH_PAIR
+    from moedeploy.runtime.ort import MOE_PATH_ENV
+
+    split, experts = MOE_PATH_PAIR
+    ratio = report["ratios"].get(f"{split}_vs_{experts}")
+    if ratio is None:
+        return None
+    paired = ratio.get("decode_speedup_paired")
+    speedup = paired["median"] if paired else ratio["decode_speedup"]
+    how = "paired by round" if paired else "one round: rerun with --rounds 3 before choosing"
+    if abs(speedup - 1) < MOE_PATH_TIE:
+        return (f"MoE path: no clear difference here between the default split ({split}) and the If per expert "
+                f"({experts}): x{speedup:.2f} ({how})")
+    if speedup < 1:
+        return (f"MoE path: the If per expert ({experts}) decoded x{1 / speedup:.2f} the default's speed here ({how}); "
+                f"{MOE_PATH_ENV}=experts makes it the path of every CPU session on this machine")
+    return (f"MoE path: the default, experts cut into one piece per thread ({split}), decoded x{speedup:.2f} the If "
+            f"per expert's speed here ({how}); keep it")
