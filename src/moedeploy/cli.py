@@ -740,7 +740,9 @@ def bench_cmd(
     backend: str = typer.Option("torch,ort", "--backend", help="Comma-separated: torch, torch-compile, hf (transformers eager), ort, ort-gqa "
                                 "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
                                 "ort-gqa-experts (ort-gqa with every fp32 MoE on one If per expert, the lowering "
-                                "before each expert was cut into one piece per thread), ort-contrib (ort with "
+                                "before each expert was cut into one piece per thread; which of the two decodes faster "
+                                "depends on the CPU: timed beside ort-gqa, the report says, and MOEDEPLOY_MOE_PATH=experts "
+                                "makes it every session's path), ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
                                 "written once into the cache), openvino (the graph ort runs, on OpenVINO's CPU plugin at "
                                 "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),
