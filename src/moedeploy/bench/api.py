@@ -37,6 +37,10 @@ __all__ = ["BACKENDS", "bench", "cache_dir"]
 Progress = Callable[[str], None]
 
 
+#: the backends that run the artifact on ONNX Runtime
+ORT_BACKENDS = ("ort", "ort-gqa", "ort-gqa-experts", "ort-contrib")
+
+
 def cache_dir() -> Path:
     """Where bench keeps its preset and checkpoint exports: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy.
 
@@ -255,7 +259,7 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
                 dtype=artifact.dtype if artifact is not None else "fp32")
     if "trt" in backends:
         require_engine(artifact, target)
-    if {"ort", "ort-gqa", "ort-gqa-experts", "ort-contrib"} & set(backends):
+    if set(ORT_BACKENDS) & set(backends):
         require_ort_dtype(artifact)
     if Path(target).is_dir():
         return artifact, None
@@ -266,7 +270,7 @@ def prepare(target: str, backends: list[str], batch: int, prompt_len: int, new_t
 
 #: the backends that time a quantized variant (`--quantize`): ONNX Runtime's, on MatMulNBits.
 #: eager torch would time the dequantized float model, llama.cpp and TensorRT refuse the artifact.
-QUANTIZED_BACKENDS = ("ort", "ort-gqa", "ort-gqa-experts", "ort-contrib")
+QUANTIZED_BACKENDS = ORT_BACKENDS
 
 
 def parse_variants(quantize: list[str] | None, block_size: int, backends: list[str]) -> list[QuantScheme]:
@@ -435,10 +439,10 @@ def bench(
     if peers:
         backends, skipped_peers = with_peers(backends)
     check_sizes(batch, prompt_len, new_tokens, threads, repeat)
-    if {"ort", "ort-gqa", "ort-gqa-experts", "ort-contrib"} & set(backends):
+    if set(ORT_BACKENDS) & set(backends):
         from moedeploy.runtime.ort import moe_path
 
-        moe_path()  # a wrong MOEDEPLOY_MOE_PATH refused before any export or timing, not in each worker
+        moe_path()  # a wrong MOEDEPLOY_MOE_PATH refused before any export (a checkpoint's too), not in each worker
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     schemes = parse_variants(quantize, block_size, backends)
@@ -624,15 +628,16 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
             if base in by and base != name:
                 ratios[f"{name}_vs_{base}"] = _ratio(r, by[base])
     split, experts = MOE_PATH_PAIR
-    if split in by and experts in by and ran_split(by[split]) and by[experts].get("lowering", {}).get("moe_experts"):
+    # only where ort-gqa cut its experts and ort-gqa-experts ran Ifs: not with one thread,
+    # MOEDEPLOY_MOE_PATH=experts, experts that do not qualify, or a quantized artifact (QMoE)
+    if split in by and experts in by and lowered(by[split], "moe_split") and lowered(by[experts], "moe_experts"):
         ratios[f"{split}_vs_{experts}"] = _ratio(by[split], by[experts])
     return ratios
 
 
-def ran_split(result: dict) -> bool:
-    """Whether a backend's session cut its experts into pieces (plugins/moe_split): not with one
-    thread, MOEDEPLOY_MOE_PATH=experts, experts that do not qualify, or a quantized artifact."""
-    return bool(result.get("lowering", {}).get("moe_split"))
+def lowered(result: dict, count: str) -> int:
+    """How many nodes a backend's session lowered this way (its worker's lowering counts; 0 without)."""
+    return result.get("lowering", {}).get(count, 0)
 
 
 def _ratio(r: dict, base: dict) -> dict[str, Any]:
