@@ -225,7 +225,8 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     if edit is None:
         return decoder
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace",
-                                        RUN_ACCURACY, expert_pieces=default_expert_pieces("CPUExecutionProvider", threads))
+                                        RUN_ACCURACY, expert_pieces=default_expert_pieces("CPUExecutionProvider", threads,
+                                                                                           artifact=artifact))
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")
@@ -292,14 +293,10 @@ def bound_step(decoder, context: int) -> tuple[ort.InferenceSession, ort.IOBindi
 
 def generation_ms(decoder, prompt, tokens: int) -> float:
     """Milliseconds a decode step, over a greedy generation of `tokens` after `prompt` (the prefill
-    not timed)."""
-    context = prompt.shape[1]
-    decoder.reset(1, context + tokens)
-    token = decoder.greedy_step(prompt, 0)
-    start = time.perf_counter()
-    for i in range(tokens - 1):
-        token = decoder.greedy_step(token.view(1, 1), context + i)
-    return (time.perf_counter() - start) / (tokens - 1) * 1e3
+    not timed): as `moedeploy tune` times its two paths."""
+    from moedeploy.runtime.moe_tuning import decode_step_ms
+
+    return decode_step_ms(decoder, prompt, tokens)[0]
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -741,8 +742,8 @@ def bench_cmd(
                                 "(ort with attention on com.microsoft::GroupQueryAttention, appending to a preallocated KV cache in place), "
                                 "ort-gqa-experts (ort-gqa with every fp32 MoE on one If per expert, the lowering "
                                 "before each expert was cut into one piece per thread; which of the two decodes faster "
-                                "depends on the CPU: timed beside ort-gqa, the report says, and MOEDEPLOY_MOE_PATH=experts "
-                                "makes it every session's path), ort-contrib (ort with "
+                                "depends on the machine: timed beside ort-gqa, the report says; `moedeploy tune` chooses it for an "
+                                "artifact, and ort-gqa takes that choice), ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
                                 "written once into the cache), openvino (the graph ort runs, on OpenVINO's CPU plugin at "
                                 "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),
@@ -849,6 +850,62 @@ def bench_cmd(
         err.print(f"[bold red]error:[/bold red] {r['backend']}: {escape(r['error'])}", highlight=False, soft_wrap=True)
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("tune")
+@handle_errors
+def tune_cmd(
+    artifact: Path = typer.Argument(..., help="fp32 decoder artifact folder made by `moedeploy export`."),
+    threads: int = typer.Option(None, "--threads", min=1, max=MAX_THREADS, help="Intra-op threads of the sessions "
+                                "that will use the choice (default: one per physical core, a session's default).",
+                                show_default=False),
+    rounds: int = typer.Option(8, "--rounds", min=1, max=100, help="Paired generations per path (their order "
+                               "swapped every round); the choice is the median of the rounds' ratios."),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="Prompt tokens before each timed generation."),
+    new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Greedy tokens per generation (all but the "
+                                   "first are timed decode steps)."),
+) -> None:
+    """Choose this machine's faster fp32 MoE path for a decoder, by timing both.
+
+    A CPU session runs fp32 MoE layers with each expert cut into one piece per thread on
+    com.microsoft::MoE (the default) or as one If per expert over prepacked Gemms. Which decodes
+    faster depends on the machine (0.87-1.22x between CPUs, benchmarks/README.md). tune times
+    both on this artifact in one process, in paired greedy generations, and records the faster
+    in the artifact's cache/moe_path.json. Every later session of this artifact on this CPU
+    model, at these threads, with these model files and library versions, takes it (bench's
+    ort-gqa row and serve included); anywhere else the record is ignored, with a warning.
+    MOEDEPLOY_MOE_PATH (split or experts), when set, overrides it; deleting the file forgets it.
+    Both paths compute the same result (`moedeploy compare --backend ort,ort-experts`).
+    """
+    check_artifact_folder(artifact)
+    from moedeploy.export import Artifact
+    from moedeploy.runtime.moe_tuning import measure, record, write_problem
+    from moedeploy.runtime.ort import MOE_PATH_ENV, default_threads
+
+    loaded = Artifact.load(artifact)
+    if loaded.kind == "decoder" and loaded.dtype != "fp32":
+        raise UserError(f"{artifact} is a {loaded.dtype} export; the MoE paths tune chooses between are fp32's")
+    if problem := write_problem(loaded):
+        raise UserError(f"{problem}; or choose the path without measuring: {MOE_PATH_ENV}=split|experts")
+    threads = threads or default_threads()
+    with progress_steps("tuning the MoE path") as progress:
+        tuning = measure(loaded, threads, rounds, prompt_len, new_tokens, progress)
+        path = record(loaded, threads, tuning)
+    table = make_table(None, ["path", "what", "step ms (median)", "min", "max"], text=("path", "what"))
+    for name, what in (("split", "experts in pieces, com.microsoft::MoE"), ("experts", "one If per expert")):
+        ms = getattr(tuning, f"{name}_ms")
+        table.add_row(name, what, f"{statistics.median(ms):.3f}", f"{min(ms):.3f}", f"{max(ms):.3f}")
+    out.print(table)
+    out.print(f"{threads} threads, {rounds} rounds paired: {escape(tuning.verdict)} (split / experts step time "
+              f"x{tuning.ratio:.3f}): sessions of this artifact here take [bold]{tuning.path}[/bold]", highlight=False)
+    if not tuning.tokens_identical:
+        err.print("[yellow]warning:[/yellow] the two paths decoded different greedy tokens (a near tie rounded apart); "
+                  "`moedeploy compare --backend ort,ort-experts` checks both against eager PyTorch", highlight=False)
+    if os.environ.get(MOE_PATH_ENV, "").strip():
+        err.print(f"[yellow]note:[/yellow] {MOE_PATH_ENV} is set in this shell and overrides the record for every "
+                  "session started from it", highlight=False)
+    err.print(f"[dim]recorded in {escape(str(path))} (delete it to return to the default)[/dim]", highlight=False,
+              soft_wrap=True)
 
 
 from moedeploy.serving.cli import register as register_serving  # noqa: E402 (after the shared helpers it uses)

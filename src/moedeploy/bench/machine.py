@@ -34,6 +34,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+#: the vector instruction sets ONNX Runtime's and llama.cpp's CPU kernels choose between
+VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_features() -> list[str]:
+    """Which of VECTOR_FEATURES this CPU has (/proc/cpuinfo's flags; [] where unreadable): two
+    machines can share a model name ("AMD EPYC" in a VM) and not their kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in VECTOR_FEATURES if name in flags]
+    except OSError:
+        pass
+    return []
+
+
 def last_level_cache_bytes(cpu_dir: str | os.PathLike = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The size of the CPU's largest cache level (Linux sysfs), or None where it cannot be read.
 

@@ -54,7 +54,7 @@ MOE_PATH_TIE = 0.03
 def moe_path_line(report: dict[str, Any]) -> str | None:
     """Which fp32 MoE path decoded faster in this run, where bench timed both (ort-gqa with its
     experts cut into pieces, the default, and ort-gqa-experts, the If per expert), and how to make
-    it the default: the faster one depends on the CPU (runtime.ort.default_expert_pieces)."""
+    it the path: the faster one depends on the machine (runtime/moe_tuning.py)."""
     from moedeploy.bench.api import MOE_PATH_PAIR
     from moedeploy.runtime.ort import MOE_PATH_ENV
 
@@ -70,6 +70,7 @@ def moe_path_line(report: dict[str, Any]) -> str | None:
                 f"({experts}): x{speedup:.2f} ({how})")
     if speedup < 1:
         return (f"MoE path: the If per expert ({experts}) decoded x{1 / speedup:.2f} the default's speed here ({how}); "
-                f"{MOE_PATH_ENV}=experts makes it the path of every CPU session on this machine")
+                f"`moedeploy tune ARTIFACT` measures it on your artifact and makes the faster its path on this machine "
+                f"({MOE_PATH_ENV}=experts: every CPU session's)")
     return (f"MoE path: the default, experts cut into one piece per thread ({split}), decoded x{speedup:.2f} the If "
             f"per expert's speed here ({how}); keep it")

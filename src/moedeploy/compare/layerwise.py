@@ -164,7 +164,8 @@ def localize(
     candidates = escaping_values(original, list(eager))
     # the lowering the backend's session runs, experts cut into pieces where its session cuts them
     lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact),
-                               expert_pieces=default_expert_pieces("CPUExecutionProvider", None, moe_lowering=moe_lowering))
+                               expert_pieces=default_expert_pieces("CPUExecutionProvider", None, moe_lowering=moe_lowering,
+                                                                     artifact=artifact))
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
     session = load_lowered(lowered, reads_weights_from(session_options(), artifact), artifact.path)
     names = [o.name for o in session.get_outputs()]

@@ -117,6 +117,7 @@ class OrtDecoder(KVDecoder):
         norm_lowering: NormLowering = "native",
         kv_cache: KVCache = "copy",
         nbits_accuracy: int = 0,
+        expert_pieces: int | None = None,
     ) -> None:
         """logits="last": `step` returns only the last position's logits, (B, 1, V), which is all
         that generation reads; the LM head then skips the prompt's other positions.
@@ -127,12 +128,14 @@ class OrtDecoder(KVDecoder):
         `capacity` positions, allocated by `reset` and bound as both past and present with ONNX
         Runtime's IO binding; GroupQueryAttention appends to it, so no step copies the cache.
         nbits_accuracy=4 (a quantized artifact): MatMulNBits with int8 activations, faster than
-        the float computation of 0 at an accuracy cost benchmarks/README.md measures."""
+        the float computation of 0 at an accuracy cost benchmarks/README.md measures.
+        expert_pieces: as `create_session`'s (by default the machine's MoE path, runtime/ort.py)."""
         super().__init__(artifact)
         self.kv_cache = kv_cache
         self.lowered = create_session(self.artifact, providers, moe_lowering, threads,
                                       attention_lowering=attention_lowering, logits=logits,
-                                      norm_lowering=norm_lowering, kv_cache=kv_cache, nbits_accuracy=nbits_accuracy)
+                                      norm_lowering=norm_lowering, kv_cache=kv_cache, nbits_accuracy=nbits_accuracy,
+                                      expert_pieces=expert_pieces)
         self._binding: ort.IOBinding | None = None
         self._length = self._capacity = 0
         self._present_names = present_names(self.n_layers)

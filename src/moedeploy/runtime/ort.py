@@ -177,7 +177,7 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     if expert_pieces is None:
-        expert_pieces = default_expert_pieces(provider, threads, prepack, moe_lowering)
+        expert_pieces = default_expert_pieces(provider, threads, prepack, moe_lowering, artifact)
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
@@ -200,35 +200,43 @@ def create_session(
     return LoweredSession(session, provider, counts)
 
 
-def moe_path() -> str:
-    """MOEDEPLOY_MOE_PATH: "split" (unset: the default) or "experts"; SessionError naming the
-    choices for anything else."""
-    path = os.environ.get(MOE_PATH_ENV, "").strip().lower() or "split"
-    if path not in MOE_PATHS:
+def moe_path(artifact: Artifact | None = None, threads: int | None = None) -> str:
+    """The fp32 MoE path of a CPU session: MOEDEPLOY_MOE_PATH where it is set ("split" or
+    "experts"; SessionError naming the choices for anything else), else the path `moedeploy tune`
+    recorded for `artifact` on this machine at `threads` (runtime/moe_tuning.py), else "split"."""
+    value = os.environ.get(MOE_PATH_ENV, "").strip().lower()
+    if value and value not in MOE_PATHS:
         raise SessionError(f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r} is not a MoE path: set it to split (each "
                            "expert cut into one piece per thread, the default) or experts (one If per expert), or unset it")
-    return path
+    if value or artifact is None:
+        return value or "split"
+    from moedeploy.runtime.moe_tuning import tuned_path
+
+    return tuned_path(artifact, threads or default_threads()) or "split"
 
 
 def default_expert_pieces(provider: str, threads: int | None, prepack: bool = True,
-                          moe_lowering: MoELowering = "auto") -> int:
+                          moe_lowering: MoELowering = "auto", artifact: Artifact | None = None) -> int:
     """The pieces plugins/moe_split may cut each fp32 expert into (it cuts into the largest
     divisor of the expert hidden size up to this, where the experts qualify): the threads
     (`default_threads()` where `threads` is None) on the CPU provider; 1 with prepack=False (the
     re-laid experts would be a private copy per session), on other providers, and for the
-    "auto" lowering where MOEDEPLOY_MOE_PATH=experts (its If per expert).
+    "auto" lowering where `moe_path` says "experts" (its If per expert): MOEDEPLOY_MOE_PATH, or
+    what `moedeploy tune` measured for `artifact` on this machine.
 
-    Which of the two paths decodes faster depends on the CPU, not on the model alone: in `bench`
-    the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core AVX-512 EPYC
-    reading about 53 GB/s, and 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC reading
-    14-22 GB/s (benchmarks/README.md), where MLAS's M = 1 transposed-B kernel, which each of
-    the op's threads runs alone, streams the experts slower than the If per expert's prepacked,
-    two-thread GEMVs. `moedeploy bench --backend ort-gqa,ort-gqa-experts` says which is faster
-    on a machine, and the variable sets it for every session there."""
+    Which of the two paths decodes faster depends on the machine, not on the model alone: in
+    `bench` the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core AVX-512
+    EPYC reading about 53 GB/s, 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC reading
+    14-22 GB/s, and 0.90x on the AVX-512 kind on another day (benchmarks/README.md). Each of
+    the op's threads runs MLAS's M = 1 transposed-B kernel alone on its pieces; the If per
+    expert's Gemms are prepacked and use every thread. Hence `moedeploy tune`."""
     path = moe_path()  # checked first: a wrong value is refused wherever it is set
     if not prepack or provider != "CPUExecutionProvider":
         return 1
-    return 1 if path == "experts" and moe_lowering == "auto" else (threads or default_threads())
+    threads = threads or default_threads()
+    if moe_lowering == "auto" and artifact is not None and threads > 1:
+        path = moe_path(artifact, threads)
+    return 1 if path == "experts" and moe_lowering == "auto" else threads
 
 
 def default_threads() -> int:

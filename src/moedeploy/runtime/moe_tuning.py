@@ -1,0 +1,214 @@
+"""Which fp32 MoE path decodes faster on this machine, timed on the artifact itself and kept.
+
+A CPU session runs an fp32 decoder's MoE layers one of two ways (`runtime.ort.default_expert_pieces`):
+every expert cut into one piece per thread on com.microsoft::MoE ("split", the default), or one
+If per expert over prepacked Gemms ("experts"). Which decodes faster is a property of the
+machine, and not one a rule predicts: in `bench` the split made 1.02-1.22x the If per expert's
+tokens/s on a 2-core AVX-512 EPYC, 0.87-0.98x on an AVX2 EPYC, and 0.90x on the AVX-512 kind
+again on a day its memory read half as fast (benchmarks/README.md). A default is a guess either way.
+
+So `moedeploy tune` times both on the artifact, in one process, in paired greedy generations
+(the two sessions alternating, so a busy spell slows both), and writes the faster into the
+artifact's cache/ with what it was measured on. A session takes that path only while the record
+still describes it: the same CPU model, the same threads, the same model files and library
+versions (`cache_origin`, as the lowering cache is checked). Otherwise it says why and takes
+the default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
+the record for every session. Both paths compute the same function (`compare` checks each
+against eager PyTorch), so a record can make a session slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moedeploy.export.artifact import Artifact
+
+log = logging.getLogger(__name__)
+
+#: the record `moedeploy tune` writes into an artifact's cache/ folder
+TUNED_FILE = "moe_path.json"
+TUNED_FORMAT = 1
+#: a paired ratio within this of 1 is no clear difference: the default stays
+TIE = 0.03
+
+
+@dataclass
+class Tuning:
+    """One `moedeploy tune` measurement: each path's decode step time per round (ms, the rounds
+    paired), the median of split / experts over the rounds, and the path chosen from it."""
+
+    path: str
+    verdict: str
+    ratio: float
+    split_ms: list[float]
+    experts_ms: list[float]
+    tokens_identical: bool
+
+
+def choose(split_ms: list[float], experts_ms: list[float]) -> tuple[str, str, float]:
+    """(path, verdict, ratio) from paired step times: the ratio is the median over rounds of
+    split / experts; the If per expert is chosen when the split takes more than TIE longer, the
+    split when it takes TIE less, and the default (split) otherwise."""
+    ratio = statistics.median(s / e for s, e in zip(split_ms, experts_ms, strict=True))
+    if ratio > 1 + TIE:
+        return "experts", f"the If per expert decoded x{ratio:.2f} the split's speed", ratio
+    if ratio < 1 - TIE:
+        return "split", f"the split decoded x{1 / ratio:.2f} the If per expert's speed", ratio
+    return "split", f"no clear difference (x{ratio:.2f}): the default, the split, stays", ratio
+
+
+def tuned_file(artifact: Artifact) -> Path:
+    from moedeploy.runtime.ort import CACHE_DIR
+
+    return artifact.path / CACHE_DIR / TUNED_FILE
+
+
+def machine_key(artifact: Artifact, threads: int) -> dict[str, Any]:
+    """What a record must match to be used: this CPU (model name, vector instruction sets and
+    last-level cache: a VM's "AMD EPYC" names CPUs with and without AVX-512), the thread count,
+    the artifact's model files and the library versions (a new moedeploy or ONNX Runtime may
+    change either path)."""
+    from moedeploy.bench.machine import cpu_features, cpu_model, last_level_cache_bytes
+    from moedeploy.runtime.ort import cache_origin
+
+    return {"cpu": cpu_model(), "cpu_features": cpu_features(), "last_level_cache": last_level_cache_bytes(),
+            "threads": threads, "origin": cache_origin(artifact)}
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """The record at `path`, None where there is none; ValueError naming what is wrong with one
+    that is not a record `tune` wrote."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != TUNED_FORMAT or not isinstance(record.get("entries"), list):
+        raise ValueError(f"{path} is not a record `moedeploy tune` wrote (format {TUNED_FORMAT})")
+    return record
+
+
+def tuned_path(artifact: Artifact, threads: int) -> str | None:
+    """The path `moedeploy tune` chose for this artifact on this machine at `threads`, or None
+    (no record, or none that still describes this machine: said as a warning)."""
+    from moedeploy.runtime.ort import MOE_PATHS
+
+    path = tuned_file(artifact)
+    if not path.exists():
+        return None
+    try:
+        record = _read(path)
+    except ValueError as e:
+        log.warning("%s; the default MoE path is used", e)
+        return None
+    key = machine_key(artifact, threads)
+    for entry in record["entries"] if record else []:
+        if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()) and entry.get("path") in MOE_PATHS:
+            return entry["path"]
+    log.warning("%s holds no MoE path tuned for this machine at %d threads with these model files and library "
+                "versions; the default is used (`moedeploy tune %s --threads %d` measures it)",
+                path, threads, artifact.path, threads)
+    return None
+
+
+def write_problem(artifact: Artifact) -> str | None:
+    """Why `tune` could not write its record into this artifact, found before any timing."""
+    from moedeploy.runtime.ort import cache_link_problem
+    from moedeploy.utils.io import new_folder_problem
+
+    path = tuned_file(artifact)
+    folder = path.parent
+    if problem := cache_link_problem(folder):
+        return problem
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is not a folder, and moedeploy keeps its caches there; move it away"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        return f"{path} is not a file moedeploy wrote; move it away"
+    if path.exists():
+        try:
+            _read(path)
+        except ValueError as e:
+            return f"{e}, so tune will not overwrite it; move it away"
+    if problem := new_folder_problem(folder if folder.is_dir() else artifact.path):
+        return f"cannot write {path}: {problem}"
+    return None
+
+
+def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
+    """Write `tuning` as this machine's entry (replacing one for the same CPU and threads, and any
+    made from other model files or library versions, which no session would use any more). Atomic."""
+    from moedeploy.utils.io import atomic_write_json
+
+    if problem := write_problem(artifact):
+        raise ValueError(problem)
+    path = tuned_file(artifact)
+    key = machine_key(artifact, threads)
+    old = _read(path) or {"entries": []}
+    machine = [k for k in key if k != "origin"]
+    kept = [e for e in old["entries"] if isinstance(e, dict) and e.get("origin") == key["origin"]
+            and any(e.get(k) != key[k] for k in machine)]
+    entry = {**key, **asdict(tuning), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path.parent.mkdir(exist_ok=True)
+    atomic_write_json(path, {"format": TUNED_FORMAT, "entries": [*kept, entry]})
+    return path
+
+
+def decode_step_ms(decoder: Any, prompt: Any, tokens: int) -> tuple[float, list[int]]:
+    """Milliseconds a decode step over a greedy generation of `tokens` after `prompt` (the
+    prefill not timed), and the tokens it decoded."""
+    context = prompt.shape[1]
+    decoder.reset(1, context + tokens)
+    token = decoder.greedy_step(prompt, 0)
+    decoded = [int(token[0])]
+    start = time.perf_counter()
+    for i in range(tokens - 1):
+        token = decoder.greedy_step(token.view(1, 1), context + i)
+        decoded.append(int(token[0]))
+    return (time.perf_counter() - start) / (tokens - 1) * 1e3, decoded
+
+
+def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_tokens: int,
+            progress: Any = None) -> Tuning:
+    """Time both paths in this process: a greedy generation each per round, their order swapped
+    every other round, after one untimed generation each. ValueError where there is nothing to
+    choose (the experts are not cut into pieces at these threads: quantized, or too narrow)."""
+    import numpy as np
+    import torch
+
+    from moedeploy.runtime.generation import OrtDecoder
+
+    if artifact.kind != "decoder":
+        raise ValueError(f"{artifact.path} is not a decoder artifact (it holds a {artifact.kind}); tune chooses "
+                         "a decoder's MoE path")
+    config = artifact.manifest["config"]
+    if prompt_len + new_tokens > config["max_positions"]:
+        raise ValueError(f"--prompt-len {prompt_len} and --new-tokens {new_tokens} exceed the model's "
+                         f"{config['max_positions']} positions")
+    say = progress or (lambda _: None)
+    decoders = {}
+    for path, pieces in (("split", threads), ("experts", 1)):
+        say(f"creating the {path} session")
+        decoders[path] = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy",
+                                    kv_cache="inplace", expert_pieces=pieces)
+    if not decoders["split"].lowering.get("moe_split"):
+        why = ("its experts are quantized (com.microsoft::QMoE)" if "quantization" in artifact.manifest
+               else "with one thread there is one path" if threads < 2
+               else f"its experts are not cut into pieces at {threads} threads (plugins/moe_split)")
+        raise ValueError(f"nothing to tune in {artifact.path}: {why}")
+    prompt = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (1, prompt_len)))
+    decoded = {path: decode_step_ms(d, prompt, new_tokens)[1] for path, d in decoders.items()}  # warm-up
+    times: dict[str, list[float]] = {"split": [], "experts": []}
+    for round_ in range(rounds):
+        say(f"round {round_ + 1} of {rounds}")
+        for path in (("split", "experts") if round_ % 2 == 0 else ("experts", "split")):
+            times[path].append(decode_step_ms(decoders[path], prompt, new_tokens)[0])
+    split_ms, experts_ms = ([round(t, 4) for t in times[path]] for path in ("split", "experts"))
+    path, verdict, ratio = choose(split_ms, experts_ms)  # from the times as recorded: anyone can recompute it
+    return Tuning(path, verdict, ratio, split_ms, experts_ms, decoded["split"] == decoded["experts"])

@@ -1,0 +1,149 @@
+"""`moedeploy tune`: the faster fp32 MoE path measured on an artifact, kept, and used only where
+the record still describes the machine, the model files and the libraries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moedeploy.cli import app
+from moedeploy.export.artifact import Artifact
+from moedeploy.runtime.moe_tuning import TUNED_FILE, Tuning, choose, record
+from moedeploy.runtime.ort import CACHE_DIR, CPU, create_session
+
+
+def test_the_choice_is_the_median_of_the_paired_ratios() -> None:
+    # split / experts by round: 10/9 = 1.111, 12/10 = 1.2, 9/10 = 0.9 -> median 1.111
+    path, verdict, ratio = choose([10.0, 12.0, 9.0], [9.0, 10.0, 10.0])
+    assert (path, round(ratio, 3)) == ("experts", 1.111) and verdict == "the If per expert decoded x1.11 the split's speed"
+    # 9/10 = 0.9, 9.9/10 = 0.99 -> 0.945: the split, 1/0.945 = 1.058 its speed
+    path, verdict, ratio = choose([9.0, 9.9], [10.0, 10.0])
+    assert (path, round(ratio, 3)) == ("split", 0.945) and verdict == "the split decoded x1.06 the If per expert's speed"
+    # 10.2/10 = 1.02, 9.9/10 = 0.99 -> 1.005: within 3%, the default stays
+    path, verdict, _ = choose([10.2, 9.9], [10.0, 10.0])
+    assert path == "split" and verdict.startswith("no clear difference (x1.00)")
+    # medians alone would say experts (10.5 against 10.0); paired, each round says split
+    assert choose([9.0, 10.0, 10.5, 11.0, 12.0], [9.5, 10.5, 10.0, 11.5, 12.5])[0] == "split"
+
+
+@pytest.fixture()
+def own_decoder(store, tmp_path: Path) -> Artifact:
+    """A private copy of the tiny fp32 decoder (tune writes into its cache/)."""
+    folder = tmp_path / "decoder"
+    shutil.copytree(store.decoder("fp32").path, folder, ignore=shutil.ignore_patterns(CACHE_DIR, "report"))
+    return Artifact.load(folder)
+
+
+def moe_path_of(artifact: Artifact, threads: int, **kwargs) -> str:
+    lowered = create_session(artifact, [CPU], threads=threads, **kwargs).lowering
+    assert lowered["moe_split"] + lowered["moe_experts"] == 2  # the tiny decoder's two MoE layers, one way or the other
+    return "split" if lowered["moe_split"] else "experts"
+
+
+def _edit_entry(artifact: Artifact, **changes) -> None:
+    path = artifact.path / CACHE_DIR / TUNED_FILE
+    saved = json.loads(path.read_text())
+    saved["entries"][0].update(changes)
+    path.write_text(json.dumps(saved))
+
+
+def test_a_session_takes_the_tuned_path_only_where_the_record_describes_it(own_decoder, monkeypatch, caplog) -> None:
+    artifact = own_decoder
+    assert moe_path_of(artifact, 2) == "split"  # no record: the default
+    record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
+    assert moe_path_of(artifact, 2) == "experts"
+    assert moe_path_of(artifact, 2, moe_lowering="contrib") == "split"  # asked for com.microsoft::MoE: still cut
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "split")  # the variable overrides the record
+    assert moe_path_of(artifact, 2) == "split"
+    monkeypatch.delenv("MOEDEPLOY_MOE_PATH")
+    with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
+        assert moe_path_of(artifact, 3) == "split"  # tuned at 2 threads, not 3 (96 = 3 x 32: cut into three)
+    assert "no MoE path tuned for this machine at 3 threads" in caplog.text and "--threads 3" in caplog.text
+    for changes in ({"cpu_features": ["avx2"]},  # a VM's CPU of the same name with other kernels
+                    {"origin": {"other": "model files"}},
+                    {"path": "fastest"}):
+        (artifact.path / CACHE_DIR / TUNED_FILE).unlink()
+        record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
+        _edit_entry(artifact, **changes)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
+            assert moe_path_of(artifact, 2) == "split", changes
+        assert "no MoE path tuned for this machine at 2 threads" in caplog.text
+    (artifact.path / CACHE_DIR / TUNED_FILE).write_text("{")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
+        assert moe_path_of(artifact, 2) == "split"
+    assert f"{TUNED_FILE} is not readable" in caplog.text
+
+
+def test_a_new_record_replaces_this_machines_entry_and_drops_stale_ones(own_decoder) -> None:
+    artifact = own_decoder
+    path = record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
+    _edit_entry(artifact, cpu="another CPU")  # another machine's entry, same model files and libraries: kept
+    record(artifact, 2, Tuning("split", "measured", 0.9, [0.9], [1.0], True))
+    assert [(e["cpu"] == "another CPU", e["path"]) for e in json.loads(path.read_text())["entries"]] == [
+        (True, "experts"), (False, "split")]
+    _edit_entry(artifact, origin={"stale": True})  # made from other model files: no session would use it
+    record(artifact, 2, Tuning("experts", "measured", 1.2, [1.2], [1.0], True))
+    assert [e["path"] for e in json.loads(path.read_text())["entries"]] == ["experts"]
+    assert moe_path_of(artifact, 2) == "experts"
+
+
+def tune(*args: str):
+    return CliRunner().invoke(app, ["tune", *args])
+
+
+def test_tune_times_both_paths_records_the_faster_and_sessions_follow_it(own_decoder) -> None:
+    artifact = own_decoder
+    result = tune(str(artifact.path), "--threads", "2", "--rounds", "3", "--prompt-len", "8", "--new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    entry, = json.loads((artifact.path / CACHE_DIR / TUNED_FILE).read_text())["entries"]
+    assert entry["threads"] == 2 and len(entry["split_ms"]) == len(entry["experts_ms"]) == 3
+    assert entry["tokens_identical"] is True  # both paths compute the same function
+    # the choice, recomputed here from the recorded times: the median of the paired ratios, 3% either side
+    ratios = sorted(s / e for s, e in zip(entry["split_ms"], entry["experts_ms"], strict=True))
+    assert entry["ratio"] == pytest.approx(ratios[1], rel=1e-12)
+    assert entry["path"] == ("experts" if ratios[1] > 1.03 else "split")
+    assert f"sessions of this artifact here take {entry['path']}" in " ".join(result.stdout.split())
+    assert moe_path_of(artifact, 2) == entry["path"]
+    artifact.verify()  # the artifact itself untouched
+
+
+@pytest.mark.parametrize("args,setup,message", [
+    (["--threads", "1"], None, "nothing to tune in"),
+    ([], "foreign", "is not a record `moedeploy tune` wrote (format 1), so tune will not overwrite it"),
+    ([], "link", "is a link (to "),
+    ([], "file", "is not a folder, and moedeploy keeps its caches there"),
+])
+def test_tune_refuses_in_one_line_and_writes_nothing(own_decoder, args, setup, message) -> None:
+    artifact = own_decoder
+    cache = artifact.path / CACHE_DIR
+    if setup == "foreign":
+        cache.mkdir()
+        (cache / TUNED_FILE).write_text('{"mine": true}')
+    if setup == "link":  # writing through it would write outside the artifact
+        (artifact.path.parent / "elsewhere").mkdir()
+        cache.symlink_to(artifact.path.parent / "elsewhere")
+    if setup == "file":
+        cache.write_text("not moedeploy's")
+    before = sorted(p.relative_to(artifact.path) for p in artifact.path.rglob("*"))
+    result = tune(str(artifact.path), "--rounds", "1", "--new-tokens", "2", "--prompt-len", "2", *args)
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in " ".join(result.stderr.split()) and lines[-1].startswith("error:"), result.stderr
+    assert sorted(p.relative_to(artifact.path) for p in artifact.path.rglob("*")) == before
+    if setup == "foreign":
+        assert (cache / TUNED_FILE).read_text() == '{"mine": true}'
+    assert not any((artifact.path.parent / "elsewhere").glob("*"))
+
+
+def test_tune_refuses_what_has_no_fp32_moe_path(store) -> None:
+    result = tune(str(store.decoder("fp16").path))
+    assert result.exit_code == 1 and "is a fp16 export; the MoE paths tune chooses between are fp32's" in result.stderr
+    result = tune(str(store.block("moe").path))
+    assert result.exit_code == 1 and "is not a decoder artifact (it holds a block)" in result.stderr
