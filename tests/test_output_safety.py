@@ -197,6 +197,10 @@ def test_a_re_export_keeps_the_users_files_in_cache_and_engines_and_replaces_its
         (out / "engines" / engine_name("NVIDIA H100 80GB HBM3", "10.9.0.34", "fp32", True)).with_suffix(suffix).write_text("")
     (out / "engines" / "my.plan").write_text("mine")
     (out / "cache" / "notes.txt").write_text("mine")
+    from moedeploy.export.artifact import Artifact
+    from moedeploy.runtime.moe_tuning import Tuning, record
+
+    record(Artifact.load(out), 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))  # `moedeploy tune`'s
     with pytest.raises(OutputRefused, match=r"it also holds cache/notes\.txt, engines/my\.plan, which moedeploy did not"):
         export("rmsnorm", out, seed=7)
     assert (out / "engines" / "my.plan").read_text() == "mine" == (out / "cache" / "notes.txt").read_text()

@@ -743,7 +743,8 @@ def bench_cmd(
                                 "ort-gqa-experts (ort-gqa with every fp32 MoE on one If per expert, the lowering "
                                 "before each expert was cut into one piece per thread; which of the two decodes faster "
                                 "depends on the machine: timed beside ort-gqa, the report says; `moedeploy tune` chooses it for an "
-                                "artifact, and ort-gqa takes that choice), ort-contrib (ort with "
+                                "artifact, and ort-gqa takes that choice on the folder it was made for, at its "
+                                "--threads), ort-contrib (ort with "
                                 "every MoE on com.microsoft::MoE), trt, llama.cpp (the same weights as an f32 GGUF, "
                                 "written once into the cache), openvino (the graph ort runs, on OpenVINO's CPU plugin at "
                                 "f32, its KV cache as state); the peers need `pip install 'moedeploy[peers]'`."),
@@ -833,6 +834,8 @@ def bench_cmd(
                   f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if line := moe_path_line(report):
         out.print(escape(line), highlight=False)
+    if (chosen := report.get("moe_path")) and chosen["source"] != "the default":
+        out.print(escape(f"MoE path of ort and ort-gqa here: {chosen['path']} ({chosen['source']})"), highlight=False)
     if report["greedy_tokens_agree"] is False:  # None: the target is itself a quantized export (the note below)
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")
     if differ := [name for name, same in report.get("quantized_tokens_agree", {}).items() if not same]:
@@ -871,23 +874,36 @@ def tune_cmd(
     com.microsoft::MoE (the default) or as one If per expert over prepacked Gemms. Which decodes
     faster depends on the machine (0.87-1.22x between CPUs, benchmarks/README.md). tune times
     both on this artifact in one process, in paired greedy generations, and records the faster
-    in the artifact's cache/moe_path.json. Every later session of this artifact on this CPU
-    model, at these threads, with these model files and library versions, takes it (bench's
-    ort-gqa row and serve included); anywhere else the record is ignored, with a warning.
+    in the artifact's cache/moe_path.json. Every later CPU session of this artifact on this CPU,
+    at these threads, with huge pages as here (the moedeploy command's: on), with these model
+    files and library versions, takes it: `bench` on this folder at the same --threads, serve,
+    compare, OrtDecoder in Python. Anywhere else the record is ignored, with a warning.
     MOEDEPLOY_MOE_PATH (split or experts), when set, overrides it; deleting the file forgets it.
-    Both paths compute the same result (`moedeploy compare --backend ort,ort-experts`).
+    Both paths compute the same result (`moedeploy compare --backend ort,ort-experts`). The
+    ratio moves with context length too: tune at the --prompt-len you serve. Both sessions are
+    open at once, so tuning needs about twice the weights in memory.
     """
     check_artifact_folder(artifact)
     from moedeploy.export import Artifact
     from moedeploy.runtime.moe_tuning import measure, record, write_problem
-    from moedeploy.runtime.ort import MOE_PATH_ENV, default_threads
+    from moedeploy.runtime.ort import MOE_PATH_ENV, default_threads, moe_path
 
+    moe_path()  # a wrong MOEDEPLOY_MOE_PATH, which every session would refuse, refused now
+    threads = threads or default_threads()
+    if threads < 2:
+        raise UserError("with one thread there is one MoE path (nothing is cut into pieces); tune at the --threads "
+                        "your sessions run with, 2 or more")
     loaded = Artifact.load(artifact)
     if loaded.kind == "decoder" and loaded.dtype != "fp32":
-        raise UserError(f"{artifact} is a {loaded.dtype} export; the MoE paths tune chooses between are fp32's")
+        raise UserError(f"{artifact} holds {loaded.dtype} weights; the MoE paths tune chooses between are fp32's")
+    if "quantization" in loaded.manifest:
+        raise UserError(f"{artifact} is a quantized export: its experts run on com.microsoft::QMoE, one path; "
+                        "tune chooses between the fp32 ones")
     if problem := write_problem(loaded):
         raise UserError(f"{problem}; or choose the path without measuring: {MOE_PATH_ENV}=split|experts")
-    threads = threads or default_threads()
+    if os.environ.get(MOE_PATH_ENV, "").strip():
+        err.print(f"[yellow]note:[/yellow] {MOE_PATH_ENV} is set in this shell and overrides the record for every "
+                  "session started from it", highlight=False)
     with progress_steps("tuning the MoE path") as progress:
         tuning = measure(loaded, threads, rounds, prompt_len, new_tokens, progress)
         path = record(loaded, threads, tuning)
@@ -901,9 +917,6 @@ def tune_cmd(
     if not tuning.tokens_identical:
         err.print("[yellow]warning:[/yellow] the two paths decoded different greedy tokens (a near tie rounded apart); "
                   "`moedeploy compare --backend ort,ort-experts` checks both against eager PyTorch", highlight=False)
-    if os.environ.get(MOE_PATH_ENV, "").strip():
-        err.print(f"[yellow]note:[/yellow] {MOE_PATH_ENV} is set in this shell and overrides the record for every "
-                  "session started from it", highlight=False)
     err.print(f"[dim]recorded in {escape(str(path))} (delete it to return to the default)[/dim]", highlight=False,
               soft_wrap=True)
 

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moedeploy.cli import app
-from moedeploy.export.artifact import Artifact
+from moedeploy.export.artifact import DERIVED_FILES, Artifact
+from moedeploy.runtime import moe_tuning
 from moedeploy.runtime.moe_tuning import TUNED_FILE, Tuning, choose, record
 from moedeploy.runtime.ort import CACHE_DIR, CPU, create_session
 
@@ -54,6 +55,7 @@ def _edit_entry(artifact: Artifact, **changes) -> None:
 
 def test_a_session_takes_the_tuned_path_only_where_the_record_describes_it(own_decoder, monkeypatch, caplog) -> None:
     artifact = own_decoder
+    monkeypatch.setattr(moe_tuning, "_warned", set())
     assert moe_path_of(artifact, 2) == "split"  # no record: the default
     record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
     assert moe_path_of(artifact, 2) == "experts"
@@ -64,34 +66,55 @@ def test_a_session_takes_the_tuned_path_only_where_the_record_describes_it(own_d
     with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
         assert moe_path_of(artifact, 3) == "split"  # tuned at 2 threads, not 3 (96 = 3 x 32: cut into three)
     assert "no MoE path tuned for this machine at 3 threads" in caplog.text and "--threads 3" in caplog.text
-    for changes in ({"cpu_features": ["avx2"]},  # a VM's CPU of the same name with other kernels
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
+        assert moe_path_of(artifact, 3) == "split"
+    assert caplog.text == ""  # said once a process, not at every session (serve's instances)
+    for changes in ({"cpu_features": ["no such feature"]},  # a VM's CPU of the same name with other kernels
+                    {"huge_pages": "no such state"},
                     {"origin": {"other": "model files"}},
                     {"path": "fastest"}):
         (artifact.path / CACHE_DIR / TUNED_FILE).unlink()
         record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
         _edit_entry(artifact, **changes)
         caplog.clear()
+        moe_tuning._warned.clear()  # said once a process: this test asks again
         with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
             assert moe_path_of(artifact, 2) == "split", changes
         assert "no MoE path tuned for this machine at 2 threads" in caplog.text
     (artifact.path / CACHE_DIR / TUNED_FILE).write_text("{")
     caplog.clear()
+    moe_tuning._warned.clear()
     with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
         assert moe_path_of(artifact, 2) == "split"
     assert f"{TUNED_FILE} is not readable" in caplog.text
 
 
-def test_a_new_record_replaces_this_machines_entry_and_drops_stale_ones(own_decoder) -> None:
+def test_sessions_at_the_default_threads_take_a_record_made_at_the_default_threads(own_decoder) -> None:
+    """tune without --threads records default_threads(); a session without threads runs with as many."""
+    from moedeploy.runtime.generation import OrtDecoder
+    from moedeploy.runtime.ort import default_threads
+
+    if default_threads() < 2 or 96 % default_threads():
+        pytest.skip("one core, or a core count that does not divide the tiny experts: no split to choose against")
+    record(own_decoder, default_threads(), Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
+    assert OrtDecoder(own_decoder).lowering["moe_split"] == 0
+    (own_decoder.path / CACHE_DIR / TUNED_FILE).unlink()
+    assert OrtDecoder(own_decoder).lowering["moe_split"] == 2
+
+
+def test_a_new_record_replaces_this_machines_entry_and_keeps_the_others(own_decoder) -> None:
     artifact = own_decoder
     path = record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
-    _edit_entry(artifact, cpu="another CPU")  # another machine's entry, same model files and libraries: kept
+    _edit_entry(artifact, cpu="another CPU")  # another machine's entry (or one of other library versions): kept
     record(artifact, 2, Tuning("split", "measured", 0.9, [0.9], [1.0], True))
     assert [(e["cpu"] == "another CPU", e["path"]) for e in json.loads(path.read_text())["entries"]] == [
         (True, "experts"), (False, "split")]
-    _edit_entry(artifact, origin={"stale": True})  # made from other model files: no session would use it
-    record(artifact, 2, Tuning("experts", "measured", 1.2, [1.2], [1.0], True))
-    assert [e["path"] for e in json.loads(path.read_text())["entries"]] == ["experts"]
+    assert moe_path_of(artifact, 2) == "split"
+    record(artifact, 2, Tuning("experts", "measured", 1.2, [1.2], [1.0], True))  # this machine's again: replaced
+    assert [e["path"] for e in json.loads(path.read_text())["entries"]] == ["experts", "experts"]
     assert moe_path_of(artifact, 2) == "experts"
+    assert DERIVED_FILES["cache"].fullmatch(TUNED_FILE)  # a re-export replaces it as moedeploy's own
 
 
 def tune(*args: str):
@@ -115,7 +138,7 @@ def test_tune_times_both_paths_records_the_faster_and_sessions_follow_it(own_dec
 
 
 @pytest.mark.parametrize("args,setup,message", [
-    (["--threads", "1"], None, "nothing to tune in"),
+    (["--threads", "1"], None, "with one thread there is one MoE path"),
     ([], "foreign", "is not a record `moedeploy tune` wrote (format 1), so tune will not overwrite it"),
     ([], "link", "is a link (to "),
     ([], "file", "is not a folder, and moedeploy keeps its caches there"),
@@ -144,6 +167,26 @@ def test_tune_refuses_in_one_line_and_writes_nothing(own_decoder, args, setup, m
 
 def test_tune_refuses_what_has_no_fp32_moe_path(store) -> None:
     result = tune(str(store.decoder("fp16").path))
-    assert result.exit_code == 1 and "is a fp16 export; the MoE paths tune chooses between are fp32's" in result.stderr
+    assert result.exit_code == 1 and "holds fp16 weights; the MoE paths tune chooses between are fp32's" in result.stderr
     result = tune(str(store.block("moe").path))
     assert result.exit_code == 1 and "is not a decoder artifact (it holds a block)" in result.stderr
+
+
+def test_tune_refuses_a_quantized_export_before_any_session(tmp_path: Path) -> None:
+    from moedeploy.export.exporter import export_decoder
+    from moedeploy.export.quantize import QuantScheme
+
+    artifact = export_decoder(tmp_path / "q8", quantization=QuantScheme(8, 32), golden=False)
+    result = tune(str(artifact.path))
+    assert result.exit_code == 1 and "is a quantized export: its experts run on com.microsoft::QMoE" in result.stderr
+    assert "tuning the MoE path" not in result.stderr  # refused before the sessions are made
+
+
+def test_bench_is_told_which_path_its_sessions_take_and_why(own_decoder, monkeypatch) -> None:
+    from moedeploy.runtime.moe_tuning import path_and_source
+
+    assert path_and_source(own_decoder, 2) == ("split", "the default")
+    path = record(own_decoder, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
+    assert path_and_source(own_decoder, 2) == ("experts", f"as `moedeploy tune` recorded for this machine in {path}")
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "split")
+    assert path_and_source(own_decoder, 2) == ("split", "MOEDEPLOY_MOE_PATH is set")

@@ -557,6 +557,12 @@ def bench(
         "cache": cache_report(artifact, written, [v for name, v in variants.items() if name != base]),
         "raw": [{k: v for k, v in r.items() if k != "tokens"} for r in raw],
     }
+    if (set(backends) & {"ort", "ort-gqa"} and artifact.kind == "decoder" and artifact.dtype == "fp32"
+            and not quantized_base and threads > 1):
+        from moedeploy.runtime.moe_tuning import path_and_source
+
+        path, source = path_and_source(artifact, threads)  # what their sessions decided (a worker's warnings are not shown)
+        report["moe_path"] = {"path": path, "source": source}
     if json_path:
         atomic_write_json(json_path, report)
     return report
@@ -629,7 +635,8 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
                 ratios[f"{name}_vs_{base}"] = _ratio(r, by[base])
     split, experts = MOE_PATH_PAIR
     # only where ort-gqa cut its experts and ort-gqa-experts ran Ifs: not with one thread,
-    # MOEDEPLOY_MOE_PATH=experts, experts that do not qualify, or a quantized artifact (QMoE)
+    # MOEDEPLOY_MOE_PATH=experts or a `moedeploy tune` record saying so (report["moe_path"]),
+    # experts that do not qualify, or a quantized artifact (QMoE)
     if split in by and experts in by and lowered(by[split], "moe_split") and lowered(by[experts], "moe_experts"):
         ratios[f"{split}_vs_{experts}"] = _ratio(by[split], by[experts])
     return ratios

@@ -280,10 +280,11 @@ def section_digest(section: Any) -> str:
 
 
 #: the names ONNX Runtime's lowered-graph cache (runtime/ort.cache_name: ort_<provider>_<lowering>_<key>
-#: and its .onnx, .onnx.data, .json) and TensorRT's plans (runtime/tensorrt.engine_name and the
-#: plan's .log and .json) take in cache/ and engines/; a test holds them to those functions
+#: and its .onnx, .onnx.data, .json), `moedeploy tune`'s record (runtime/moe_tuning.TUNED_FILE) and
+#: TensorRT's plans (runtime/tensorrt.engine_name and the plan's .log and .json) take in cache/ and
+#: engines/; a test holds them to those functions
 DERIVED_FILES = {
-    "cache": re.compile(r"ort_[a-z0-9]+_[a-z]+_[0-9a-f]{16}\.(onnx|onnx\.data|json)"),
+    "cache": re.compile(r"ort_[a-z0-9]+_[a-z]+_[0-9a-f]{16}\.(onnx|onnx\.data|json)|moe_path\.json"),
     "engines": re.compile(r"[a-z0-9-]+_trt[\w.+-]+_(fp32|fp16|bf16)_(aot|jit)\.(plan|log|json)"),
 }
 

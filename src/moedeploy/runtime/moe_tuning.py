@@ -72,13 +72,15 @@ def tuned_file(artifact: Artifact) -> Path:
 def machine_key(artifact: Artifact, threads: int) -> dict[str, Any]:
     """What a record must match to be used: this CPU (model name, vector instruction sets and
     last-level cache: a VM's "AMD EPYC" names CPUs with and without AVX-512), the thread count,
-    the artifact's model files and the library versions (a new moedeploy or ONNX Runtime may
-    change either path)."""
+    whether malloc gets huge pages (the split / If ratio moved from 1.06-1.10 to 1.02 with them
+    on an AVX2 EPYC), the artifact's model files and the library versions (a new moedeploy or
+    ONNX Runtime may change either path)."""
     from moedeploy.bench.machine import cpu_features, cpu_model, last_level_cache_bytes
     from moedeploy.runtime.ort import cache_origin
+    from moedeploy.utils import huge_pages
 
     return {"cpu": cpu_model(), "cpu_features": cpu_features(), "last_level_cache": last_level_cache_bytes(),
-            "threads": threads, "origin": cache_origin(artifact)}
+            "threads": threads, "huge_pages": huge_pages.this_process(), "origin": cache_origin(artifact)}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -98,24 +100,50 @@ def _read(path: Path) -> dict[str, Any] | None:
 def tuned_path(artifact: Artifact, threads: int) -> str | None:
     """The path `moedeploy tune` chose for this artifact on this machine at `threads`, or None
     (no record, or none that still describes this machine: said as a warning)."""
-    from moedeploy.runtime.ort import MOE_PATHS
+    from moedeploy.runtime.ort import MOE_PATHS, cache_link_problem
 
     path = tuned_file(artifact)
     if not path.exists():
         return None
     try:
+        if problem := cache_link_problem(path.parent):
+            raise ValueError(problem)
         record = _read(path)
     except ValueError as e:
-        log.warning("%s; the default MoE path is used", e)
+        _warn_once(path, threads, f"{e}; the default MoE path is used")
         return None
     key = machine_key(artifact, threads)
     for entry in record["entries"] if record else []:
         if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()) and entry.get("path") in MOE_PATHS:
             return entry["path"]
-    log.warning("%s holds no MoE path tuned for this machine at %d threads with these model files and library "
-                "versions; the default is used (`moedeploy tune %s --threads %d` measures it)",
-                path, threads, artifact.path, threads)
+    _warn_once(path, threads, f"{path} holds no MoE path tuned for this machine at {threads} threads (this CPU, huge "
+               f"pages {key['huge_pages']}, these model files and library versions); the default is used "
+               f"(`moedeploy tune {artifact.path} --threads {threads}` measures it)")
     return None
+
+
+def path_and_source(artifact: Artifact, threads: int) -> tuple[str, str]:
+    """The fp32 MoE path an "auto" CPU session of `artifact` at `threads` (2 or more) takes, and
+    what decided it, in words (bench reports it beside its rows)."""
+    import os
+
+    from moedeploy.runtime.ort import MOE_PATH_ENV, moe_path
+
+    if os.environ.get(MOE_PATH_ENV, "").strip():
+        return moe_path(), f"{MOE_PATH_ENV} is set"
+    if tuned := tuned_path(artifact, threads):
+        return tuned, f"as `moedeploy tune` recorded for this machine in {tuned_file(artifact)}"
+    return "split", "the default"
+
+
+_warned: set[tuple[str, int]] = set()
+
+
+def _warn_once(path: Path, threads: int, message: str) -> None:
+    """A record that does not apply is said once a process, not at every session (serve's instances)."""
+    if (str(path), threads) not in _warned:
+        _warned.add((str(path), threads))
+        log.warning("%s", message)
 
 
 def write_problem(artifact: Artifact) -> str | None:
@@ -142,8 +170,9 @@ def write_problem(artifact: Artifact) -> str | None:
 
 
 def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
-    """Write `tuning` as this machine's entry (replacing one for the same CPU and threads, and any
-    made from other model files or library versions, which no session would use any more). Atomic."""
+    """Write `tuning` as this machine's entry, replacing the one with the same key (other machines'
+    entries, and ones made with other library versions, which another machine may still run,
+    are kept). Atomic: a reader sees the old record or the new one."""
     from moedeploy.utils.io import atomic_write_json
 
     if problem := write_problem(artifact):
@@ -151,9 +180,7 @@ def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
     path = tuned_file(artifact)
     key = machine_key(artifact, threads)
     old = _read(path) or {"entries": []}
-    machine = [k for k in key if k != "origin"]
-    kept = [e for e in old["entries"] if isinstance(e, dict) and e.get("origin") == key["origin"]
-            and any(e.get(k) != key[k] for k in machine)]
+    kept = [e for e in old["entries"] if isinstance(e, dict) and any(e.get(k) != v for k, v in key.items())]
     entry = {**key, **asdict(tuning), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     path.parent.mkdir(exist_ok=True)
     atomic_write_json(path, {"format": TUNED_FORMAT, "entries": [*kept, entry]})

@@ -111,6 +111,17 @@ def state(environ: Mapping[str, str] | None = None) -> str:
     return "off (no glibc 2.35+ or no transparent huge pages)"
 
 
+def this_process() -> str:
+    """Whether this process's malloc gets huge pages, in words: "kernel: always" or "kernel:
+    never", else "malloc: on" where glibc's tunable asks for them (as the `moedeploy` command and
+    bench's workers run), "malloc: off" otherwise (a Python process of one's own)."""
+    mode = thp_mode()
+    if mode in ("always", "never"):
+        return f"kernel: {mode}"
+    value = tunable_value(os.environ)
+    return "malloc: on" if mode == "madvise" and glibc_has_tunable() and value not in (None, "0") else "malloc: off"
+
+
 def started_as_the_command(argv: list[str] | None = None, orig_argv: list[str] | None = None) -> bool:
     """True for the `moedeploy` script and `python -m moedeploy`, whose whole command line is the
     command's: restarting them runs nothing twice. False for a script or `python -c` that calls
