@@ -885,7 +885,7 @@ def tune_cmd(
     """
     check_artifact_folder(artifact)
     from moedeploy.export import Artifact
-    from moedeploy.runtime.moe_tuning import measure, record, write_problem
+    from moedeploy.runtime.moe_tuning import measure, memory_problem, record, write_problem
     from moedeploy.runtime.ort import MOE_PATH_ENV, default_threads, moe_path
 
     moe_path()  # a wrong MOEDEPLOY_MOE_PATH, which every session would refuse, refused now
@@ -901,6 +901,8 @@ def tune_cmd(
                         "tune chooses between the fp32 ones")
     if problem := write_problem(loaded):
         raise UserError(f"{problem}; or choose the path without measuring: {MOE_PATH_ENV}=split|experts")
+    if problem := memory_problem(loaded):
+        raise UserError(problem)
     if os.environ.get(MOE_PATH_ENV, "").strip():
         err.print(f"[yellow]note:[/yellow] {MOE_PATH_ENV} is set in this shell and overrides the record for every "
                   "session started from it", highlight=False)

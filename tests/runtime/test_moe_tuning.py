@@ -190,3 +190,23 @@ def test_bench_is_told_which_path_its_sessions_take_and_why(own_decoder, monkeyp
     assert path_and_source(own_decoder, 2) == ("experts", f"as `moedeploy tune` recorded for this machine in {path}")
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "split")
     assert path_and_source(own_decoder, 2) == ("split", "MOEDEPLOY_MOE_PATH is set")
+
+
+def test_tune_refuses_where_two_sessions_of_the_weights_would_not_fit(own_decoder, tmp_path, monkeypatch) -> None:
+    """Both paths' sessions are open at once: about twice the weights, checked against MemAvailable."""
+    from moedeploy.runtime.moe_tuning import available_bytes, memory_problem
+
+    weights = own_decoder.stored_weight_bytes()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {(2 * weights - 4096) // 1024} kB\n")
+    assert available_bytes(str(meminfo)) == (2 * weights - 4096) // 1024 * 1024
+    assert "tune holds both paths' sessions at once" in memory_problem(own_decoder, str(meminfo))
+    meminfo.write_text(f"MemAvailable:   {2 * weights // 1024 + 1} kB\n")
+    assert memory_problem(own_decoder, str(meminfo)) is None
+    meminfo.write_text("MemFree: 1 kB\n")  # no MemAvailable (an old kernel): not refused on a guess
+    assert available_bytes(str(meminfo)) is None and memory_problem(own_decoder, str(meminfo)) is None
+    monkeypatch.setattr(moe_tuning, "MEMINFO", str(tmp_path / "tight"))
+    (tmp_path / "tight").write_text("MemAvailable:   1024 kB\n")
+    result = tune(str(own_decoder.path))
+    assert result.exit_code == 1 and "this machine has 1.0 MB available" in " ".join(result.stderr.split())
+    assert not (own_decoder.path / CACHE_DIR).exists()

@@ -169,6 +169,37 @@ def write_problem(artifact: Artifact) -> str | None:
     return None
 
 
+#: what Linux says a process can still allocate without swapping (/proc/meminfo, kB)
+MEMINFO = "/proc/meminfo"
+
+
+def available_bytes(meminfo: str | None = None) -> int | None:
+    """MemAvailable, in bytes; None where it cannot be read (not Linux)."""
+    try:
+        with open(meminfo or MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_problem(artifact: Artifact, meminfo: str | None = None) -> str | None:
+    """Why tune would run out of memory here, or None: both paths' sessions are open at once (the
+    rounds alternate between them), each with its own copy of the weights (the If per expert's
+    prepacked, the split's re-laid experts and prepacked rest), so it needs about twice the
+    weights; a large checkpoint would be killed by the kernel minutes in, not refused."""
+    from moedeploy.utils.progress import size_text
+
+    needed, available = 2 * artifact.stored_weight_bytes(), available_bytes(meminfo)
+    if available is None or needed <= available:
+        return None
+    return (f"tune holds both paths' sessions at once, about {size_text(needed)} for these weights, and this "
+            f"machine has {size_text(available)} available; free memory, or choose the path without measuring: "
+            "MOEDEPLOY_MOE_PATH=split|experts")
+
+
 def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
     """Write `tuning` as this machine's entry, replacing the one with the same key (other machines'
     entries, and ones made with other library versions, which another machine may still run,
