@@ -830,10 +830,10 @@ def test_bench_reports_the_faster_moe_path() -> None:
     assert paired == {"median": 0.938, "by_round": [0.938, 1.0, 0.9]}  # 60/64, 66/66, 63/70
     assert ratios["ort-gqa_vs_ort-gqa-experts"]["decode_speedup"] == round(63 / 66, 3)
     assert set(ratios) == {"ort-gqa_vs_hf", "ort-gqa-experts_vs_hf", "ort-gqa_vs_ort-gqa-experts"}
-    assert moe_path_line({"ratios": ratios}) == (
+    assert moe_path_line({"ratios": ratios, "settings": {"artifact": "/cache/bench/decoder-small-fp32-seed0"}}) == (
         "MoE path: the If per expert (ort-gqa-experts) decoded x1.07 the default's speed here "
-        "(paired by round); `moedeploy tune ARTIFACT` measures it on your artifact and makes the faster its path "
-        "on this machine (MOEDEPLOY_MOE_PATH=experts: every CPU session's)")
+        "(paired by round); `moedeploy tune /cache/bench/decoder-small-fp32-seed0` measures it on that artifact and "
+        "makes the faster its path on this machine (MOEDEPLOY_MOE_PATH=experts: every CPU session's)")
     assert moe_path_line({"ratios": pair([70.0, 72.0], [64.0, 66.0])}) == (
         "MoE path: the default, experts cut into one piece per thread (ort-gqa), decoded x1.09 the If per "
         "expert's speed here (paired by round); keep it")  # 70/64 = 1.094, 72/66 = 1.091
@@ -841,7 +841,7 @@ def test_bench_reports_the_faster_moe_path() -> None:
         "MoE path: no clear difference here between the default split (ort-gqa) and the If per expert")
     assert moe_path_line({"ratios": pair([60.0], [66.0])}).endswith(  # x0.91 from one round's medians
         "x1.10 the default's speed here (one round: rerun with --rounds 3 before choosing); "
-        "`moedeploy tune ARTIFACT` measures it on your artifact and makes the faster its path on this machine "
+        "`moedeploy tune ARTIFACT` measures it on that artifact and makes the faster its path on this machine "
         "(MOEDEPLOY_MOE_PATH=experts: every CPU session's)")
     # ort-gqa on Ifs too (one thread, MOEDEPLOY_MOE_PATH=experts, experts that cannot be cut) or
     # on QMoE (a quantized artifact): the same path twice, nothing to choose between

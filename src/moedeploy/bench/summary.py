@@ -69,8 +69,9 @@ def moe_path_line(report: dict[str, Any]) -> str | None:
         return (f"MoE path: no clear difference here between the default split ({split}) and the If per expert "
                 f"({experts}): x{speedup:.2f} ({how})")
     if speedup < 1:
+        timed = report.get("settings", {}).get("artifact", "ARTIFACT")  # a preset's or checkpoint's: bench's cache
         return (f"MoE path: the If per expert ({experts}) decoded x{1 / speedup:.2f} the default's speed here ({how}); "
-                f"`moedeploy tune ARTIFACT` measures it on your artifact and makes the faster its path on this machine "
+                f"`moedeploy tune {timed}` measures it on that artifact and makes the faster its path on this machine "
                 f"({MOE_PATH_ENV}=experts: every CPU session's)")
     return (f"MoE path: the default, experts cut into one piece per thread ({split}), decoded x{speedup:.2f} the If "
             f"per expert's speed here ({how}); keep it")
