@@ -65,15 +65,16 @@ def test_a_session_takes_the_tuned_path_only_where_the_record_describes_it(own_d
     monkeypatch.delenv("MOEDEPLOY_MOE_PATH")
     with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
         assert moe_path_of(artifact, 3) == "split"  # tuned at 2 threads, not 3 (96 = 3 x 32: cut into three)
-    assert "no MoE path tuned for this machine at 3 threads" in caplog.text and "--threads 3" in caplog.text
+    assert "it was measured at 2 threads, this session runs 3" in caplog.text and "--threads 3" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
         assert moe_path_of(artifact, 3) == "split"
     assert caplog.text == ""  # said once a process, not at every session (serve's instances)
-    for changes in ({"cpu_features": ["no such feature"]},  # a VM's CPU of the same name with other kernels
-                    {"huge_pages": "no such state"},
-                    {"origin": {"other": "model files"}},
-                    {"path": "fastest"}):
+    for changes, why in (({"cpu_features": ["no such feature"]}, "measured on other CPUs"),  # a VM's "AMD EPYC"
+                         ({"huge_pages": "malloc: elsewhere"}, "measured with huge pages malloc: elsewhere, this "
+                                                               "process has malloc: "),
+                         ({"origin": {"other": "model files"}}, "measured on other model files or library versions"),
+                         ({"path": "fastest"}, "it has no entry")):
         (artifact.path / CACHE_DIR / TUNED_FILE).unlink()
         record(artifact, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
         _edit_entry(artifact, **changes)
@@ -81,7 +82,7 @@ def test_a_session_takes_the_tuned_path_only_where_the_record_describes_it(own_d
         moe_tuning._warned.clear()  # said once a process: this test asks again
         with caplog.at_level(logging.WARNING, logger="moedeploy.runtime.moe_tuning"):
             assert moe_path_of(artifact, 2) == "split", changes
-        assert "no MoE path tuned for this machine at 2 threads" in caplog.text
+        assert "holds no MoE path tuned for this session" in caplog.text and why in caplog.text, caplog.text
     (artifact.path / CACHE_DIR / TUNED_FILE).write_text("{")
     caplog.clear()
     moe_tuning._warned.clear()

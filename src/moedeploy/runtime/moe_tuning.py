@@ -113,13 +113,29 @@ def tuned_path(artifact: Artifact, threads: int) -> str | None:
         _warn_once(path, threads, f"{e}; the default MoE path is used")
         return None
     key = machine_key(artifact, threads)
-    for entry in record["entries"] if record else []:
-        if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()) and entry.get("path") in MOE_PATHS:
+    entries = [e for e in (record["entries"] if record else []) if isinstance(e, dict) and e.get("path") in MOE_PATHS]
+    for entry in entries:
+        if all(entry.get(k) == v for k, v in key.items()):
             return entry["path"]
-    _warn_once(path, threads, f"{path} holds no MoE path tuned for this machine at {threads} threads (this CPU, huge "
-               f"pages {key['huge_pages']}, these model files and library versions); the default is used "
-               f"(`moedeploy tune {artifact.path} --threads {threads}` measures it)")
+    nearest = min(entries, key=lambda e: sum(e.get(k) != v for k, v in key.items()), default=None)
+    _warn_once(path, threads, f"{path} holds no MoE path tuned for this session: {_why_not(nearest, key)}; the "
+               f"default is used (`moedeploy tune {artifact.path} --threads {threads}` measures it)")
     return None
+
+
+def _why_not(entry: dict[str, Any] | None, key: dict[str, Any]) -> str:
+    """Why the nearest record does not describe this session, in words a user can act on."""
+    if entry is None:
+        return "it has no entry"
+    if any(entry.get(k) != key[k] for k in ("cpu", "cpu_features", "last_level_cache")):
+        return "its entries were measured on other CPUs"
+    if entry.get("origin") != key["origin"]:
+        return "its entries were measured on other model files or library versions"
+    if entry.get("threads") != key["threads"]:
+        return f"it was measured at {entry.get('threads')} threads, this session runs {key['threads']}"
+    return (f"it was measured with huge pages {entry.get('huge_pages')}, this process has {key['huge_pages']} (the "
+            "moedeploy command turns them on; a Python process gets them with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
+            "set before it starts)")
 
 
 def path_and_source(artifact: Artifact, threads: int) -> tuple[str, str]:
