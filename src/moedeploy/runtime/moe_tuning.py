@@ -117,7 +117,7 @@ def tuned_path(artifact: Artifact, threads: int) -> str | None:
     for entry in entries:
         if all(entry.get(k) == v for k, v in key.items()):
             return entry["path"]
-    nearest = min(entries, key=lambda e: sum(e.get(k) != v for k, v in key.items()), default=None)
+    nearest = min(reversed(entries), key=lambda e: sum(e.get(k) != v for k, v in key.items()), default=None)  # ties: the newest
     _warn_once(path, threads, f"{path} holds no MoE path tuned for this session: {_why_not(nearest, key)}; the "
                f"default is used (`moedeploy tune {artifact.path} --threads {threads}` measures it)")
     return None
