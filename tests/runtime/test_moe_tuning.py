@@ -184,13 +184,13 @@ def test_tune_refuses_a_quantized_export_before_any_session(tmp_path: Path) -> N
 
 
 def test_bench_is_told_which_path_its_sessions_take_and_why(own_decoder, monkeypatch) -> None:
-    from moedeploy.runtime.moe_tuning import path_and_source
+    from moedeploy.runtime.ort import moe_path_and_source
 
-    assert path_and_source(own_decoder, 2) == ("split", "the default")
+    assert moe_path_and_source(own_decoder, 2) == ("split", "the default")
     path = record(own_decoder, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
-    assert path_and_source(own_decoder, 2) == ("experts", f"as `moedeploy tune` recorded for this machine in {path}")
+    assert moe_path_and_source(own_decoder, 2) == ("experts", f"as `moedeploy tune` recorded for this machine in {path}")
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "split")
-    assert path_and_source(own_decoder, 2) == ("split", "MOEDEPLOY_MOE_PATH is set")
+    assert moe_path_and_source(own_decoder, 2) == ("split", "MOEDEPLOY_MOE_PATH is set")
 
 
 def test_tune_refuses_where_two_sessions_of_the_weights_would_not_fit(own_decoder, tmp_path, monkeypatch) -> None:

@@ -559,9 +559,9 @@ def bench(
     }
     if (set(backends) & {"ort", "ort-gqa"} and artifact.kind == "decoder" and artifact.dtype == "fp32"
             and not quantized_base and threads > 1):
-        from moedeploy.runtime.moe_tuning import path_and_source
+        from moedeploy.runtime.ort import moe_path_and_source
 
-        path, source = path_and_source(artifact, threads)  # what their sessions decided (a worker's warnings are not shown)
+        path, source = moe_path_and_source(artifact, threads)  # what their sessions decided (a worker's warnings are not shown)
         report["moe_path"] = {"path": path, "source": source}
     if json_path:
         atomic_write_json(json_path, report)

@@ -10,9 +10,9 @@ again on a day its memory read half as fast (benchmarks/README.md). A default is
 So `moedeploy tune` times both on the artifact, in one process, in paired greedy generations
 (the two sessions alternating, so a busy spell slows both), and writes the faster into the
 artifact's cache/ with what it was measured on. A session takes that path only while the record
-still describes it: the same CPU model, the same threads, the same model files and library
-versions (`cache_origin`, as the lowering cache is checked). Otherwise it says why and takes
-the default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
+still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
+versions, as `cache_origin` checks the lowering cache). Otherwise it says why and takes the
+default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
 the record for every session. Both paths compute the same function (`compare` checks each
 against eager PyTorch), so a record can make a session slower, never wrong.
 """
@@ -136,20 +136,6 @@ def _why_not(entry: dict[str, Any] | None, key: dict[str, Any]) -> str:
     return (f"it was measured with huge pages {entry.get('huge_pages')}, this process has {key['huge_pages']} (the "
             "moedeploy command turns them on; a Python process gets them with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
             "set before it starts)")
-
-
-def path_and_source(artifact: Artifact, threads: int) -> tuple[str, str]:
-    """The fp32 MoE path an "auto" CPU session of `artifact` at `threads` (2 or more) takes, and
-    what decided it, in words (bench reports it beside its rows)."""
-    import os
-
-    from moedeploy.runtime.ort import MOE_PATH_ENV, moe_path
-
-    if os.environ.get(MOE_PATH_ENV, "").strip():
-        return moe_path(), f"{MOE_PATH_ENV} is set"
-    if tuned := tuned_path(artifact, threads):
-        return tuned, f"as `moedeploy tune` recorded for this machine in {tuned_file(artifact)}"
-    return "split", "the default"
 
 
 _warned: set[tuple[str, int]] = set()

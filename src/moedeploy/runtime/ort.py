@@ -201,18 +201,27 @@ def create_session(
 
 
 def moe_path(artifact: Artifact | None = None, threads: int | None = None) -> str:
-    """The fp32 MoE path of a CPU session: MOEDEPLOY_MOE_PATH where it is set ("split" or
-    "experts"; SessionError naming the choices for anything else), else the path `moedeploy tune`
-    recorded for `artifact` on this machine at `threads` (runtime/moe_tuning.py), else "split"."""
+    """The fp32 MoE path of a CPU session ("split" or "experts"): `moe_path_and_source`'s."""
+    return moe_path_and_source(artifact, threads)[0]
+
+
+def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = None) -> tuple[str, str]:
+    """The fp32 MoE path of a CPU session and what decided it, in words (bench reports it):
+    MOEDEPLOY_MOE_PATH where it is set ("split" or "experts"; SessionError naming the choices for
+    anything else), else the path `moedeploy tune` recorded for `artifact` on this machine at
+    `threads` (runtime/moe_tuning.py), else "split", the default."""
     value = os.environ.get(MOE_PATH_ENV, "").strip().lower()
     if value and value not in MOE_PATHS:
         raise SessionError(f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r} is not a MoE path: set it to split (each "
                            "expert cut into one piece per thread, the default) or experts (one If per expert), or unset it")
-    if value or artifact is None:
-        return value or "split"
-    from moedeploy.runtime.moe_tuning import tuned_path
+    if value:
+        return value, f"{MOE_PATH_ENV} is set"
+    if artifact is not None:
+        from moedeploy.runtime.moe_tuning import tuned_file, tuned_path
 
-    return tuned_path(artifact, threads or default_threads()) or "split"
+        if tuned := tuned_path(artifact, threads or default_threads()):
+            return tuned, f"as `moedeploy tune` recorded for this machine in {tuned_file(artifact)}"
+    return "split", "the default"
 
 
 def default_expert_pieces(provider: str, threads: int | None, prepack: bool = True,
