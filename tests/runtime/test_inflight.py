@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -300,12 +301,19 @@ def test_a_seeded_sampled_generation_is_the_same_beside_others(exported, schedul
     assert len(set(alone)) > 3  # really sampled, not one token repeated
 
 
-def _events(scheduler: InflightScheduler, prompt, new, **kw) -> tuple[list, threading.Event]:
+def _events(scheduler: InflightScheduler, prompt, new, then: Callable[[list], None] | None = None,
+            **kw) -> tuple[list, threading.Event]:
+    """Submit one generation; its events collect in the list, the Event is set by its last.
+    `then(events)` runs on the scheduler's thread after each event, between two steps: what it
+    submits joins, and what it cancels ends, at the next step, however slowly the test's own
+    thread is scheduled."""
     events: list = []
     done = threading.Event()
 
     def on_event(event) -> None:
         events.append(event)
+        if then is not None:
+            then(events)
         if not isinstance(event, int):
             done.set()
 
@@ -332,14 +340,12 @@ def test_a_cancelled_generation_frees_its_row_and_the_others_go_on(exported, sch
     hf, _ = exported
     vocab = hf.config.vocab_size
     flag = threading.Event()
-    cancelled_events, cancelled_done = _events(scheduler, _ids(vocab, 4, 31), 50, cancelled=flag.is_set)
+    cancelled_events, cancelled_done = _events(scheduler, _ids(vocab, 4, 31), 50, cancelled=flag.is_set,
+                                               then=lambda events: len(events) == 2 and flag.set())
     other = _ids(vocab, 6, 32)
     other_events, other_done = _events(scheduler, other, 30)
-    while len(cancelled_events) < 2:
-        time.sleep(0.001)
-    flag.set()
     assert cancelled_done.wait(30) and other_done.wait(30)
-    assert cancelled_events[-1] == Finished("cancelled") and len(cancelled_events) < 50
+    assert cancelled_events[-1] == Finished("cancelled") and len(cancelled_events) == 3  # cancelled after two
     with torch.no_grad():
         expected = hf.generate(torch.from_numpy(other)[None], max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, 6:]
     assert other_events == [*expected.tolist(), Finished("length")]
@@ -434,10 +440,17 @@ def test_a_prompt_that_fails_in_a_later_chunk_fails_alone(exported) -> None:
     try:
         prompts = [_ids(vocab, 4, 51), _ids(vocab, 3, 53), np.array([1, 2, vocab + 7, 3]), _ids(vocab, 5, 52)]
         budgets = [14, 14, 6, 6]
-        runs = [_events(scheduler, prompts[i], budgets[i]) for i in (0, 1)]
-        while not (runs[0][0] and runs[1][0]):  # two rows decode before the others join
-            time.sleep(0.001)
-        runs += [_events(scheduler, prompts[i], budgets[i]) for i in (2, 3)]
+        runs: list = []
+        joined = threading.Event()
+
+        def join_the_others(_: list) -> None:  # once two rows decode, the others join them, in one step
+            if len(runs) == 2 and runs[0][0] and runs[1][0] and not joined.is_set():
+                joined.set()
+                runs.extend(_events(scheduler, prompts[i], budgets[i]) for i in (2, 3))
+
+        for i in (0, 1):
+            runs.append(_events(scheduler, prompts[i], budgets[i], then=join_the_others))
+        assert joined.wait(30)
         for _, done in runs:
             assert done.wait(30)
         assert scheduler.partial_chunks > 0
@@ -461,12 +474,18 @@ def test_a_row_mid_prefill_moves_into_a_freed_row_and_goes_on(exported) -> None:
     vocab = hf.config.vocab_size
     scheduler = InflightScheduler(RowCacheDecoder(artifact, slots=2, capacity=64), prefill_chunk=2)
     try:
-        first = _events(scheduler, _ids(vocab, 4, 71), 40, cancelled=lambda: scheduler.partial_chunks >= 1)
-        while not first[0]:  # it decodes before the prompt joins, so the prompt goes in chunks
-            time.sleep(0.001)
         prompt = _ids(vocab, 9, 72)
-        second = _events(scheduler, prompt, 6)
-        assert first[1].wait(30) and second[1].wait(30)
+        joined: list = []
+
+        def join_the_prompt(_: list) -> None:  # it decodes before the prompt joins, so the prompt goes in chunks
+            if not joined:
+                joined.append(_events(scheduler, prompt, 6))
+
+        first = _events(scheduler, _ids(vocab, 4, 71), 40, then=join_the_prompt,
+                        cancelled=lambda: scheduler.partial_chunks >= 1)
+        assert first[1].wait(30)
+        (second,) = joined
+        assert second[1].wait(30)
     finally:
         scheduler.stop()
     assert first[0][-1] == Finished("cancelled")
