@@ -118,6 +118,33 @@ def test_a_new_record_replaces_this_machines_entry_and_keeps_the_others(own_deco
     assert DERIVED_FILES["cache"].fullmatch(TUNED_FILE)  # a re-export replaces it as moedeploy's own
 
 
+def test_two_runs_recording_at_once_keep_both_entries(own_decoder, monkeypatch) -> None:
+    """Two tunes of one artifact (2 and 3 threads) record at once. Each write is slowed so that
+    both would read the record before either wrote it: without the lock the second drops the
+    first's entry."""
+    import threading
+    import time
+
+    from moedeploy.utils import io
+
+    real_write = io.atomic_write_json
+
+    def slow_write(path, obj) -> None:
+        time.sleep(0.3)
+        real_write(path, obj)
+
+    monkeypatch.setattr(io, "atomic_write_json", slow_write)
+    runs = [threading.Thread(target=record, args=(own_decoder, threads, Tuning("experts", "measured", 1.1, [1.1], [1.0], True)))
+            for threads in (2, 3)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(30)
+    entries = json.loads((own_decoder.path / CACHE_DIR / TUNED_FILE).read_text())["entries"]
+    assert sorted(e["threads"] for e in entries) == [2, 3]
+    assert [p.name for p in (own_decoder.path / CACHE_DIR).iterdir()] == [TUNED_FILE]  # no lock file left
+
+
 def tune(*args: str):
     return CliRunner().invoke(app, ["tune", *args])
 

@@ -205,18 +205,20 @@ def memory_problem(artifact: Artifact, meminfo: str | None = None) -> str | None
 def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
     """Write `tuning` as this machine's entry, replacing the one with the same key (other machines'
     entries, and ones made with other library versions, which another machine may still run,
-    are kept). Atomic: a reader sees the old record or the new one."""
-    from moedeploy.utils.io import atomic_write_json
+    are kept). Atomic: a reader sees the old record or the new one; and locked: of two runs
+    recording at once (say for 2 and 4 threads), neither loses the other's entry."""
+    from moedeploy.utils.io import atomic_write_json, folder_locked
 
     if problem := write_problem(artifact):
         raise ValueError(problem)
     path = tuned_file(artifact)
     key = machine_key(artifact, threads)
-    old = _read(path) or {"entries": []}
-    kept = [e for e in old["entries"] if isinstance(e, dict) and any(e.get(k) != v for k, v in key.items())]
     entry = {**key, **asdict(tuning), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     path.parent.mkdir(exist_ok=True)
-    atomic_write_json(path, {"format": TUNED_FORMAT, "entries": [*kept, entry]})
+    with folder_locked(path.parent):
+        old = _read(path) or {"entries": []}
+        kept = [e for e in old["entries"] if isinstance(e, dict) and any(e.get(k) != v for k, v in key.items())]
+        atomic_write_json(path, {"format": TUNED_FORMAT, "entries": [*kept, entry]})
     return path
 
 

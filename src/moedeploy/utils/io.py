@@ -43,6 +43,25 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+@contextlib.contextmanager
+def folder_locked(folder: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (flock on the folder itself: no lock file left behind)
+    for a read-modify-write of a record in it. An atomic write alone keeps a reader from seeing
+    half a file, but of two writers that read the same old record, the second would drop the
+    first's entry. Where flock does not exist (not POSIX) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
     """A JSON file that must hold an object, or `error` with one line naming the file and the fault."""
     try:
