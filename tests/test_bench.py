@@ -301,6 +301,31 @@ def test_busy_warning_above_ten_percent_only() -> None:
     assert "(max - min) / median over 3 runs, above 10%" in warning and "busy" in warning
 
 
+def test_bandwidth_probes_that_disagree_say_of_bound_is_not_to_be_read_alone() -> None:
+    """Probes of one session's run: 31.2 (machine), 32.2, 31.9 and 59.1 GB/s: spread (59.1 - 31.2)
+    / median 32.05 = 87%. Within 20% of the median nothing is said."""
+    from moedeploy.bench.spread import probes_warning
+
+    warning = probes_warning([31.2, 32.2, 31.9, 59.1])
+    assert warning is not None
+    assert warning.startswith("the run's memory-bandwidth probes read 31.2 to 59.1 GB/s (median 32.0, spread 87%")
+    assert "paired decode ratio" in warning
+    assert probes_warning([30.0, 33.0, 36.0]) is None  # 6 / 33 = 18%
+    assert probes_warning([30.0, 37.0, 33.0]) is not None  # 7 / 33 = 21%
+    assert probes_warning([59.1]) is None  # one probe: nothing to compare
+
+
+def test_every_rounds_probe_is_kept_and_the_median_is_the_rows() -> None:
+    from moedeploy.bench.api import merge_rounds
+
+    rounds = [{"backend": "ort", "prefill_ms": 1.0, "prefill_ms_all": [1.0], "decode_tokens_per_s": 1.0,
+               "decode_tokens_per_s_all": [1.0], "token_latency_p50_ms": 1.0, "token_latency_p99_ms": 1.0,
+               "load_s": 1.0, "peak_rss_mb": 1.0, "load_peak_rss_mb": 1.0, "backend_rss_mb": 1.0,
+               "baseline_rss_mb": 1.0, "bandwidth_gbs": gbs, "tokens": [[1]]} for gbs in (31.0, 52.6, 55.0)]
+    merged = merge_rounds(rounds)
+    assert merged["bandwidth_gbs_all"] == [31.0, 52.6, 55.0] and merged["bandwidth_gbs"] == 52.6
+
+
 def test_last_level_cache_is_the_largest_level_in_sysfs(tmp_path: Path) -> None:
     from moedeploy.bench.machine import last_level_cache_bytes
 

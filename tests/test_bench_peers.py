@@ -267,8 +267,10 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
         round_no = order.count(settings.backend)
         order.append(settings.backend)
         result = _result(settings.backend, [rates[settings.backend][round_no]], [5.0], 300.0, [[1, 2, 3]])
-        # a round that says how it ran differently (as a llama.cpp worker retried without its extra buffers)
-        return result | ({"note": "ran without its extra buffers"} if (settings.backend, round_no) == ("ort", 1) else {})
+        # a round that says how it ran differently (as a llama.cpp worker retried without its extra
+        # buffers), and whose bandwidth probe read 19 GB/s where the others read 10
+        return result | ({"note": "ran without its extra buffers", "bandwidth_gbs": 19.0}
+                         if (settings.backend, round_no) == ("ort", 1) else {})
 
     monkeypatch.setattr(api, "run_in_subprocess", worker)
     out = tmp_path / "bench.json"
@@ -288,6 +290,9 @@ def test_peers_left_out_are_reported_and_rounds_interleave(tmp_path: Path, monke
     assert "min / median / max over 2 runs (2 rounds of 1):" in done.stdout
     assert "ort: ran without its extra buffers" in report["warnings"]
     assert "warning: ort: ran without its extra buffers" in done.stderr
+    assert report["raw"][1]["bandwidth_gbs_all"] == [10.0, 19.0]
+    probes = "the run's memory-bandwidth probes read 10.0 to 19.0 GB/s (median 10.0, spread 90%"
+    assert any(w.startswith(probes) for w in report["warnings"]) and probes in " ".join(done.stderr.split())
     # medians 87.5 / 37.5 = 2.333; by round 100 / 50 = 2 and 75 / 25 = 3, median 2.5
     ratio = report["ratios"]["ort_vs_torch"]
     assert ratio["decode_speedup"] == 2.333

@@ -15,7 +15,7 @@ from moedeploy.bench.decode import Settings, keeps_extra_buffers, run_in_subproc
 from moedeploy.bench.machine import describe
 from moedeploy.bench.peers import PEERS, check_config, gguf_file, missing
 from moedeploy.bench.roofline import decode_step_bytes, decode_step_flops, weight_bytes
-from moedeploy.bench.spread import busy_warning, spreads
+from moedeploy.bench.spread import busy_warning, probes_warning, spreads
 from moedeploy.export import Artifact, export
 from moedeploy.export.artifact import parse_dtype
 from moedeploy.export.quantize import (
@@ -527,6 +527,9 @@ def bench(
     ok = [r for r in raw if "error" not in r]
     spread = {r["backend"]: spreads(r) for r in ok}
     warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat * rounds))]
+    probes = [machine["bandwidth_gbs"], *(p for r in ok for p in r.get("bandwidth_gbs_all", [r["bandwidth_gbs"]]))]
+    if probe_note := probes_warning(probes):
+        warnings.append(probe_note)
     if cache_note := cache_holds_step_warning(machine.get("last_level_cache_mb"), step_bytes):
         warnings.append(cache_note)
     warnings += [f"{r['backend']}: {r['note']}" for r in ok if "note" in r]
@@ -612,7 +615,8 @@ def merge_rounds(runs: list[dict]) -> dict:
     for key in ("peak_rss_mb", "load_peak_rss_mb", "backend_rss_mb"):
         merged[key] = max(r[key] for r in runs)
     merged["baseline_rss_mb"] = min(r["baseline_rss_mb"] for r in runs)
-    merged["bandwidth_gbs"] = statistics.median(r["bandwidth_gbs"] for r in runs)
+    merged["bandwidth_gbs_all"] = [r["bandwidth_gbs"] for r in runs]
+    merged["bandwidth_gbs"] = statistics.median(merged["bandwidth_gbs_all"])
     for r in runs:  # a round that ran without llama.cpp's extra weight buffers marks the whole row
         if "note" in r:
             merged.update(note=r["note"], llama_extra_buffers=r.get("llama_extra_buffers"))

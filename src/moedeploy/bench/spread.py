@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 BUSY_SPREAD = 0.10
+#: The bandwidth probes of one run (the machine's, then each worker's after its timed runs)
+#: further apart than this: "of bound" then measures the probe as much as the backend.
+PROBE_SPREAD = 0.20
 # The figures whose spread is reported: the raw result's key -> the name users read.
 SPREAD_METRICS = {"decode_tokens_per_s": "decode tokens/s", "prefill_ms": "prefill ms"}
 
@@ -53,3 +56,18 @@ def busy_warning(backend: str, figures: dict[str, Spread], runs: int) -> str | N
         return None
     return (f"{backend}: runs spread {', '.join(wide)} ((max - min) / median over {runs} runs, "
             f"above {BUSY_SPREAD:.0%}): the machine was likely busy; rerun when it is idle")
+
+
+def probes_warning(probes_gbs: Sequence[float]) -> str | None:
+    """One line when the run's bandwidth probes disagree by more than PROBE_SPREAD. Each row's
+    "of bound" divides by its own workers' probe, so on a host whose memory bus other tenants
+    share (probes of 31 and 59 GB/s in one run were seen) a backend can read 42% in one run
+    and 77% in the next at the same speed: then only backends' ratios to each other mean much."""
+    if len(probes_gbs) < 2:
+        return None
+    s = Spread.of(probes_gbs)
+    if s.relative <= PROBE_SPREAD:
+        return None
+    return (f"the run's memory-bandwidth probes read {s.low:.1f} to {s.high:.1f} GB/s (median {s.median:.1f}, "
+            f"spread {s.relative:.0%}, above {PROBE_SPREAD:.0%}): 'of bound' moves with each row's own probe; "
+            "compare backends by their paired decode ratio, or rerun when the machine is idle")
