@@ -189,9 +189,11 @@ SEVEN_REQUESTS = [(4, 12), (9, 3), (4, 20), (2, 1), (13, 9), (6, 15), (4, 6)]  #
 
 def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = False) -> None:
     """Seven requests of different lengths and budgets from seven threads, started a few ms
-    apart (first_decodes: the others once the first has its first token, the first with 48 new
-    tokens so that it still decodes when the second joins, however fast a step is), on three
-    rows: each gets the tokens transformers' greedy generate gives it alone."""
+    apart, on three rows: each gets the tokens transformers' greedy generate gives it alone.
+    first_decodes: the first (48 new tokens) decodes alone, the second (9 tokens) joins it at
+    the step after its first token, and the other five start at the step after that; the
+    scheduler's own thread starts them (`_events(then=...)`), so no slow test thread can
+    let the first finish before the second joins."""
     vocab = hf.config.vocab_size
     budgets = [(4, 48), *SEVEN_REQUESTS[1:]] if first_decodes else SEVEN_REQUESTS
     requests = [(_ids(vocab, n, seed), new) for seed, (n, new) in enumerate(budgets)]
@@ -205,12 +207,29 @@ def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = F
             got[i].append(token)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
-    threads[0].start()
-    while first_decodes and not got[0]:
-        time.sleep(0.001)
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
+    if not first_decodes:
+        for t in threads:
+            t.start()
+    else:
+        started = []  # the first is submitted here, its tokens read from its events
+
+        def start_the_others(_: list) -> None:  # between two steps, on the scheduler's thread
+            if not started:  # the first decodes: the second is queued before the next step
+                started.append(threads[1])
+                threads[1].start()
+                deadline = time.monotonic() + 30
+                while scheduler.queued == 0 and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+            elif len(started) == 1:  # the second joined at the step that just ran: the rest may come
+                started.extend(threads[2:])
+                for t in threads[2:]:
+                    t.start()
+
+        events, done = _events(scheduler, *requests[0], then=start_the_others)
+        assert done.wait(60)
+        got[0] = [e for e in events if isinstance(e, int)]
+        assert events[-1] == Finished("length")
+    for t in threads[1:] if first_decodes else threads:
         t.join(60)
     assert got == expected
     assert scheduler.running == 0 and scheduler.queued == 0
