@@ -191,8 +191,8 @@ def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = F
     """Seven requests of different lengths and budgets from seven threads, started a few ms
     apart, on three rows: each gets the tokens transformers' greedy generate gives it alone.
     first_decodes: the first (48 new tokens) decodes alone, the second (9 tokens) joins it at
-    the step after its first token, and the other five start at the step after that; the
-    scheduler's own thread starts them (`_events(then=...)`), so no slow test thread can
+    the step after its first token, and the other five clients' threads start at the step
+    after that (each then waits its 3 ms a place); the scheduler's own thread starts them (`_events(then=...)`), so no slow test thread can
     let the first finish before the second joins."""
     vocab = hf.config.vocab_size
     budgets = [(4, 48), *SEVEN_REQUESTS[1:]] if first_decodes else SEVEN_REQUESTS
@@ -212,6 +212,7 @@ def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = F
             t.start()
     else:
         started = []  # the first is submitted here, its tokens read from its events
+        queued_in_time: list[bool] = []
 
         def start_the_others(_: list) -> None:  # between two steps, on the scheduler's thread
             if not started:  # the first decodes: the second is queued before the next step
@@ -220,6 +221,7 @@ def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = F
                 deadline = time.monotonic() + 30
                 while scheduler.queued == 0 and time.monotonic() < deadline:
                     time.sleep(0.0005)
+                queued_in_time.append(scheduler.queued > 0)
             elif len(started) == 1:  # the second joined at the step that just ran: the rest may come
                 started.extend(threads[2:])
                 for t in threads[2:]:
@@ -228,7 +230,7 @@ def _concurrent_greedy(hf, scheduler: InflightScheduler, first_decodes: bool = F
         events, done = _events(scheduler, *requests[0], then=start_the_others)
         assert done.wait(60)
         got[0] = [e for e in events if isinstance(e, int)]
-        assert events[-1] == Finished("length")
+        assert events[-1] == Finished("length") and queued_in_time == [True]
     for t in threads[1:] if first_decodes else threads:
         t.join(60)
     assert got == expected
@@ -459,17 +461,21 @@ def test_a_prompt_that_fails_in_a_later_chunk_fails_alone(exported) -> None:
     try:
         prompts = [_ids(vocab, 4, 51), _ids(vocab, 3, 53), np.array([1, 2, vocab + 7, 3]), _ids(vocab, 5, 52)]
         budgets = [14, 14, 6, 6]
-        runs: list = []
-        joined = threading.Event()
+        second: list = []
+        others: list = []
 
-        def join_the_others(_: list) -> None:  # once two rows decode, the others join them, in one step
-            if len(runs) == 2 and runs[0][0] and runs[1][0] and not joined.is_set():
-                joined.set()
-                runs.extend(_events(scheduler, prompts[i], budgets[i]) for i in (2, 3))
+        def submit_the_second(_: list) -> None:  # the first decodes: the second joins it at the next step
+            if not second:
+                second.append(_events(scheduler, prompts[1], budgets[1], then=join_the_others))
 
-        for i in (0, 1):
-            runs.append(_events(scheduler, prompts[i], budgets[i], then=join_the_others))
-        assert joined.wait(30)
+        def join_the_others(events: list) -> None:  # the second's first token, the first still decoding
+            if not others and events:
+                others.extend(_events(scheduler, prompts[i], budgets[i]) for i in (2, 3))
+
+        first = _events(scheduler, prompts[0], budgets[0], then=submit_the_second)
+        assert first[1].wait(30)
+        runs = [first, *second, *others]
+        assert len(runs) == 4
         for _, done in runs:
             assert done.wait(30)
         assert scheduler.partial_chunks > 0

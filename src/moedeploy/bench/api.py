@@ -527,8 +527,8 @@ def bench(
     ok = [r for r in raw if "error" not in r]
     spread = {r["backend"]: spreads(r) for r in ok}
     warnings = [w for name, figures in spread.items() if (w := busy_warning(name, figures, repeat * rounds))]
-    probes = [machine["bandwidth_gbs"], *(p for r in ok for p in r.get("bandwidth_gbs_all", [r["bandwidth_gbs"]]))]
-    if probe_note := probes_warning(probes):
+    probes = [machine["bandwidth_gbs"], *(p for r in ok for p in r["bandwidth_gbs_all"])]
+    if probe_note := probes_warning(probes, rounds):
         warnings.append(probe_note)
     if cache_note := cache_holds_step_warning(machine.get("last_level_cache_mb"), step_bytes):
         warnings.append(cache_note)
@@ -600,8 +600,10 @@ def merge_rounds(runs: list[dict]) -> dict:
     import statistics
 
     failed = [r for r in runs if "error" in r]
-    if failed or len(runs) == 1:
-        return (failed or runs)[0]
+    if failed:
+        return failed[0]
+    if len(runs) == 1:  # its probe as a list too, as the report's JSON has it for every row
+        return {**runs[0], "bandwidth_gbs_all": [runs[0]["bandwidth_gbs"]]}
     first = runs[0]
     if any(r["tokens"] != first["tokens"] for r in runs):
         return {"backend": first["backend"], "error": "its rounds generated different greedy tokens"}

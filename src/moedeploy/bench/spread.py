@@ -58,11 +58,12 @@ def busy_warning(backend: str, figures: dict[str, Spread], runs: int) -> str | N
             f"above {BUSY_SPREAD:.0%}): the machine was likely busy; rerun when it is idle")
 
 
-def probes_warning(probes_gbs: Sequence[float]) -> str | None:
+def probes_warning(probes_gbs: Sequence[float], rounds: int) -> str | None:
     """One line when the run's bandwidth probes disagree by more than PROBE_SPREAD. Each row's
     "of bound" divides by its own workers' probe, so on a host whose memory bus other tenants
     share (probes of 31 and 59 GB/s in one run were seen) a backend can read 42% in one run
-    and 77% in the next at the same speed: then only backends' ratios to each other mean much."""
+    and 77% in the next at the same speed: then only backends' ratios to each other mean much,
+    and best paired by round (which needs rounds)."""
     if len(probes_gbs) < 2:
         return None
     s = Spread.of(probes_gbs)
@@ -70,4 +71,6 @@ def probes_warning(probes_gbs: Sequence[float]) -> str | None:
         return None
     return (f"the run's memory-bandwidth probes read {s.low:.1f} to {s.high:.1f} GB/s (median {s.median:.1f}, "
             f"spread {s.relative:.0%}, above {PROBE_SPREAD:.0%}): 'of bound' moves with each row's own probe; "
-            "compare backends by their paired decode ratio, or rerun when the machine is idle")
+            + ("compare backends by their paired decode ratio" if rounds > 1 else
+               "rerun with --rounds 3 and compare backends by their paired decode ratio")
+            + ", or rerun when the machine is idle")

@@ -48,7 +48,10 @@ def folder_locked(folder: str | Path) -> Iterator[None]:
     """Hold an exclusive lock on `folder` (flock on the folder itself: no lock file left behind)
     for a read-modify-write of a record in it. An atomic write alone keeps a reader from seeing
     half a file, but of two writers that read the same old record, the second would drop the
-    first's entry. Where flock does not exist (not POSIX) nothing is locked."""
+    first's entry. Where flock does not exist (not POSIX) or the filesystem refuses it on a
+    folder (NFS and CIFS emulate flock as a byte-range lock, which needs a file open for
+    writing) nothing is locked: losing a concurrent writer's entry is better than failing a
+    write that minutes of measuring led up to."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
@@ -56,7 +59,8 @@ def folder_locked(folder: str | Path) -> Iterator[None]:
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
