@@ -11,7 +11,6 @@ import functools
 import math
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -884,6 +883,7 @@ def tune_cmd(
     open at once, so tuning needs about twice the weights in memory.
     """
     check_artifact_folder(artifact)
+    from moedeploy.bench.spread import Spread
     from moedeploy.export import Artifact
     from moedeploy.runtime.moe_tuning import measure, memory_problem, record, write_problem
     from moedeploy.runtime.ort import MOE_PATH_ENV, default_threads, moe_path
@@ -911,8 +911,8 @@ def tune_cmd(
         path = record(loaded, threads, tuning)
     table = make_table(None, ["path", "what", "step ms (median)", "min", "max"], text=("path", "what"))
     for name, what in (("split", "experts in pieces, com.microsoft::MoE"), ("experts", "one If per expert")):
-        ms = getattr(tuning, f"{name}_ms")
-        table.add_row(name, what, f"{statistics.median(ms):.3f}", f"{min(ms):.3f}", f"{max(ms):.3f}")
+        ms = Spread.of(getattr(tuning, f"{name}_ms"))
+        table.add_row(name, what, f"{ms.median:.3f}", f"{ms.low:.3f}", f"{ms.high:.3f}")
     out.print(table)
     out.print(f"{threads} threads, {rounds} rounds paired: {escape(tuning.verdict)} (split / experts step time "
               f"x{tuning.ratio:.3f}): sessions of this artifact here take [bold]{tuning.path}[/bold]", highlight=False)

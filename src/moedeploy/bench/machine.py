@@ -23,15 +23,20 @@ def median_seconds(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def cpu_model() -> str:
+def _cpuinfo_value(*fields: str) -> str | None:
+    """The value of /proc/cpuinfo's first line naming one of `fields` (None: absent or unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(fields):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo_value("model name") or platform.processor() or "unknown"
 
 
 #: the vector instruction sets ONNX Runtime's and llama.cpp's CPU kernels choose between
@@ -41,15 +46,8 @@ VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_
 def cpu_features() -> list[str]:
     """Which of VECTOR_FEATURES this CPU has (/proc/cpuinfo's flags; [] where unreadable): two
     machines can share a model name ("AMD EPYC" in a VM) and not their kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [name for name in VECTOR_FEATURES if name in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((_cpuinfo_value("flags", "Features") or "").split())
+    return [name for name in VECTOR_FEATURES if name in flags]
 
 
 def last_level_cache_bytes(cpu_dir: str | os.PathLike = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
