@@ -30,6 +30,7 @@ from moedeploy.models import PRESETS, DecoderConfig, preset
 from moedeploy.models.blockquant import QuantScheme
 from moedeploy.models.checkpoint import CheckpointWeights
 from moedeploy.models.weights import fingerprint
+from moedeploy.utils.cache import cache_dir
 from moedeploy.utils.io import OutputRefused, atomic_write_json
 from moedeploy.utils.progress import size_text
 
@@ -39,17 +40,6 @@ Progress = Callable[[str], None]
 
 #: the backends that run the artifact on ONNX Runtime
 ORT_BACKENDS = ("ort", "ort-gqa", "ort-gqa-experts", "ort-contrib")
-
-
-def cache_dir() -> Path:
-    """Where bench keeps its preset and checkpoint exports: $MOEDEPLOY_CACHE, else $XDG_CACHE_HOME/moedeploy, else ~/.cache/moedeploy.
-
-    The XDG base-directory rule: a relative XDG_CACHE_HOME is ignored.
-    """
-    if explicit := os.environ.get("MOEDEPLOY_CACHE"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "moedeploy"
 
 
 def preset_folder(name: str) -> Path:
