@@ -25,6 +25,36 @@ if "TRITON_INTERPRET" not in os.environ:
 # a shell that chose the other one for its own sessions must not change what they check.
 os.environ.pop("MOEDEPLOY_MOE_PATH", None)
 
+# The native kernels (plugins/native) become every CPU session's MoE path wherever they build,
+# so a machine with ONNX Runtime's headers would run the suite on another path than one
+# without. Off for the suite; the tests of the native path turn them on (`native_kernels`), with
+# headers from MOEDEPLOY_TEST_ORT_INCLUDE (.ci/run fetches them), MOEDEPLOY_ORT_INCLUDE or the system.
+NATIVE_TEST_INCLUDE = os.environ.get("MOEDEPLOY_TEST_ORT_INCLUDE") or os.environ.get("MOEDEPLOY_ORT_INCLUDE")
+os.environ.pop("MOEDEPLOY_ORT_INCLUDE", None)
+os.environ["MOEDEPLOY_NATIVE"] = "off"
+
+
+@pytest.fixture(scope="module")
+def native_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The native kernels on, built into a fresh cache for the module; skipped where no
+    ONNX Runtime headers are to be had, except under CI, whose .ci/run fetches them."""
+    from moedeploy.plugins import native
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MOEDEPLOY_NATIVE", raising=False)
+        if NATIVE_TEST_INCLUDE:
+            patch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
+        patch.setenv("MOEDEPLOY_CACHE", str(tmp_path_factory.mktemp("native-cache")))
+        native.library_path.cache_clear()
+        include, why = native.headers()
+        if include is None:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must test the native kernels: {why} (.ci/run fetches libonnxruntime-dev)")
+            pytest.skip(f"native kernels not testable here: {why}")
+        native.library_path()
+        yield native
+        native.library_path.cache_clear()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def traces_shared_by_workers(request: pytest.FixtureRequest,

@@ -878,6 +878,8 @@ def tune_cmd(
     files and library versions, takes it: `bench` on this folder at the same --threads, serve,
     compare, OrtDecoder in Python. Anywhere else the record is ignored, with a warning.
     MOEDEPLOY_MOE_PATH (split or experts), when set, overrides it; deleting the file forgets it.
+    Where the project's native MoE kernel is built (plugins/native), sessions take it before any
+    record; the record then serves sessions run with MOEDEPLOY_NATIVE=0.
     Both paths compute the same result (`moedeploy compare --backend ort,ort-experts`). The
     ratio moves with context length too: tune at the --prompt-len you serve. Both sessions are
     open at once, so tuning needs about twice the weights in memory.
@@ -914,8 +916,13 @@ def tune_cmd(
         ms = Spread.of(getattr(tuning, f"{name}_ms"))
         table.add_row(name, what, f"{ms.median:.3f}", f"{ms.low:.3f}", f"{ms.high:.3f}")
     out.print(table)
+    from moedeploy.plugins import native
+
+    takes = (f"sessions of this artifact here take [bold]{tuning.path}[/bold]" if not native.available() else
+             f"recorded [bold]{tuning.path}[/bold] for sessions with the native kernel off ({native.SWITCH_ENV}=0): "
+             "it is built here, and sessions take it first (plugins/native)")
     out.print(f"{threads} threads, {rounds} rounds paired: {escape(tuning.verdict)} (split / experts step time "
-              f"x{tuning.ratio:.3f}): sessions of this artifact here take [bold]{tuning.path}[/bold]", highlight=False)
+              f"x{tuning.ratio:.3f}): {takes}", highlight=False)
     if not tuning.tokens_identical:
         err.print("[yellow]warning:[/yellow] the two paths decoded different greedy tokens (a near tie rounded apart); "
                   "`moedeploy compare --backend ort,ort-experts` checks both against eager PyTorch", highlight=False)

@@ -110,7 +110,7 @@ def test_function_body_matches_eager(case: str) -> None:
     args = {k: w[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")}
     expected = moe_reference(x, logits, top_k=routing, score_bias=score_bias, **args).numpy()
     lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "function")  # the body itself
-    assert counts == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_split": 0, "moe_function": 1,
+    assert counts == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_native": 0, "moe_split": 0, "moe_function": 1,
                       "rmsnorm_native": 0,
                       "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0,
                       "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,

@@ -89,7 +89,7 @@ def test_split_experts_live_as_long_as_the_bare_session(store) -> None:
 def test_decoder_lowering_counts(store) -> None:
     lowered = create_session(store.decoder("fp32"), CPU, threads=1)
     assert create_session(store.decoder("fp32"), CPU, threads=2).lowering["moe_split"] == 2  # the experts in pieces
-    assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_split": 0, "moe_function": 0,
+    assert lowered.lowering == {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 2, "moe_native": 0, "moe_split": 0, "moe_function": 0,
                                 "rmsnorm_native": 5, "rmsnorm_function": 0, "attention_gqa": 0, "attention_graph": 2, "logits_last": 0, "rmsnorm_skip": 0,
                                 "matmul_nbits": 0, "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0,
                                 "greedy_token": 0}
@@ -107,8 +107,9 @@ def test_the_moe_path_variable_chooses_between_split_and_if_per_expert(store, mo
     lowered = create_session(artifact, CPU, threads=2).lowering
     assert (lowered["moe_experts"], lowered["moe_split"]) == (0, 2)
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "fast")
-    with pytest.raises(SessionError, match=r"^MOEDEPLOY_MOE_PATH='fast' is not a MoE path: set it to split \(each "
-                                           r"expert cut into one piece per thread, the default\) or experts"):
+    with pytest.raises(SessionError, match=r"^MOEDEPLOY_MOE_PATH='fast' is not a MoE path: set it to native \(the "
+                                           r"project's kernel, the default where it builds\), split \(each expert cut "
+                                           r"into one piece per thread\) or experts"):
         create_session(artifact, CPU, threads=2)
 
 

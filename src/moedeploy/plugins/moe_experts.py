@@ -65,6 +65,13 @@ def expert_slice(value: ir.Value, expert: int) -> ir.Value:
                                    f"{value.name}.expert{expert}")
 
 
+def shared_slice(graph: ir.Graph, value: ir.Value, expert: int) -> ir.Value:
+    """`expert_slice`, or the initializer of that name already in `graph` (plugins/moe_native.py's
+    kernel and these Ifs read one initializer an expert, so ONNX Runtime maps its bytes once)."""
+    existing = graph.initializers.get(f"{value.name}.expert{expert}")
+    return existing if existing is not None else expert_slice(value, expert)
+
+
 def plain_softmax(node: ir.Node) -> bool:
     """Softmax top-k, optionally renormalised, with no selection bias, groups or scaling."""
     r = node_routing(node)
@@ -73,7 +80,7 @@ def plain_softmax(node: ir.Node) -> bool:
             and (score_bias is None or is_zero(score_bias)))
 
 
-def dense_routing(add: _Builder, node: ir.Node, logits: ir.Value, n_experts: int) -> ir.Value:
+def dense_routing(add: NodeBuilder, node: ir.Node, logits: ir.Value, n_experts: int) -> ir.Value:
     """Each token's routing weights, (N, E) in fp32, zero off its top-k.
 
     Plain softmax routing in five nodes: Softmax, TopK (ties to the lower index, as the op),
@@ -95,7 +102,7 @@ def dense_routing(add: _Builder, node: ir.Node, logits: ir.Value, n_experts: int
     return add("ScatterElements", [add("Mul", [probs, add.scalar(0.0)]), experts, weights], axis=1)
 
 
-class _Builder:
+class NodeBuilder:
     """Appends nodes to a list and returns their (first) outputs, every value named under
     `prefix` (values of If branches must not share names with each other or the main graph)."""
 
@@ -118,12 +125,14 @@ class _Builder:
         return self("Constant", [], value=ir.tensor(value, dtype=FLOAT))
 
 
-def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) -> None:
-    """Replace one moe::MoE node by the routing probe and one If per expert, in place."""
+def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0, branch_graph: ir.Graph | None = None) -> None:
+    """Replace one moe::MoE node by the routing probe and one If per expert, in place: in
+    `graph`, or in `branch_graph` where the node sits in an If branch of it (plugins/moe_native.py);
+    the experts' weights are initializers of `graph` either way."""
     x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     n_experts, hidden, dim = (int(d) for d in w_up.shape)
     prefix = f"{node.name or node.outputs[0].name}/experts"
-    add = _Builder(prefix)
+    add = NodeBuilder(prefix)
     flat_x = add("Reshape", [x, add.ints([-1, dim])])  # (N, H)
     dense = dense_routing(add, node, logits, n_experts)  # (N, E) weights, 0 off each token's top-k
     zeros = add("ConstantOfShape", [add("Shape", [flat_x])])  # float 0, (N, H)
@@ -136,8 +145,9 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) ->
             return None
         if (blocked := quantized.blocked_source(value)) is not None:
             return quantized.nbits_weight(graph, blocked, expert)
-        sliced = expert_slice(value, expert)
-        initializers.append(sliced)
+        sliced = shared_slice(graph, value, expert)
+        if sliced.name not in graph.initializers:
+            initializers.append(sliced)
         return sliced
 
     # which experts any token routes to, for all experts at once (a few nodes per layer, not per
@@ -154,7 +164,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) ->
         fc1 = (weight(fused, e),) if fused is not None else (weight(w_gate, e), weight(w_up, e))
         branch = _expert_branch(f"{prefix}/expert{e}", flat_x, dense, e, zeros, fc1, weight(w_down, e),
                                 (weight(b_gate, e), weight(b_up, e), weight(b_down, e)), hidden, node, nbits_accuracy)
-        skip = _Builder(f"{prefix}/expert{e}_skipped")
+        skip = NodeBuilder(f"{prefix}/expert{e}_skipped")
         none = skip("Identity", [zeros])
         outs.append(add("If", [split.outputs[e]], then_branch=branch,
                         else_branch=ir.Graph([], [none], nodes=skip.nodes, name=skip.prefix)))
@@ -166,7 +176,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) ->
     for value in initializers:
         graph.register_initializer(value)
     name = node.outputs[0].name
-    ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
+    ir.convenience.replace_nodes_and_values(branch_graph or graph, node, [node], add.nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
     y.shape, y.type = node.outputs[0].shape, node.outputs[0].type  # x's: later lowerings match on it
 
@@ -177,7 +187,7 @@ def _expert_branch(
 ) -> ir.Graph:
     """The taken branch: expert e on the tokens routed to it, scattered into an (N, H) zero tensor."""
     act = node_activation(node)
-    add = _Builder(prefix)
+    add = NodeBuilder(prefix)
     zero = add.scalar(0.0)
     w_e = add("Gather", [dense, add.ints([expert])], axis=1)  # (N, 1): its routing weights
     routed = add("Squeeze", [add("Greater", [w_e, zero]), add.ints([1])])  # (N,) bool

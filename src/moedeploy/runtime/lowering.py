@@ -1,6 +1,12 @@
 """Lower the custom ops of an artifact's graph to what an ONNX Runtime provider runs fastest.
 
-  moe::MoE      -> com.microsoft::MoE with every expert cut into one piece per thread
+  moe::MoE      -> on request (moe_lowering="native"; a CPU session's default wherever the
+                   project's native kernel is built, runtime/ort.moe_path) one If on the token
+                   count: one token -> moedeploy.cpu::MoEExperts, the routed experts in one node
+                   (plugins/moe_native.py, plugins/native/), more -> the per-expert Ifs below,
+                   for fp32 SwiGLU experts on CPU without biases; on the CPU it was measured on,
+                   0.84-0.90x the per-expert Ifs' decode step (benchmarks/README.md); else
+                -> com.microsoft::MoE with every expert cut into one piece per thread
                    (plugins/moe_split.py) where the session has 2 or more threads
                    (expert_pieces) and the experts qualify (fp32 SwiGLU on CPU, softmax top-k
                    renormalised, no biases, a streamed export's stacks): in generations on the
@@ -59,10 +65,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from moedeploy.models.config import DecoderConfig
-from moedeploy.plugins import moe, moe_experts, moe_split, rmsnorm
+from moedeploy.plugins import moe, moe_experts, moe_native, moe_split, rmsnorm
 from moedeploy.runtime import gqa, quantized
 
-MoELowering = Literal["auto", "contrib", "experts", "function"]
+MoELowering = Literal["auto", "contrib", "experts", "native", "function"]
 #: graph: attention as traced; gqa: every layer on GroupQueryAttention, or an error saying why not
 AttentionLowering = Literal["graph", "gqa"]
 #: all: logits for every position (the artifact's output); last: the last position's only;
@@ -89,7 +95,7 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: quantized kernels through BitwiseXor; 14: the greedy_token count; 15: the NaN guard after a MoE
 #: whose router is x @ W checks the routing alone).
 LOWERING_VERSION = 15
-MOE_LOWERINGS = ("auto", "contrib", "experts", "function")
+MOE_LOWERINGS = ("auto", "contrib", "experts", "native", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last", "greedy")
 #: logits="greedy"'s output: each row's next token under greedy decoding, (B, 1) int64
@@ -134,7 +140,7 @@ def lower_for_ort(
     graph = ir_model.graph
     if weights_dir is not None:
         ir.external_data.set_base_dir(graph, weights_dir)
-    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_split": 0, "moe_function": 0, "rmsnorm_native": 0,
+    counts = {"moe_contrib": 0, "moe_routed": 0, "moe_experts": 0, "moe_native": 0, "moe_split": 0, "moe_function": 0, "rmsnorm_native": 0,
               "rmsnorm_function": 0,
               "attention_gqa": 0, "attention_graph": 0, "logits_last": 0, "rmsnorm_skip": 0, "matmul_nbits": 0,
               "moe_qmoe": 0, "matmul_nbits_fused": 0, "packed_qkv": 0, "sign_flips": 0, "greedy_token": 0}
@@ -149,12 +155,15 @@ def lower_for_ort(
         counts["attention_graph"] = config.n_layers - lowered
     for node in list(graph):
         is_moe = node.domain == moe.DOMAIN and node.op_type == moe.OP_TYPE
-        quantized_on_qmoe = is_moe and moe_lowering == "auto" and moe.qmoe_eligible(node, provider, nbits_accuracy)
+        quantized_on_qmoe = is_moe and moe_lowering in ("auto", "native") and moe.qmoe_eligible(node, provider, nbits_accuracy)
         pieces = moe_split.pieces_for(node, provider, expert_pieces) if is_moe and moe_lowering in ("auto", "contrib") else 1
-        if pieces > 1:
+        if is_moe and moe_lowering == "native" and moe_native.native_eligible(node, provider):
+            moe_native.lower_to_native(graph, node)
+            counts["moe_native"] += 1
+        elif pieces > 1:
             moe_split.lower_to_split(graph, node, pieces, provider)
             counts["moe_split"] += 1
-        elif is_moe and moe_lowering in ("auto", "experts") and moe_experts.experts_eligible(node, provider) \
+        elif is_moe and moe_lowering in ("auto", "experts", "native") and moe_experts.experts_eligible(node, provider) \
                 and not quantized_on_qmoe:
             moe_experts.lower_to_experts(graph, node, nbits_accuracy)
             counts["moe_experts"] += 1

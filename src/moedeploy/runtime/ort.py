@@ -41,8 +41,9 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 #: "1": the MatMul/Gemm weights are used as they lie in the artifact's memory-mapped data file
 #: instead of being repacked into a copy of the session's own
 DISABLE_PREPACKING = "session.disable_prepacking"
-#: which path fp32 MoE layers take in a CPU session: "split" (the default) or "experts" (default_expert_pieces)
-MOE_PATH_ENV, MOE_PATHS = "MOEDEPLOY_MOE_PATH", ("split", "experts")
+#: which path fp32 MoE layers take in a CPU session: "native" (the project's kernel, where it is
+#: built here), "split" or "experts" (default_expert_pieces, moe_path_and_source)
+MOE_PATH_ENV, MOE_PATHS = "MOEDEPLOY_MOE_PATH", ("split", "experts", "native")
 #: graph optimizers a session skips, by name (comma-separated)
 DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
 #: the temporary folders profiling sessions write into (`session_options`, `profile_events`)
@@ -176,8 +177,9 @@ def create_session(
     provider = providers[0]
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
-    if expert_pieces is None:
+    if expert_pieces is None:  # the session's own MoE path (a caller that gives pieces chose one)
         expert_pieces = default_expert_pieces(provider, threads, prepack, moe_lowering, artifact)
+        moe_lowering = session_moe_lowering(provider, threads, moe_lowering, artifact)
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
@@ -201,21 +203,32 @@ def create_session(
 
 
 def moe_path(artifact: Artifact | None = None, threads: int | None = None) -> str:
-    """The fp32 MoE path of a CPU session ("split" or "experts"): `moe_path_and_source`'s."""
+    """The fp32 MoE path of a CPU session ("native", "split" or "experts"): `moe_path_and_source`'s."""
     return moe_path_and_source(artifact, threads)[0]
 
 
 def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = None) -> tuple[str, str]:
     """The fp32 MoE path of a CPU session and what decided it, in words (bench reports it):
-    MOEDEPLOY_MOE_PATH where it is set ("split" or "experts"; SessionError naming the choices for
-    anything else), else the path `moedeploy tune` recorded for `artifact` on this machine at
-    `threads` (runtime/moe_tuning.py), else "split", the default."""
+    MOEDEPLOY_MOE_PATH where it is set (SessionError naming the choices for anything else, or
+    saying why "native" cannot be built here); else "native", the project's own kernel
+    (plugins/native), wherever it is built or can be; else the path `moedeploy tune` recorded
+    for `artifact` on this machine at `threads` (runtime/moe_tuning.py); else "split"."""
+    from moedeploy.plugins import native
+
     value = os.environ.get(MOE_PATH_ENV, "").strip().lower()
     if value and value not in MOE_PATHS:
-        raise SessionError(f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r} is not a MoE path: set it to split (each "
-                           "expert cut into one piece per thread, the default) or experts (one If per expert), or unset it")
+        raise SessionError(f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r} is not a MoE path: set it to native (the "
+                           "project's kernel, the default where it builds), split (each expert cut into one piece "
+                           "per thread) or experts (one If per expert), or unset it")
+    if value == "native":
+        try:
+            native.library_path()
+        except native.NativeUnavailable as e:
+            raise SessionError(f"{MOE_PATH_ENV}=native, but the native kernel is not available here: {e}") from None
     if value:
         return value, f"{MOE_PATH_ENV} is set"
+    if native.available():
+        return "native", "the project's native kernel, built on this machine (plugins/native)"
     if artifact is not None:
         from moedeploy.runtime.moe_tuning import tuned_file, tuned_path
 
@@ -245,7 +258,16 @@ def default_expert_pieces(provider: str, threads: int | None, prepack: bool = Tr
     threads = threads or default_threads()
     if moe_lowering == "auto" and artifact is not None and threads > 1:
         path = moe_path(artifact, threads)
-    return 1 if path == "experts" and moe_lowering == "auto" else threads
+    return 1 if path in ("experts", "native") and moe_lowering == "auto" else threads
+
+
+def session_moe_lowering(provider: str, threads: int | None, moe_lowering: MoELowering,
+                         artifact: Artifact | None = None) -> MoELowering:
+    """"native" where an "auto" CPU session's MoE path is the project's kernel (`moe_path`), else
+    `moe_lowering` as given: the lowering a session of these settings runs."""
+    if moe_lowering != "auto" or provider != "CPUExecutionProvider":
+        return moe_lowering
+    return "native" if moe_path(artifact, threads or default_threads()) == "native" else moe_lowering
 
 
 def default_threads() -> int:
@@ -276,10 +298,22 @@ def load_lowered(model: str | bytes | onnx.ModelProto, options: ort.SessionOptio
         model = model.SerializeToString()
     elif isinstance(model, bytes) and moe_split.SPLIT_OF.encode() in model:  # no placeholder: nothing to parse
         split_experts = moe_split.supply(onnx.load_from_string(model), weights_dir, options)
+    if _reads_native_ops(model):
+        from moedeploy.plugins import native
+        options.register_custom_ops_library(str(native.library_path()))
     session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
     if split_experts:
         session.moedeploy_owned_weights = split_experts
     return session
+
+
+def _reads_native_ops(model: str | bytes) -> bool:
+    """Whether a lowered graph has nodes of the project's native kernels' domain."""
+    from moedeploy.plugins import moe_native
+
+    if isinstance(model, bytes):
+        return moe_native.DOMAIN.encode() in model
+    return any(o.domain == moe_native.DOMAIN for o in onnx.load(str(model), load_external_data=False).opset_import)
 
 
 def lowered_model(

@@ -1,0 +1,152 @@
+"""The project's own ONNX Runtime kernels (moe_experts.cc), compiled on this machine once.
+
+Why native code: ONNX Runtime ships no fp32 kernel that runs a layer's routed experts in one
+node (llama.cpp's MUL_MAT_ID), and standard ops pick an expert's weights only by copying them
+or with an If per expert (plugins/moe_native.py says what that costs).
+
+ONNX Runtime's pip wheel has no C headers, so the build needs them from elsewhere:
+$MOEDEPLOY_ORT_INCLUDE (a folder holding onnxruntime_c_api.h), else a system install
+(/usr/include/onnxruntime: Debian's and Ubuntu's libonnxruntime-dev). Headers of any C API
+version from 17 (KernelContext_ParallelFor) up to the installed runtime's work: the library asks
+ONNX Runtime for the API version it was compiled against, which newer runtimes keep serving.
+Without headers or a C++ compiler nothing is built and sessions take the other MoE paths.
+
+The library is compiled with -march=native, so it is kept per machine: under
+<cache>/native/<key>-api<N>/, the key hashing the source, the flags and the CPU's model and
+vector flags (a cache folder shared between machines never hands one another's build), N the
+headers' C API version (a library is used only with a runtime that serves N). Once built it
+needs neither headers nor compiler. A build goes to a temporary folder renamed into place, so
+two processes building at once both end with a complete library. MOEDEPLOY_NATIVE=0 turns it
+all off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("moe_experts.cc")
+LIBRARY = "libmoedeploy_cpu.so"
+INCLUDE_ENV = "MOEDEPLOY_ORT_INCLUDE"
+#: set to 0 / off: never build or load the native kernels (sessions take the other MoE paths)
+SWITCH_ENV = "MOEDEPLOY_NATIVE"
+SYSTEM_INCLUDES = (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime"))
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+#: the C API version that added KernelContext_ParallelFor, which the kernel splits its work with
+MIN_API_VERSION = 17
+HEADER = "onnxruntime_c_api.h"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here; the message says why and what to do."""
+
+
+def headers() -> tuple[Path | None, str]:
+    """(folder holding the ONNX Runtime C API headers, "") or (None, why not)."""
+    if explicit := os.environ.get(INCLUDE_ENV):
+        folder = Path(explicit)
+        if not (folder / HEADER).is_file():
+            return None, f"{INCLUDE_ENV}={explicit} holds no {HEADER}"
+        return folder, ""
+    for folder in SYSTEM_INCLUDES:
+        if (folder / HEADER).is_file():
+            return folder, ""
+    return None, (f"no ONNX Runtime C API headers ({HEADER}): install libonnxruntime-dev, or set {INCLUDE_ENV} "
+                  "to a folder holding them")
+
+
+def api_version(include: Path) -> int | None:
+    """ORT_API_VERSION as the headers define it."""
+    match = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", (include / HEADER).read_text(errors="replace"))
+    return int(match.group(1)) if match else None
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def runtime_api_version() -> int:
+    """The C API version the installed ONNX Runtime serves at most: its minor version (1.32 -> 32)."""
+    import onnxruntime
+
+    return int(onnxruntime.__version__.split(".")[1])
+
+
+def build_key() -> str:
+    """What a built library is valid for: the source, the flags, and this CPU (-march=native)."""
+    from moedeploy.bench.machine import cpu_features, cpu_model
+
+    parts = [SOURCE.read_bytes().hex(), *FLAGS, cpu_model(), *cpu_features()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def built(root: Path, key: str) -> Path | None:
+    """A library built earlier for `key` against headers this runtime serves (folder <key>-api<N>)."""
+    usable = []
+    for folder in root.glob(f"{key}-api*"):
+        version = folder.name.rpartition("-api")[2]
+        if version.isdigit() and int(version) <= runtime_api_version() and (folder / LIBRARY).is_file():
+            usable.append((int(version), folder / LIBRARY))
+    return max(usable)[1] if usable else None
+
+
+def build(include: Path, cxx: str, out_dir: Path) -> Path:
+    """Compile the library into `out_dir` (made whole or not at all); returns its path."""
+    target = out_dir / LIBRARY
+    if target.is_file():
+        return target
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        result = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {last}")
+        try:
+            staging.rename(out_dir)
+        except OSError:  # another process finished first: use its build
+            if not target.is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@functools.cache
+def library_path() -> Path:
+    """The library built for this machine, compiled now if there is none yet (a few seconds,
+    once). NativeUnavailable says why where it cannot be."""
+    from moedeploy.utils.cache import cache_dir
+
+    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        raise NativeUnavailable(f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off")
+    root, key = cache_dir() / "native", build_key()
+    if (library := built(root, key)) is not None:
+        return library
+    include, why = headers()
+    if include is None:
+        raise NativeUnavailable(why)
+    version = api_version(include)
+    if version is None or not MIN_API_VERSION <= version <= runtime_api_version():
+        raise NativeUnavailable(f"the ONNX Runtime headers in {include} are of C API version {version}; the kernel "
+                                f"needs {MIN_API_VERSION} to {runtime_api_version()} (this onnxruntime's)")
+    cxx = compiler()
+    if cxx is None:
+        raise NativeUnavailable("no C++ compiler (c++, g++ or clang++; or set CXX)")
+    return build(include, cxx, root / f"{key}-api{version}")
+
+
+def available() -> bool:
+    """Whether the native kernels are built here, or can be now."""
+    try:
+        library_path()
+    except NativeUnavailable:
+        return False
+    return True

@@ -1,0 +1,176 @@
+"""The native MoE kernel (plugins/native/moe_experts.cc) and its lowering (plugins/moe_native.py)
+against eager PyTorch: both weight layouts, sizes that leave vector tails, every routing
+variant, gpt-oss's clamped SwiGLU, non-finite tokens, one token (the kernel) and many (the
+per-expert Ifs); the decoder's logits; concurrent runs of one session; shape errors; and
+how a session comes to take it, or not, and the build it uses."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from moedeploy.plugins import moe as moe_op
+from moedeploy.plugins.moe import ExpertActivation
+from moedeploy.runtime.lowering import lower_for_ort
+from tests.export.artifacts import moe_node_model, moe_weights
+from tests.plugins.test_moe_experts import GPT_OSS, ROUTINGS
+
+E, H, I = 8, 40, 24  # noqa: E741  (40 and 24: neither a multiple of 16, so every tail loop runs)
+NAN, INF = float("nan"), float("inf")
+SILU = ExpertActivation()  # silu(g) * u
+
+
+def native_session(model: onnx.ModelProto, native, threads: int = 2) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    options.register_custom_ops_library(str(native.library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU) -> onnx.ModelProto:
+    """One MoEExperts node on per-expert weight initializers, as lower_to_native feeds it."""
+    inits, names = [], []
+
+    def add(name: str, array: np.ndarray) -> None:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
+        names.append(name)
+
+    for e in range(E):
+        if interleaved:  # gate row 2i, up row 2i+1
+            add(f"w1_{e}", torch.stack([w["w_gate"][e], w["w_up"][e]], dim=1).reshape(2 * I, H).numpy())
+        else:
+            add(f"w1_{e}", w["w_gate"][e].numpy())
+    if not interleaved:
+        for e in range(E):
+            add(f"w3_{e}", w["w_up"][e].numpy())
+    for e in range(E):
+        add(f"w2_{e}", w["w_down"][e].numpy())
+    node = helper.make_node("MoEExperts", ["x", "r", *names], ["y"], domain="moedeploy.cpu",
+                            interleaved=int(interleaved), activation_alpha=activation.activation_alpha,
+                            activation_beta=activation.activation_beta, swiglu_limit=activation.swiglu_limit)
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", H]),
+                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", E])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", H])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moedeploy.cpu", 1)])
+
+
+def by_hand(x: torch.Tensor, r: torch.Tensor, w: dict, activation: ExpertActivation = SILU) -> np.ndarray:
+    """sum over experts with weight > 0, in index order, of weight * W2 act(W1 x, W3 x)."""
+    y = torch.zeros_like(x)
+    for e in range(E):
+        g, u = x @ w["w_gate"][e].T, x @ w["w_up"][e].T
+        g, u = g.clamp(max=activation.swiglu_limit), u.clamp(-activation.swiglu_limit, activation.swiglu_limit)
+        h = g * torch.sigmoid(activation.activation_alpha * g) * (u + activation.activation_beta)
+        y += torch.where(r[:, e:e + 1] > 0, (h @ w["w_down"][e].T) * r[:, e:e + 1], 0.0)
+    return y.numpy()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_the_kernel_is_the_routed_experts_weighted_sum(native_kernels, interleaved: bool, tokens: int) -> None:
+    w = moe_weights(E, H, I, "swiglu", False, seed=31)
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(tokens, H, generator=g)
+    r = torch.zeros(tokens, E)
+    for n in range(tokens):  # two experts a token, one weight negative on the last token: not taken, as the Ifs
+        picked = torch.randperm(E, generator=g)[:3]
+        r[n, picked] = torch.tensor([0.7, 0.3, -0.4 if n == tokens - 1 else 0.0])
+    (y,) = native_session(kernel_model(w, interleaved), native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
+    np.testing.assert_allclose(y, by_hand(x, r, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_takes_the_clamped_swiglu_attributes(native_kernels) -> None:
+    w = moe_weights(E, H, I, "swiglu", False, seed=33)
+    for key in ("w_gate", "w_up"):
+        w[key] = 6 * w[key]
+    g = torch.Generator().manual_seed(34)
+    x, r = torch.randn(5, H, generator=g), torch.rand(5, E, generator=g)
+    (y,) = native_session(kernel_model(w, False, GPT_OSS), native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
+    expected = by_hand(x, r, w, GPT_OSS)
+    assert not np.allclose(expected, by_hand(x, r, w), atol=1e-3)  # the clamp and alpha/beta matter here
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_gives_nan_rows_where_eager_does(native_kernels) -> None:
+    w = moe_weights(E, H, I, "swiglu", False, seed=35)
+    g = torch.Generator().manual_seed(36)
+    x, r = torch.randn(7, H, generator=g), torch.zeros(7, E)
+    r[:, 1], r[:, 6] = 0.6, 0.4
+    x[1, 3], x[2, 0] = NAN, -INF
+    r[3, 2], r[4, 5] = NAN, INF
+    r[5, :] = -INF  # softmax over only -inf is NaN
+    r[6, 0] = -INF  # one -inf among finite weights is a valid mask
+    (y,) = native_session(kernel_model(w, True), native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
+    assert np.isnan(y[1:6]).all() and np.isfinite(y[[0, 6]]).all()
+    np.testing.assert_allclose(y[[0, 6]], by_hand(x[[0, 6]], r[[0, 6]].clamp(min=0), w), rtol=1e-5, atol=1e-5)
+
+
+def test_one_session_run_from_two_threads_at_once_gives_each_its_own_answer(native_kernels) -> None:
+    w = moe_weights(E, H, I, "swiglu", False, seed=37)
+    session = native_session(kernel_model(w, True), native_kernels)
+    g = torch.Generator().manual_seed(38)
+    feeds = [(torch.randn(n, H, generator=g), torch.rand(n, E, generator=g)) for n in (1, 3, 1, 5, 2, 1)]
+    results: dict[int, list] = {}
+
+    def worker(k: int) -> None:
+        results[k] = [session.run(None, {"x": x.numpy(), "r": r.numpy()})[0] for x, r in feeds[k::2] * 20]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in (0, 1):
+        expected = [by_hand(x, r, w) for x, r in feeds[k::2]] * 20
+        for got, want in zip(results[k], expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_of_the_wrong_count_or_shape_are_refused_with_the_reason(native_kernels) -> None:
+    w = moe_weights(E, H, I, "swiglu", False, seed=39)
+    model = kernel_model(w, True)
+    node = model.graph.node[0]
+    del node.input[-1]  # one W2 short
+    with pytest.raises(Exception, match=r"MoEExperts: takes X, R and 2 weights for each of R's 8 experts, got 17"):
+        native_session(model, native_kernels).run(None, {"x": np.ones((1, H), np.float32), "r": np.ones((1, E), np.float32)})
+    model = kernel_model(w, True)
+    model.graph.initializer[E].CopyFrom(numpy_helper.from_array(np.ones((H, I + 1), np.float32), model.graph.initializer[E].name))
+    with pytest.raises(Exception, match=r"MoEExperts: expert 0's W2 is not \(H, I\)"):
+        native_session(model, native_kernels).run(None, {"x": np.ones((1, H), np.float32), "r": np.ones((1, E), np.float32)})
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_the_lowering_matches_eager_for_one_token_and_for_many(native_kernels, name: str) -> None:
+    """One token runs the kernel, more the per-expert Ifs inside the same If; both as eager."""
+    routing, has_bias = ROUTINGS[name]
+    w = moe_weights(E, H, I, "swiglu", False, seed=41)
+    g = torch.Generator().manual_seed(42)
+    bias = 0.5 * torch.randn(E, generator=g) if has_bias else None
+    model = moe_node_model(w, 0, 0, "swiglu", routing=routing, score_bias=None if bias is None else bias.numpy())
+    lowered, counts = lower_for_ort(model, "CPUExecutionProvider", "native")
+    assert counts["moe_native"] == 1 and counts["moe_experts"] == 0
+    (outer,) = [n for n in lowered.graph.node if n.op_type == "If"]
+    branches = {a.name: {n.op_type for n in a.g.node} for a in outer.attribute}
+    assert "MoEExperts" in branches["then_branch"] and "If" in branches["else_branch"]
+    inits = {i.name for i in lowered.graph.initializer}
+    assert len([n for n in inits if ".expert" in n]) == 3 * E  # one initializer an expert and matrix, shared
+    session = native_session(lowered, native_kernels)
+    for n in (1, 1, 6):
+        x, logits = torch.randn(n, H, generator=g), 2.0 * torch.randn(n, E, generator=g)
+        (y,) = session.run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
+        eager = moe_op.moe_reference(x, logits, w["w_gate"], w["w_up"], w["w_down"], routing, score_bias=bias).numpy()
+        np.testing.assert_allclose(y, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_kernel_does_not_take_goes_to_the_ifs(native_kernels) -> None:
+    """Expert biases: the kernel has none, so the per-expert lowering takes the node."""
+    w = moe_weights(E, H, I, "swiglu", True, seed=43)
+    _, counts = lower_for_ort(moe_node_model(w, 2, 1, "swiglu"), "CPUExecutionProvider", "native")
+    assert counts["moe_native"] == 0 and counts["moe_experts"] == 1

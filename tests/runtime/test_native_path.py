@@ -1,0 +1,88 @@
+"""How a CPU session comes to run the native MoE kernel (plugins/native), and that a decoder on
+it gives eager PyTorch's logits and passes `compare` on every ONNX Runtime lowering; the
+library's build: reused without headers or compiler, never another CPU's, refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moedeploy.export import export_decoder
+from moedeploy.runtime.ort import SessionError, create_session, moe_path_and_source
+from tests.export.artifacts import SEED, decoder_feed, decoder_inputs, eager_decoder
+
+
+@pytest.fixture(scope="module")
+def artifact(native_kernels, tmp_path_factory):
+    return export_decoder(tmp_path_factory.mktemp("native") / "decoder", dtype="fp32", seed=SEED)
+
+
+def test_a_cpu_session_takes_the_native_kernel_and_gives_eager_logits(native_kernels, artifact) -> None:
+    assert moe_path_and_source(artifact, 2)[0] == "native"
+    lowered = create_session(artifact, threads=2)
+    decoder = eager_decoder()
+    n_moe = sum(decoder.config.is_moe_layer(i) for i in range(decoder.config.n_layers))
+    assert lowered.lowering["moe_native"] == n_moe > 0 and not lowered.lowering["moe_split"]
+    for past_len, seq in ((0, 6), (6, 1)):  # a prompt (the per-expert Ifs), then one token (the kernel)
+        ids, new_ids, past = decoder_inputs(decoder, 1, past_len, seq, seed=7)
+        (logits,) = lowered.run(decoder_feed(new_ids, past), ["logits"])
+        with torch.no_grad():
+            expected = decoder(ids)[:, past_len:].numpy()
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compare_passes_on_every_lowering_with_the_native_kernel(native_kernels, artifact) -> None:
+    from moedeploy.compare.api import compare
+
+    report = compare(artifact, backends=("ort", "ort-gqa", "ort-inflight"), iterations=2)
+    assert report["passed"], report
+    paths = [c.get("path", "") for c in report["comparisons"]]
+    assert any("MoEExperts" in p for p in paths), paths
+
+
+def test_native_off_or_unbuildable_leaves_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MOEDEPLOY_NATIVE", "0")
+    native_kernels.library_path.cache_clear()
+    assert moe_path_and_source() == ("split", "the default")
+    monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "native")
+    with pytest.raises(SessionError, match="MOEDEPLOY_MOE_PATH=native, but the native kernel is not available here: "
+                                           "MOEDEPLOY_NATIVE=0 turns the native kernels off"):
+        moe_path_and_source()
+    monkeypatch.delenv("MOEDEPLOY_NATIVE")
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", str(tmp_path))
+    native_kernels.library_path.cache_clear()
+    with pytest.raises(SessionError, match=f"MOEDEPLOY_ORT_INCLUDE={tmp_path} holds no onnxruntime_c_api.h"):
+        moe_path_and_source()
+    native_kernels.library_path.cache_clear()
+
+
+def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(native_kernels, monkeypatch) -> None:
+    built = native_kernels.library_path()
+    monkeypatch.delenv("MOEDEPLOY_ORT_INCLUDE", raising=False)
+    monkeypatch.setattr(native_kernels, "SYSTEM_INCLUDES", ())
+    monkeypatch.setenv("CXX", "/bin/false")
+    native_kernels.library_path.cache_clear()
+    assert native_kernels.library_path() == built  # neither headers nor a compiler needed any more
+    import moedeploy.bench.machine as machine
+
+    monkeypatch.setattr(machine, "cpu_features", lambda: ["another-cpu"])
+    native_kernels.library_path.cache_clear()
+    with pytest.raises(native_kernels.NativeUnavailable, match="no ONNX Runtime C API headers"):
+        native_kernels.library_path()
+    native_kernels.library_path.cache_clear()
+
+
+def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch, tmp_path) -> None:
+    from tests.conftest import NATIVE_TEST_INCLUDE
+
+    if NATIVE_TEST_INCLUDE:
+        monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    native_kernels.library_path.cache_clear()
+    with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\)"):
+        native_kernels.library_path()
+    assert list((tmp_path / "cache" / "native").iterdir()) == []
+    native_kernels.library_path.cache_clear()
