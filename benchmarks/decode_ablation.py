@@ -24,11 +24,17 @@ microseconds to each of the step's several hundred small nodes. So this measures
                 instead of gathering its tokens and scattering them back: the same answer
                 wherever the expert's outputs are finite (bit for bit at one token), and what
                 selecting rows costs a step.
+  fixed-experts each layer's first k experts (k its top-k) inlined into the main graph on
+                every token, each times its routing weight, the other experts dropped: a wrong
+                answer on purpose, but the bytes of the step's routed experts read by the
+                same prepacked Gemms with no If and no row selection, so about the step that a
+                kernel taking a layer's experts by index in one node (llama.cpp's MUL_MAT_ID,
+                which ONNX Runtime does not ship for fp32) would leave. The routing still runs.
 
-The last three drop the nodes their edit leaves unread (ONNX Runtime would still run them).
+The last four drop the nodes their edit leaves unread (ONNX Runtime would still run them).
 A variant whose edit does not apply to the lowering (-attention where GroupQueryAttention takes
-packed q/k/v, as in quantized artifacts; -row-selection where the experts are not on Ifs) is left
-out with a line saying why, and named in the --json report's `skipped`.
+packed q/k/v, as in quantized artifacts; -row-selection and fixed-experts where the experts are
+not on Ifs) is left out with a line saying why, and named in the --json report's `skipped`.
 
 An ablated graph computes the wrong answer on purpose (-row-selection excepted); only its time
 means something, and the difference to `step` is what that part costs. Two ways to time, all
@@ -51,6 +57,7 @@ variants in one process, interleaved over the rounds, the differences paired by 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -200,9 +207,49 @@ def without_row_selection(model: onnx.ModelProto) -> int:
     return count
 
 
+def _top_k(graph: onnx.GraphProto) -> int:
+    """The k of the lowering's TopK routing (a Constant it reads): how many experts a token takes."""
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    for node in graph.node:
+        if node.op_type == "TopK" and node.input[1] in constants:
+            return int(numpy_helper.to_array(constants[node.input[1]].attribute[0].t).reshape(-1)[0])
+    raise VariantSkipped("its routing is not one TopK on a constant k (a routing on the op's own function body)")
+
+
+def fixed_experts(model: onnx.ModelProto) -> int:
+    """Each layer's experts -> its first k experts' taken branches (k the routing's top-k),
+    row selection removed as in `without_row_selection` and inlined into the main graph, the
+    other experts' Ifs -> their zeros: a wrong answer on purpose (the same experts every token),
+    but the bytes a step's routed experts read, by the same prepacked Gemms, with no If and no
+    row selection. Its time is about what a kernel taking a layer's experts by index in one
+    node (llama.cpp's MUL_MAT_ID; ONNX Runtime ships none for fp32) would leave of the step."""
+    graph, count = model.graph, 0
+    if not any(_is_expert_if(node) for node in graph.node):
+        return 0
+    top_k = _top_k(graph)
+    for node in list(graph.node):
+        if not _is_expert_if(node):
+            continue
+        expert = int(re.search(r"/expert(\d+)$", _branch(node, "then_branch").name).group(1))
+        index = list(graph.node).index(node)
+        graph.node.remove(node)
+        if expert >= top_k:
+            _rewire(graph, node.output[0], _branch(node, "else_branch").node[0].input[0])
+            continue
+        inline = onnx.ModelProto(graph=onnx.GraphProto(node=[node]))
+        without_row_selection(inline)
+        branch = _branch(inline.graph.node[0], "then_branch")
+        for offset, inner in enumerate(branch.node):
+            graph.node.insert(index + offset, inner)
+        _rewire(graph, node.output[0], branch.output[0].name)
+        count += 1
+    prune(model)
+    return count
+
+
 VARIANTS: dict[str, Edit | None] = {
     "step": None, "-attention": without_attention, "-experts": without_experts, "-nan-guard": without_nan_guard,
-    "-row-selection": without_row_selection,
+    "-row-selection": without_row_selection, "fixed-experts": fixed_experts,
 }
 
 
@@ -216,6 +263,7 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
         load_lowered,
         lowered_model,
         reads_weights_from,
+        session_moe_lowering,
         session_options,
     )
     from moedeploy.runtime.quantized import RUN_ACCURACY
@@ -224,9 +272,11 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
                          nbits_accuracy=RUN_ACCURACY)
     if edit is None:
         return decoder
-    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto", "gqa", "greedy", "native", "inplace",
-                                        RUN_ACCURACY, expert_pieces=default_expert_pieces("CPUExecutionProvider", threads,
-                                                                                           artifact=artifact))
+    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider",
+                                        session_moe_lowering("CPUExecutionProvider", threads, "auto", artifact),
+                                        "gqa", "greedy", "native", "inplace", RUN_ACCURACY,
+                                        expert_pieces=default_expert_pieces("CPUExecutionProvider", threads,
+                                                                            artifact=artifact))
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")

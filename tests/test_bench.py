@@ -834,6 +834,63 @@ def test_decode_ablation_row_selection_leaves_the_logits_unchanged(tmp_path_fact
             sys.modules.pop(name, None)
 
 
+def test_decode_ablation_fixed_experts_is_the_first_k_experts_inlined(tmp_path_factory, monkeypatch) -> None:
+    """fixed-experts replaces each layer's experts by its first k (the routing's top-k), inlined
+    into the main graph, each times its own routing weight (0 where the token did not pick it):
+    its logits must be eager PyTorch's with every MoE computing exactly that sum, written here
+    by hand, and must differ from the real decoder's (the variant is a wrong answer on purpose,
+    and one that changed nothing would time nothing). No If may be left, nor any row selection."""
+    import importlib
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from moedeploy.models import moe as eager_moe
+    from moedeploy.runtime.ort import lowered_model, reads_weights_from, session_options
+    from tests.export.artifacts import decoder_feed, decoder_inputs, eager_decoder
+
+    def first_k_experts(x, logits, w_gate, w_up, w_down, routing, **_):
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, picked = probs.topk(routing.top_k, dim=-1)
+        if routing.normalize_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        dense = torch.zeros_like(probs).scatter(1, picked, weights)
+        return sum(dense[:, e:e + 1] * ((torch.nn.functional.silu(x @ w_gate[e].T) * (x @ w_up[e].T)) @ w_down[e].T)
+                   for e in range(routing.top_k))
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    siblings = {p.stem for p in BENCHMARKS.glob("*.py")} - set(sys.modules)
+    try:
+        ablation = importlib.import_module("decode_ablation")
+        artifact = ArtifactStore.for_session(tmp_path_factory).decoder("fp32")
+        model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", "auto")
+        edited = onnx.load_from_string(model_bytes)
+        top_k = eager_decoder().config.top_k
+        assert ablation.fixed_experts(edited) == counts["moe_experts"] * top_k > 0
+        ops = {node.op_type for node in edited.graph.node}
+        assert not ops & {"If", "NonZero", "ScatterND"}, ops
+        options = reads_weights_from(session_options(2), artifact)
+        lowered, ablated = (ort.InferenceSession(m, options, providers=["CPUExecutionProvider"])
+                            for m in (model_bytes, edited.SerializeToString()))
+        decoder = eager_decoder()
+        changed = []
+        for tokens in (1, 12):
+            _, new_ids, past = decoder_inputs(decoder, 1, 0, tokens, seed=tokens)
+            feed = decoder_feed(new_ids, past)
+            with torch.no_grad(), monkeypatch.context() as patch:
+                patch.setattr(eager_moe, "moe", first_k_experts)
+                expected = decoder(new_ids)
+            got, real = ablated.run(["logits"], feed)[0], lowered.run(["logits"], feed)[0]
+            np.testing.assert_allclose(got, expected.numpy(), rtol=1e-4, atol=1e-4)
+            changed.append(np.abs(got - real).max())
+        assert max(changed) > 1e-3  # a wrong answer on purpose (a token choosing experts 0..k-1 is the same)
+    finally:
+        for name in siblings:
+            sys.modules.pop(name, None)
+
+
 def _timed(backend: str, rounds: list[float], **lowering: int) -> dict:
     """A merged bench result with the figures the ratios read (decode tokens/s by round) and the
     lowering counts an ONNX Runtime worker reports."""
