@@ -10,14 +10,16 @@ microseconds to each of the step's several hundred small nodes. So this measures
                 time ONNX Runtime's kernels need to read those bytes here (fp32 artifacts, step
                 mode).
   step          the lowered decode step (`ort-gqa`: GroupQueryAttention appending in place,
-                the greedy token; fp32 experts on com.microsoft::MoE, each cut into one
-                piece per thread (plugins/moe_split.py), where they qualify, else on one If
-                per expert (everywhere with MOEDEPLOY_MOE_PATH=experts, as in a session);
+                the greedy token; fp32 experts on the path a session takes: the native
+                kernel where it is built (plugins/native), else com.microsoft::MoE with each
+                expert cut into one piece per thread (plugins/moe_split.py) where they
+                qualify, else one If per expert (MOEDEPLOY_MOE_PATH chooses, as in a session);
                 quantized ones on com.microsoft::QMoE at the level bench runs them).
   -attention    the step with each GroupQueryAttention replaced by Identity nodes.
   -experts      the step without its experts: each expert's If replaced by its untaken branch
-                (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE node
-                by zeros (its router still runs: the NaN guard reads the logits).
+                (and the Ifs' conditions not computed), or each com.microsoft::MoE / QMoE or
+                native MoEExperts node by zeros (its router still runs: the NaN guard reads the
+                logits).
   -nan-guard    the step without the NaN guard after each MoE (`moe.nan_where_not_finite`).
   -row-selection
                 each taken expert's branch on every token, its routing weight 0 off its own,
@@ -147,13 +149,14 @@ def _branch(node: onnx.NodeProto, name: str) -> onnx.GraphProto:
 
 def without_experts(model: onnx.ModelProto) -> int:
     """Each expert's If -> what its untaken branch returns (the zeros it adds); each
-    com.microsoft::MoE or QMoE node -> zeros of its input's shape. `prune` then drops what only
+    com.microsoft::MoE, QMoE or native MoEExperts node -> zeros of its input's shape. `prune` then drops what only
     those read (the Ifs' conditions, the nodes' weights), not the routing the NaN guard reads."""
     graph, count = model.graph, 0
     for node in list(graph.node):
         if _is_expert_if(node):
             _rewire(graph, node.output[0], _branch(node, "else_branch").node[0].input[0])
-        elif node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
+        elif (node.domain, node.op_type) in (("com.microsoft", "MoE"), ("com.microsoft", "QMoE"),
+                                             ("moedeploy.cpu", "MoEExperts")):
             index = list(graph.node).index(node)
             graph.node.insert(index, helper.make_node("Sub", [node.input[0], node.input[0]], [node.output[0]]))
         else:

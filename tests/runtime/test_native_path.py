@@ -24,7 +24,7 @@ def test_a_cpu_session_takes_the_native_kernel_and_gives_eager_logits(native_ker
     decoder = eager_decoder()
     n_moe = sum(decoder.config.is_moe_layer(i) for i in range(decoder.config.n_layers))
     assert lowered.lowering["moe_native"] == n_moe > 0 and not lowered.lowering["moe_split"]
-    for past_len, seq in ((0, 6), (6, 1)):  # a prompt (the per-expert Ifs), then one token (the kernel)
+    for past_len, seq in ((0, 6), (6, 1)):  # a prompt, then one token
         ids, new_ids, past = decoder_inputs(decoder, 1, past_len, seq, seed=7)
         (logits,) = lowered.run(decoder_feed(new_ids, past), ["logits"])
         with torch.no_grad():

@@ -4,16 +4,13 @@
 Standard ONNX can pick an expert's weights at run time only by copying them (Gather, Slice)
 or with an If per expert (plugins/moe_experts.py), whose subgraphs and row selection cost a
 decode step about a tenth of its time (benchmarks/decode_ablation.py's fixed-experts). The
-kernel reads each expert's weights in place, for the tokens routed to it only, on ONNX
-Runtime's own threads. It is a matrix-vector kernel: right for the one token of a decode
-step, slow for a prompt's many (no GEMM blocking). So a layer takes it under an If on the
-token count: one token -> the kernel; more -> the per-expert Ifs, which stay for prompts.
-Both read the same initializers, one an expert and matrix (views into the artifact's data
-file), so ONNX Runtime maps each expert's bytes once; nested one If deeper, the prompt path's
-Gemms are not prepacked (no second copy of the experts either: memory is the mapped file).
+kernel reads each expert's weights in place, once for all the tokens routed to it, on ONNX
+Runtime's own threads: a GEMV for a decode step's one token, blocks of rows x tokens for a
+prompt. It takes one initializer an expert and matrix (views into the artifact's data file,
+which ONNX Runtime maps and nothing prepacks), so the experts' memory is the mapped file.
 
 NaN rows where eager PyTorch gives them (a non-finite input row, a NaN or +Inf routing
-weight) come from the kernel itself, so the one-token branch needs no guard nodes.
+weight) come from the kernel itself: no guard nodes after it.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from moedeploy.plugins.moe_experts import (
     NodeBuilder,
     dense_routing,
     experts_eligible,
-    lower_to_experts,
     shared_slice,
 )
 
@@ -46,46 +42,26 @@ def native_eligible(node: ir.Node, provider: str) -> bool:
 
 
 def lower_to_native(graph: ir.Graph, node: ir.Node) -> None:
-    """Replace one moe::MoE node by If(one token: MoEExperts, else: one If per expert)."""
+    """Replace one moe::MoE node by its routing on graph ops and one MoEExperts node, in place."""
     x, logits, w_gate, w_up, w_down = node.inputs[:5]
-    n_experts = int(w_up.shape[0])
-    dim = int(w_up.shape[2])
-    prefix = f"{node.name or node.outputs[0].name}/native"
+    n_experts, dim = int(w_up.shape[0]), int(w_up.shape[2])
     fused = interleaved_source(w_gate, w_up)
     act = node_activation(node)
-
-    one = NodeBuilder(f"{prefix}/one_token")
-    flat_x = one("Reshape", [x, one.ints([-1, dim])])
-    dense = dense_routing(one, node, logits, n_experts)
-    stacks = [fused, w_down] if fused is not None else [w_gate, w_up, w_down]
+    add = NodeBuilder(f"{node.name or node.outputs[0].name}/native")
+    flat_x = add("Reshape", [x, add.ints([-1, dim])])
+    dense = dense_routing(add, node, logits, n_experts)
     weights = []
-    for stack in stacks:  # one initializer an expert, shared with the Ifs below
-        for e in range(n_experts):
+    for stack in [fused, w_down] if fused is not None else [w_gate, w_up, w_down]:
+        for e in range(n_experts):  # one initializer an expert: a view into the artifact's data file
             sliced = shared_slice(graph, stack, e)
             if sliced.name not in graph.initializers:
                 graph.register_initializer(sliced)
             weights.append(sliced)
-    y = one("MoEExperts", [flat_x, dense, *weights], domain=DOMAIN, interleaved=int(fused is not None),
+    y = add(OP_TYPE, [flat_x, dense, *weights], domain=DOMAIN, interleaved=int(fused is not None),
             activation_alpha=float(act.activation_alpha), activation_beta=float(act.activation_beta),
             swiglu_limit=float(act.swiglu_limit))
-    y = one("Reshape", [y, one("Shape", [x])])
-    one_token = ir.Graph([], [y], nodes=one.nodes, name=one.prefix)
-
-    # the general path: the per-expert lowering of a copy of the node, inside the else branch
-    many = ir.Graph([], [], nodes=[], name=f"{prefix}/tokens")
-    copy = ir.node(node.op_type, list(node.inputs), {k: v for k, v in node.attributes.items()}, domain=node.domain,
-                   version=node.version, name=f"{prefix}/tokens/moe", num_outputs=1)
-    copy.outputs[0].name = f"{prefix}/tokens/y"
-    copy.outputs[0].shape, copy.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-    many.append(copy)
-    many.outputs.append(copy.outputs[0])
-    lower_to_experts(graph, copy, branch_graph=many)
-
-    add = NodeBuilder(prefix)
-    rows = add("ReduceProd", [add("Slice", [add("Shape", [x]), add.ints([0]), add.ints([-1])])], keepdims=0)
-    is_one = add("Equal", [rows, add.ints(1)])
-    out = add("If", [is_one], then_branch=one_token, else_branch=many)
+    y = add("Reshape", [y, add("Shape", [x])])
     name = node.outputs[0].name
-    ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [out])
-    out.name = name
-    out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+    ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
+    y.name = name  # downstream tools (layer-wise compare) look values up by name
+    y.shape, y.type = node.outputs[0].shape, node.outputs[0].type

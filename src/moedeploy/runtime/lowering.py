@@ -1,11 +1,11 @@
 """Lower the custom ops of an artifact's graph to what an ONNX Runtime provider runs fastest.
 
   moe::MoE      -> on request (moe_lowering="native"; a CPU session's default wherever the
-                   project's native kernel is built, runtime/ort.moe_path) one If on the token
-                   count: one token -> moedeploy.cpu::MoEExperts, the routed experts in one node
-                   (plugins/moe_native.py, plugins/native/), more -> the per-expert Ifs below,
-                   for fp32 SwiGLU experts on CPU without biases; on the CPU it was measured on,
-                   0.84-0.90x the per-expert Ifs' decode step (benchmarks/README.md); else
+                   project's native kernel is built, runtime/ort.moe_path) the routing on graph
+                   ops and moedeploy.cpu::MoEExperts, the routed experts in one node
+                   (plugins/moe_native.py, plugins/native/), for fp32 SwiGLU experts on CPU
+                   without biases: on the CPU it was measured on, decode faster than the two
+                   paths below, in less memory (benchmarks/README.md); else
                 -> com.microsoft::MoE with every expert cut into one piece per thread
                    (plugins/moe_split.py) where the session has 2 or more threads
                    (expert_pieces) and the experts qualify (fp32 SwiGLU on CPU, softmax top-k

@@ -4,7 +4,7 @@
 // by the routing. Standard ONNX can pick weights at run time only by copying them (Gather,
 // Slice) or with an If per expert, whose subgraphs and row selection cost about a tenth of a
 // decode step (benchmarks/README.md, session 43). This kernel reads each expert's weights in
-// place, only for the tokens routed to it.
+// place, once for all the tokens routed to it.
 //
 //   Y[n] = sum over experts e with R[n, e] > 0, in index order, of
 //          R[n, e] * W2[e] act(W1[e] x_n, W3[e] x_n)
@@ -16,14 +16,15 @@
 // computes them, so every routing variant works); then, variadic, each expert's weights as
 // tensors of their own: W1[0..E), W3[0..E), W2[0..E) with W1, W3 (I, H) and W2 (H, I); or with
 // interleaved=1, W1[0..E) as (2I, H), gate row 2i and up row 2i+1 (a streamed export's fused
-// weight), and W2[0..E). One tensor an expert, not a stack: the graph's per-expert Ifs (the
-// prompt path) read the same initializers, so ONNX Runtime maps each expert's bytes once.
-// A token whose X row is not finite, or whose R row holds NaN or +Inf (or only -Inf), gets a
-// NaN row, as eager PyTorch gives (plugins/moe.py's nan_where_not_finite says which rows).
+// weight), and W2[0..E). One tensor an expert, not a stack: views into the artifact's data
+// file that ONNX Runtime maps in place. A token whose X row is not finite, or whose R row holds
+// NaN or +Inf (or only -Inf), gets a NaN row, as eager PyTorch gives (plugins/moe.py's
+// nan_where_not_finite says which rows).
 //
-// Work is split over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor), by
-// blocks of weight rows, so a one-token step reads its experts with every thread. It is a
-// matrix-vector kernel, right for decode; a prompt's many tokens belong to a GEMM.
+// Work: the (token, expert) pairs grouped by expert; each expert's weight rows split in blocks
+// over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor). One token routed to an
+// expert (a decode step): a row at a time, a memory-bound GEMV. Several (a prompt): blocks of
+// 4 rows x 4 tokens of dot products, the rows in L1 while the tokens pass over them.
 // Built on the machine that runs it by moedeploy.plugins.native, against ONNX Runtime's C API
 // headers (version 17 or later).
 
@@ -47,10 +48,16 @@ namespace {
 // 16 floats: one AVX-512 register, two AVX2 ones; aligned(4) lets it load from any float.
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The sum of the 16 lanes as a tree (4 vector adds), not 16 dependent scalar adds: a prompt's
+// blocks end in 16 of these for every 4 x 4 dot products.
 inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // dot(row, x) over k floats: one row at a time, four accumulators. One sequential stream per
@@ -71,9 +78,102 @@ inline float dot(const float* row, const float* x, int64_t k) {
   return s;
 }
 
-// rows [begin, end) of matrix w (rows x k, row-major) times x into out[begin..end)
-inline void gemv_rows(const float* w, const float* x, int64_t k, int64_t begin, int64_t end, float* out) {
-  for (int64_t r = begin; r < end; ++r) out[r] = dot(w + r * k, x, k);
+// Several tokens on the same weights (a prompt): R rows x T tokens of dot products at once, each
+// weight and x load feeding several FMAs, so the loop is bound by FMAs rather than loads; the
+// rows stay in L1 while the expert's token groups pass over them. 4 x 4 holds 16 accumulators
+// in AVX-512's 32 registers; with 16 (AVX2) registers the vectors would spill, so 2 x 2 there.
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 4, kBlockTokens = 4;
+#else
+constexpr int kBlockRows = 2, kBlockTokens = 2;
+#endif
+
+// out[j * out_stride + t * token_stride] = dot(rows[j], xs[t]) for j < R, t < T
+template <int R, int T>
+inline void dot_block(const float* const* rows, const float* const* xs, int64_t k, float* out, int64_t row_stride,
+                      int64_t token_stride) {
+  v16 acc[R][T] = {};
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    v16 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = *reinterpret_cast<const v16*>(xs[t] + i);
+    for (int j = 0; j < R; ++j) {
+      const v16 wv = *reinterpret_cast<const v16*>(rows[j] + i);
+      for (int t = 0; t < T; ++t) acc[j][t] += wv * xv[t];
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum(acc[j][t]);
+      for (int64_t q = i; q < k; ++q) sum += rows[j][q] * xs[t][q];
+      out[j * row_stride + t * token_stride] = sum;
+    }
+}
+
+// dot_block<4, 4> written out: with the 16 accumulators in arrays GCC reloaded every x and w
+// vector for each FMA (32 loads per 16 FMAs: load-bound at 40 GFLOP/s on 2 cores); named, the
+// 8 vectors are loaded once a step.
+template <>
+inline void dot_block<4, 4>(const float* const* rows, const float* const* xs, int64_t k, float* out, int64_t row_stride,
+                            int64_t token_stride) {
+  v16 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
+  v16 a20 = {}, a21 = {}, a22 = {}, a23 = {}, a30 = {}, a31 = {}, a32 = {}, a33 = {};
+  const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+  const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const v16 u0 = *reinterpret_cast<const v16*>(x0 + i), u1 = *reinterpret_cast<const v16*>(x1 + i);
+    const v16 u2 = *reinterpret_cast<const v16*>(x2 + i), u3 = *reinterpret_cast<const v16*>(x3 + i);
+    v16 w = *reinterpret_cast<const v16*>(r0 + i);
+    a00 += w * u0; a01 += w * u1; a02 += w * u2; a03 += w * u3;
+    w = *reinterpret_cast<const v16*>(r1 + i);
+    a10 += w * u0; a11 += w * u1; a12 += w * u2; a13 += w * u3;
+    w = *reinterpret_cast<const v16*>(r2 + i);
+    a20 += w * u0; a21 += w * u1; a22 += w * u2; a23 += w * u3;
+    w = *reinterpret_cast<const v16*>(r3 + i);
+    a30 += w * u0; a31 += w * u1; a32 += w * u2; a33 += w * u3;
+  }
+  const v16 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) {
+      float sum = hsum(acc[j][t]);
+      for (int64_t q = i; q < k; ++q) sum += rows[j][q] * xs[t][q];
+      out[j * row_stride + t * token_stride] = sum;
+    }
+}
+
+template <int R>
+inline void dot_rows_tokens(const float* const* rows, const float* const* xs, int tokens, int64_t k, float* out,
+                            int64_t row_stride, int64_t token_stride) {
+  switch (tokens) {  // a last, partial group of tokens
+    case 1: dot_block<R, 1>(rows, xs, k, out, row_stride, token_stride); break;
+    case 2: dot_block<R, 2>(rows, xs, k, out, row_stride, token_stride); break;
+    case 3: dot_block<R, (kBlockTokens >= 3 ? 3 : 1)>(rows, xs, k, out, row_stride, token_stride); break;
+    default: dot_block<R, kBlockTokens>(rows, xs, k, out, row_stride, token_stride); break;
+  }
+}
+
+// Rows [begin, end) of w (rows x k) times each of `tokens` vectors xs[t]: out[t * token_stride + r].
+// One token: a row at a time (a memory-bound GEMV); more: blocks of rows x tokens.
+inline void rows_times_tokens(const float* w, int64_t k, int64_t begin, int64_t end, const float* const* xs,
+                              int64_t tokens, float* out, int64_t token_stride) {
+  if (tokens == 1) {
+    for (int64_t r = begin; r < end; ++r) out[r] = dot(w + r * k, xs[0], k);
+    return;
+  }
+  int64_t r = begin;
+  for (; r < end; r += kBlockRows) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(kBlockRows, end - r));
+    const float* rows[kBlockRows];
+    for (int j = 0; j < kBlockRows; ++j) rows[j] = w + (r + std::min(j, rows_here - 1)) * k;
+    for (int64_t t = 0; t < tokens; t += kBlockTokens) {
+      const int here = static_cast<int>(std::min<int64_t>(kBlockTokens, tokens - t));
+      float block[kBlockRows * kBlockTokens];
+      dot_rows_tokens<kBlockRows>(rows, xs + t, here, k, block, kBlockTokens, 1);
+      for (int j = 0; j < rows_here; ++j)
+        for (int u = 0; u < here; ++u) out[(t + u) * token_stride + r + j] = block[j * kBlockTokens + u];
+    }
+  }
 }
 
 // The op's SwiGLU (moe_attributes.ExpertActivation): g' = min(g, limit), u' = clamp(u, -limit,
@@ -101,57 +201,81 @@ struct Shapes {
 };
 
 // What one Compute works on: pointers into ONNX Runtime's tensors, and scratch of its own.
+// Pairs are grouped by expert, so each expert's weights are read once for all its tokens.
 struct Step {
   Shapes s;
   bool interleaved = false;
   const float* x = nullptr;
   std::vector<const float*> w1, w3, w2;  // per expert
-  std::vector<Pair> pairs;
-  std::vector<int64_t> first;  // pairs of token n: [first[n], first[n + 1])
+  std::vector<Pair> pairs;               // by expert, then token
+  std::vector<int64_t> expert_first;     // pairs of expert e: [expert_first[e], expert_first[e + 1])
+  std::vector<const float*> pair_x, pair_h;  // each pair's input row and hidden activation
   std::vector<char> nan_row;
   std::vector<float> gate_up;  // per pair: 2I (gate and up; interleaved as the weight is)
   std::vector<float> h;        // per pair: I
+  std::vector<float> down;     // per pair: H
   float* y = nullptr;
   int64_t fc1_blocks = 0, down_blocks = 0;
+  Activation act;
 };
 
-// Phase 1 task: one block of one pair's gate/up rows.
+// Phase 1 task: one block of one expert's gate/up rows, for every token routed to the expert.
 void fc1_task(void* data, size_t index) {
   auto& w = *static_cast<Step*>(data);
-  const size_t pair = index / w.fc1_blocks;
-  const int64_t block = static_cast<int64_t>(index % w.fc1_blocks);
-  const Pair& p = w.pairs[pair];
+  const int64_t e = static_cast<int64_t>(index) / w.fc1_blocks, block = static_cast<int64_t>(index) % w.fc1_blocks;
+  const int64_t first = w.expert_first[e], count = w.expert_first[e + 1] - first;
+  if (count == 0) return;
   const int64_t hidden = w.s.hidden, inter = w.s.inter;
-  const float* x = w.x + p.token * hidden;
-  float* out = w.gate_up.data() + pair * 2 * inter;
+  const float* const* xs = w.pair_x.data() + first;
+  float* out = w.gate_up.data() + first * 2 * inter;
   if (w.interleaved) {
     const int64_t begin = block * kRowBlock, end = std::min(begin + kRowBlock, 2 * inter);
-    gemv_rows(w.w1[p.expert], x, hidden, begin, end, out);
+    rows_times_tokens(w.w1[e], hidden, begin, end, xs, count, out, 2 * inter);
     return;
   }
   const int64_t half = (inter + kRowBlock - 1) / kRowBlock;  // blocks [0, half) gate, [half, 2 half) up
   const bool up = block >= half;
   const int64_t begin = (up ? block - half : block) * kRowBlock, end = std::min(begin + kRowBlock, inter);
-  gemv_rows(up ? w.w3[p.expert] : w.w1[p.expert], x, hidden, begin, end, out + (up ? inter : 0));
+  rows_times_tokens(up ? w.w3[e] : w.w1[e], hidden, begin, end, xs, count, out + (up ? inter : 0), 2 * inter);
 }
 
-// Phase 2 task: one block of one token's output rows, its experts summed in index order.
+// Between the phases: one pair's hidden activation from its gate and up.
+void act_task(void* data, size_t index) {
+  auto& w = *static_cast<Step*>(data);
+  const int64_t q = static_cast<int64_t>(index), inter = w.s.inter;
+  const float* gu = w.gate_up.data() + q * 2 * inter;
+  float* h = w.h.data() + q * inter;
+  if (w.interleaved)
+    for (int64_t i = 0; i < inter; ++i) h[i] = w.act(gu[2 * i], gu[2 * i + 1]);
+  else
+    for (int64_t i = 0; i < inter; ++i) h[i] = w.act(gu[i], gu[inter + i]);
+}
+
+// Phase 2 task: one block of one expert's output rows, for every token routed to the expert.
 void down_task(void* data, size_t index) {
   auto& w = *static_cast<Step*>(data);
-  const int64_t n = static_cast<int64_t>(index) / w.down_blocks, block = static_cast<int64_t>(index) % w.down_blocks;
-  const int64_t hidden = w.s.hidden, inter = w.s.inter;
-  const int64_t begin = block * kRowBlock, end = std::min(begin + kRowBlock, hidden);
+  const int64_t e = static_cast<int64_t>(index) / w.down_blocks, block = static_cast<int64_t>(index) % w.down_blocks;
+  const int64_t first = w.expert_first[e], count = w.expert_first[e + 1] - first;
+  if (count == 0) return;
+  const int64_t begin = block * kRowBlock, end = std::min(begin + kRowBlock, w.s.hidden);
+  rows_times_tokens(w.w2[e], w.s.inter, begin, end, w.pair_h.data() + first, count,
+                    w.down.data() + first * w.s.hidden, w.s.hidden);
+}
+
+// Phase 3 task: one token's output, its experts' rows summed in expert index order.
+void sum_task(void* data, size_t index) {
+  auto& w = *static_cast<Step*>(data);
+  const int64_t n = static_cast<int64_t>(index), hidden = w.s.hidden;
   float* y = w.y + n * hidden;
   if (w.nan_row[n]) {
-    std::fill(y + begin, y + end, std::numeric_limits<float>::quiet_NaN());
+    std::fill(y, y + hidden, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  std::fill(y + begin, y + end, 0.f);
-  float part[kRowBlock];
-  for (int64_t q = w.first[n]; q < w.first[n + 1]; ++q) {
-    const Pair& p = w.pairs[q];
-    gemv_rows(w.w2[p.expert] + begin * inter, w.h.data() + q * inter, inter, 0, end - begin, part);
-    for (int64_t r = begin; r < end; ++r) y[r] += part[r - begin] * p.weight;
+  std::fill(y, y + hidden, 0.f);
+  for (size_t q = 0; q < w.pairs.size(); ++q) {  // by expert: index order for every token
+    if (w.pairs[q].token != n) continue;
+    const float* part = w.down.data() + q * hidden;
+    for (int64_t r = 0; r < hidden; ++r) y[r] += part[r] * w.pairs[q].weight;
   }
 }
 
@@ -232,23 +356,25 @@ struct MoEExpertsKernel {
     w.x = x.GetTensorData<float>();
     w.y = ctx.GetOutput(0, {w.s.tokens, w.s.hidden}).GetTensorMutableData<float>();
     route(r.GetTensorData<float>(), w);
-    const int64_t inter = w.s.inter;
-    w.gate_up.resize(w.pairs.size() * 2 * inter);
-    w.h.resize(w.pairs.size() * inter);
-    if (!w.pairs.empty()) {
-      w.fc1_blocks = interleaved_ ? (2 * inter + kRowBlock - 1) / kRowBlock : 2 * ((inter + kRowBlock - 1) / kRowBlock);
-      ctx.ParallelFor(fc1_task, w.pairs.size() * w.fc1_blocks, 0, &w);
-      for (size_t q = 0; q < w.pairs.size(); ++q) {
-        const float* gu = w.gate_up.data() + q * 2 * inter;
-        float* h = w.h.data() + q * inter;
-        if (interleaved_)
-          for (int64_t i = 0; i < inter; ++i) h[i] = act_(gu[2 * i], gu[2 * i + 1]);
-        else
-          for (int64_t i = 0; i < inter; ++i) h[i] = act_(gu[i], gu[inter + i]);
-      }
+    const int64_t inter = w.s.inter, hidden = w.s.hidden, pairs = static_cast<int64_t>(w.pairs.size());
+    w.gate_up.resize(pairs * 2 * inter);
+    w.h.resize(pairs * inter);
+    w.down.resize(pairs * hidden);
+    w.pair_x.resize(pairs);
+    w.pair_h.resize(pairs);
+    for (int64_t q = 0; q < pairs; ++q) {
+      w.pair_x[q] = w.x + w.pairs[q].token * hidden;
+      w.pair_h[q] = w.h.data() + q * inter;
     }
-    w.down_blocks = (w.s.hidden + kRowBlock - 1) / kRowBlock;
-    if (w.s.tokens > 0) ctx.ParallelFor(down_task, w.s.tokens * w.down_blocks, 0, &w);
+    if (pairs > 0) {
+      w.fc1_blocks = interleaved_ ? (2 * inter + kRowBlock - 1) / kRowBlock : 2 * ((inter + kRowBlock - 1) / kRowBlock);
+      ctx.ParallelFor(fc1_task, w.s.experts * w.fc1_blocks, 0, &w);
+      w.act = act_;
+      ctx.ParallelFor(act_task, pairs, 0, &w);  // a prompt's pairs x I exponentials: spread them too
+      w.down_blocks = (hidden + kRowBlock - 1) / kRowBlock;
+      ctx.ParallelFor(down_task, w.s.experts * w.down_blocks, 0, &w);
+    }
+    if (w.s.tokens > 0) ctx.ParallelFor(sum_task, w.s.tokens, 0, &w);
     return nullptr;
   }
 
@@ -272,15 +398,12 @@ struct MoEExpertsKernel {
     return nullptr;
   }
 
-  // The (token, expert) pairs to compute, and the tokens whose row is NaN.
+  // The (token, expert) pairs to compute, grouped by expert, and the tokens whose row is NaN.
   static void route(const float* r, Step& w) {
     const int64_t tokens = w.s.tokens, hidden = w.s.hidden, experts = w.s.experts;
     constexpr float inf = std::numeric_limits<float>::infinity();
-    w.pairs.clear();
-    w.first.assign(tokens + 1, 0);
     w.nan_row.assign(tokens, 0);
     for (int64_t n = 0; n < tokens; ++n) {
-      w.first[n] = static_cast<int64_t>(w.pairs.size());
       bool bad = false, all_minus_inf = true;
       for (int64_t i = 0; i < hidden && !bad; ++i) bad = !std::isfinite(w.x[n * hidden + i]);
       for (int64_t e = 0; e < experts; ++e) {
@@ -289,11 +412,15 @@ struct MoEExpertsKernel {
         all_minus_inf &= v == -inf;
       }
       w.nan_row[n] = bad || all_minus_inf;
-      if (w.nan_row[n]) continue;
-      for (int64_t e = 0; e < experts; ++e)
-        if (r[n * experts + e] > 0.f) w.pairs.push_back({n, e, r[n * experts + e]});
     }
-    w.first[tokens] = static_cast<int64_t>(w.pairs.size());
+    w.pairs.clear();
+    w.expert_first.assign(experts + 1, 0);
+    for (int64_t e = 0; e < experts; ++e) {
+      w.expert_first[e] = static_cast<int64_t>(w.pairs.size());
+      for (int64_t n = 0; n < tokens; ++n)
+        if (!w.nan_row[n] && r[n * experts + e] > 0.f) w.pairs.push_back({n, e, r[n * experts + e]});
+    }
+    w.expert_first[experts] = static_cast<int64_t>(w.pairs.size());
   }
 
   const OrtApi& api_;
