@@ -45,7 +45,7 @@ def native_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         if NATIVE_TEST_INCLUDE:
             patch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
         patch.setenv("MOEDEPLOY_CACHE", str(tmp_path_factory.mktemp("native-cache")))
-        native.library_path.cache_clear()
+        native.forget()
         include, why = native.headers()
         if include is None:
             if os.environ.get("CI"):
@@ -53,7 +53,7 @@ def native_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
             pytest.skip(f"native kernels not testable here: {why}")
         native.library_path()
         yield native
-        native.library_path.cache_clear()
+        native.forget()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,7 +20,9 @@ from moedeploy.runtime.lowering import lower_for_ort
 from tests.export.artifacts import moe_node_model, moe_weights
 from tests.plugins.test_moe_experts import GPT_OSS, ROUTINGS
 
-E, H, I = 8, 40, 24  # noqa: E741  (40 and 24: neither a multiple of 16, so every tail loop runs)
+# H 137: past dot's 64-wide loop, with a 16-wide and a scalar tail; I 70: a 64-row task block and a
+# partial one, and (2I or I) rows not a multiple of the 4-row blocks
+E, H, I = 8, 137, 70  # noqa: E741
 NAN, INF = float("nan"), float("inf")
 SILU = ExpertActivation()  # silu(g) * u
 
@@ -33,7 +35,7 @@ def native_session(model: onnx.ModelProto, native, threads: int = 2) -> ort.Infe
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU) -> onnx.ModelProto:
+def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU, **attributes) -> onnx.ModelProto:
     """One MoEExperts node on per-expert weight initializers, as lower_to_native feeds it."""
     inits, names = [], []
 
@@ -53,7 +55,8 @@ def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU
         add(f"w2_{e}", w["w_down"][e].numpy())
     node = helper.make_node("MoEExperts", ["x", "r", *names], ["y"], domain="moedeploy.cpu",
                             interleaved=int(interleaved), activation_alpha=activation.activation_alpha,
-                            activation_beta=activation.activation_beta, swiglu_limit=activation.swiglu_limit)
+                            activation_beta=activation.activation_beta, swiglu_limit=activation.swiglu_limit,
+                            **attributes)
     graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", H]),
                                                  helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", E])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", H])], inits)
@@ -85,6 +88,21 @@ def test_the_kernel_is_the_routed_experts_weighted_sum(native_kernels, interleav
     np.testing.assert_allclose(y, by_hand(x, r, w), rtol=1e-5, atol=1e-5)
 
 
+def test_a_prompt_longer_than_the_scratch_goes_through_in_chunks(native_kernels) -> None:
+    """scratch_floats small enough for a few pairs a chunk: the same answer as in one piece."""
+    w = moe_weights(E, H, I, "swiglu", False, seed=30)
+    g = torch.Generator().manual_seed(29)
+    x, r = torch.randn(23, H, generator=g), torch.zeros(23, E)
+    for n in range(23):
+        r[n, torch.randperm(E, generator=g)[:2]] = torch.tensor([0.6, 0.4])
+    x[5, 0] = NAN  # a NaN row inside a chunk
+    chunked = native_session(kernel_model(w, True, scratch_floats=5 * (3 * I + H)), native_kernels)
+    (y,) = chunked.run(None, {"x": x.numpy(), "r": r.numpy()})
+    rows = [n for n in range(23) if n != 5]
+    assert np.isnan(y[5]).all()
+    np.testing.assert_allclose(y[rows], by_hand(x[rows], r[rows], w), rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_takes_the_clamped_swiglu_attributes(native_kernels) -> None:
     w = moe_weights(E, H, I, "swiglu", False, seed=33)
     for key in ("w_gate", "w_up"):
@@ -94,7 +112,7 @@ def test_the_kernel_takes_the_clamped_swiglu_attributes(native_kernels) -> None:
     (y,) = native_session(kernel_model(w, False, GPT_OSS), native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
     expected = by_hand(x, r, w, GPT_OSS)
     assert not np.allclose(expected, by_hand(x, r, w), atol=1e-3)  # the clamp and alpha/beta matter here
-    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)  # outputs of order 10: float32 sums of 137
 
 
 def test_the_kernel_gives_nan_rows_where_eager_does(native_kernels) -> None:
@@ -166,6 +184,25 @@ def test_the_lowering_matches_eager_for_one_token_and_for_many(native_kernels, n
         (y,) = session.run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
         eager = moe_op.moe_reference(x, logits, w["w_gate"], w["w_up"], w["w_down"], routing, score_bias=bias).numpy()
         np.testing.assert_allclose(y, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lowering_hands_the_clamped_swiglu_to_the_kernel(native_kernels) -> None:
+    """gpt-oss's activation attributes through lower_to_native, against the eager op."""
+    from tests.plugins.test_moe_experts import _model
+
+    routing = ROUTINGS["softmax-renormalised"][0]
+    w = moe_weights(E, H, I, "swiglu", False, seed=44)
+    for key in ("w_gate", "w_up"):
+        w[key] = 6 * w[key]
+    lowered, counts = lower_for_ort(_model(w, routing, None, GPT_OSS), "CPUExecutionProvider", "native")
+    assert counts["moe_native"] == 1
+    g = torch.Generator().manual_seed(45)
+    x, logits = torch.randn(9, H, generator=g), 2 * torch.randn(9, E, generator=g)
+    (y,) = native_session(lowered, native_kernels).run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
+    expected = moe_op.moe_reference(x, logits, w["w_gate"], w["w_up"], w["w_down"], routing, activation=GPT_OSS).numpy()
+    assert not np.allclose(expected, moe_op.moe_reference(x, logits, w["w_gate"], w["w_up"], w["w_down"], routing).numpy(),
+                           atol=1e-3)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_what_the_kernel_does_not_take_goes_to_the_per_expert_ifs(native_kernels) -> None:

@@ -32,6 +32,34 @@ def test_a_cpu_session_takes_the_native_kernel_and_gives_eager_logits(native_ker
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block", ["moe", "decoder_layer"])
+def test_a_block_artifact_runs_on_the_native_kernel(native_kernels, tmp_path_factory, block: str) -> None:
+    """Blocks load their lowered graph from a cache file, not bytes: it must name the kernel's
+    domain, or the session cannot find MoEExperts."""
+    from moedeploy.export.blocks import DIM
+    from tests.export.artifacts import ArtifactStore, eager_block
+
+    artifact = ArtifactStore.for_session(tmp_path_factory).block(block)
+    lowered = create_session(artifact, threads=2)
+    assert lowered.lowering["moe_native"] == 1
+    x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(11))
+    (y,) = lowered.run({lowered.session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        expected = eager_block(block)(x)
+    np.testing.assert_allclose(y, expected.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_tokens_on_the_native_kernel_are_eager_pytorchs(native_kernels, artifact) -> None:
+    from moedeploy.runtime.generation import OrtDecoder
+
+    decoder = OrtDecoder(artifact, threads=2, attention_lowering="gqa", logits="greedy", kv_cache="inplace")
+    assert decoder.lowered.lowering["moe_native"] > 0
+    prompt = torch.randint(0, eager_decoder().config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = eager_decoder().generate(prompt, max_new_tokens=16)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=16), expected)
+
+
 def test_compare_passes_on_every_lowering_with_the_native_kernel(native_kernels, artifact) -> None:
     from moedeploy.compare.api import compare
 
@@ -43,7 +71,7 @@ def test_compare_passes_on_every_lowering_with_the_native_kernel(native_kernels,
 
 def test_native_off_or_unbuildable_leaves_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MOEDEPLOY_NATIVE", "0")
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()
     assert moe_path_and_source() == ("split", "the default")
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "native")
     with pytest.raises(SessionError, match="MOEDEPLOY_MOE_PATH=native, but the native kernel is not available here: "
@@ -52,10 +80,10 @@ def test_native_off_or_unbuildable_leaves_the_other_paths(native_kernels, monkey
     monkeypatch.delenv("MOEDEPLOY_NATIVE")
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", str(tmp_path))
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()
     with pytest.raises(SessionError, match=f"MOEDEPLOY_ORT_INCLUDE={tmp_path} holds no onnxruntime_c_api.h"):
         moe_path_and_source()
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()
 
 
 def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(native_kernels, monkeypatch) -> None:
@@ -63,15 +91,29 @@ def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(nat
     monkeypatch.delenv("MOEDEPLOY_ORT_INCLUDE", raising=False)
     monkeypatch.setattr(native_kernels, "SYSTEM_INCLUDES", ())
     monkeypatch.setenv("CXX", "/bin/false")
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()
     assert native_kernels.library_path() == built  # neither headers nor a compiler needed any more
-    import moedeploy.bench.machine as machine
-
-    monkeypatch.setattr(machine, "cpu_features", lambda: ["another-cpu"])
-    native_kernels.library_path.cache_clear()
+    real = native_kernels.cpu_identity()
+    assert any(line.startswith(("flags=", "Features=")) and len(line) > 20 for line in real), real
+    monkeypatch.setattr(native_kernels, "cpu_identity", lambda: [*real[:-1], real[-1] + " another"])
+    native_kernels.forget()
     with pytest.raises(native_kernels.NativeUnavailable, match="no ONNX Runtime C API headers"):
         native_kernels.library_path()
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()
+
+
+def test_a_compiler_that_is_not_there_leaves_sessions_on_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
+    from tests.conftest import NATIVE_TEST_INCLUDE
+
+    if NATIVE_TEST_INCLUDE:
+        monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    native_kernels.forget()
+    assert moe_path_and_source() == ("split", "the default")  # no traceback for a user who never asked
+    with pytest.raises(native_kernels.NativeUnavailable, match=r"building the native kernels failed: .*no-such-compiler"):
+        native_kernels.library_path()
+    native_kernels.forget()
 
 
 def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch, tmp_path) -> None:
@@ -81,8 +123,8 @@ def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch,
         monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
     monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "/bin/false")
-    native_kernels.library_path.cache_clear()
-    with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\)"):
+    native_kernels.forget()
+    with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\): no output"):
         native_kernels.library_path()
     assert list((tmp_path / "cache" / "native").iterdir()) == []
-    native_kernels.library_path.cache_clear()
+    native_kernels.forget()

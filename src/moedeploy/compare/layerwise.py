@@ -125,6 +125,7 @@ def localize(
         default_expert_pieces,
         load_lowered,
         reads_weights_from,
+        session_moe_lowering,
         session_options,
     )
     from moedeploy.runtime.runners import TorchRunner
@@ -163,7 +164,9 @@ def localize(
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
     # the lowering the backend's session runs, experts cut into pieces where its session cuts them
-    lowered, _ = lower_for_ort(original, moe_lowering=moe_lowering, config=decoder_config(artifact),
+    lowered, _ = lower_for_ort(original, moe_lowering=session_moe_lowering("CPUExecutionProvider", None, moe_lowering,
+                                                                           artifact),
+                               config=decoder_config(artifact),
                                expert_pieces=default_expert_pieces("CPUExecutionProvider", None, moe_lowering=moe_lowering,
                                                                      artifact=artifact))
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))

@@ -66,8 +66,8 @@ def expert_slice(value: ir.Value, expert: int) -> ir.Value:
 
 
 def shared_slice(graph: ir.Graph, value: ir.Value, expert: int) -> ir.Value:
-    """`expert_slice`, or the initializer of that name already in `graph` (plugins/moe_native.py's
-    kernel and these Ifs read one initializer an expert, so ONNX Runtime maps its bytes once)."""
+    """`expert_slice`, or the initializer of that name already in `graph`: one initializer an
+    expert and matrix, whichever lowering (this one, plugins/moe_native.py) made it first."""
     existing = graph.initializers.get(f"{value.name}.expert{expert}")
     return existing if existing is not None else expert_slice(value, expert)
 
@@ -125,10 +125,8 @@ class NodeBuilder:
         return self("Constant", [], value=ir.tensor(value, dtype=FLOAT))
 
 
-def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0, branch_graph: ir.Graph | None = None) -> None:
-    """Replace one moe::MoE node by the routing probe and one If per expert, in place: in
-    `graph`, or in `branch_graph` where the node sits in an If branch of it (plugins/moe_native.py);
-    the experts' weights are initializers of `graph` either way."""
+def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0) -> None:
+    """Replace one moe::MoE node by the routing probe and one If per expert, in place."""
     x, logits, w_gate, w_up, w_down, b_gate, b_up, b_down = (list(node.inputs) + [None] * 3)[:8]
     n_experts, hidden, dim = (int(d) for d in w_up.shape)
     prefix = f"{node.name or node.outputs[0].name}/experts"
@@ -176,7 +174,7 @@ def lower_to_experts(graph: ir.Graph, node: ir.Node, nbits_accuracy: int = 0, br
     for value in initializers:
         graph.register_initializer(value)
     name = node.outputs[0].name
-    ir.convenience.replace_nodes_and_values(branch_graph or graph, node, [node], add.nodes, [node.outputs[0]], [y])
+    ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name
     y.shape, y.type = node.outputs[0].shape, node.outputs[0].type  # x's: later lowerings match on it
 

@@ -61,6 +61,7 @@ def lower_to_native(graph: ir.Graph, node: ir.Node) -> None:
             activation_alpha=float(act.activation_alpha), activation_beta=float(act.activation_beta),
             swiglu_limit=float(act.swiglu_limit))
     y = add("Reshape", [y, add("Shape", [x])])
+    graph.opset_imports.setdefault(DOMAIN, 1)  # a graph saved to a file must name the domain
     name = node.outputs[0].name
     ir.convenience.replace_nodes_and_values(graph, node, [node], add.nodes, [node.outputs[0]], [y])
     y.name = name  # downstream tools (layer-wise compare) look values up by name

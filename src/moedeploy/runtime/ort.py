@@ -313,7 +313,9 @@ def _reads_native_ops(model: str | bytes) -> bool:
 
     if isinstance(model, bytes):
         return moe_native.DOMAIN.encode() in model
-    return any(o.domain == moe_native.DOMAIN for o in onnx.load(str(model), load_external_data=False).opset_import)
+    proto = onnx.load(str(model), load_external_data=False)
+    return any(o.domain == moe_native.DOMAIN for o in proto.opset_import) or \
+        any(n.domain == moe_native.DOMAIN for n in proto.graph.node)
 
 
 def lowered_model(

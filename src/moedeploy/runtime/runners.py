@@ -135,8 +135,7 @@ def lowering_text(lowering: dict[str, int]) -> str | None:
     if lowering.get("moe_experts"):
         parts.append(f"{lowering['moe_experts']} moe::MoE on one If per expert over prepacked Gemms (fast path)")
     if lowering.get("moe_native"):
-        parts.append(f"{lowering['moe_native']} moe::MoE on moedeploy.cpu::MoEExperts for one token, one If per "
-                     "expert for more (native kernel)")
+        parts.append(f"{lowering['moe_native']} moe::MoE on moedeploy.cpu::MoEExperts (the native kernel, fast path)")
     if lowering.get("moe_function"):
         parts.append(f"{lowering['moe_function']} moe::MoE on the standard-op function body")
     if lowering.get("rmsnorm_native"):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -31,7 +31,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give it a normal file's mode
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -318,7 +318,7 @@ def normalise_modes(folder: Path) -> None:
     mkdtemp makes 0700 folders, and some writers (tempfile-based ones) leave 0600 files; an
     artifact is meant to be shared like any other output.
     """
-    mask = _umask()
+    mask = current_umask()
     os.chmod(folder, 0o777 & ~mask)
     for root, dirs, files in os.walk(folder):
         for name in dirs:

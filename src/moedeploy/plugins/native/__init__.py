@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from moedeploy.utils.io import current_umask
+
 SOURCE = Path(__file__).with_name("moe_experts.cc")
 LIBRARY = "libmoedeploy_cpu.so"
 INCLUDE_ENV = "MOEDEPLOY_ORT_INCLUDE"
@@ -78,11 +80,26 @@ def runtime_api_version() -> int:
     return int(onnxruntime.__version__.split(".")[1])
 
 
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """What -march=native compiles for, as the kernel reports it: the first processor's model and
+    its whole flags (x86) or Features / implementer / part lines (Arm)."""
+    wanted = ("vendor_id", "model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU part")
+    found: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in wanted and key not in found:
+                    found[key] = " ".join(value.split())
+    except OSError:
+        pass
+    return [f"{k}={found.get(k, '')}" for k in wanted]
+
+
 def build_key() -> str:
     """What a built library is valid for: the source, the flags, and this CPU (-march=native)."""
-    from moedeploy.bench.machine import cpu_features, cpu_model
-
-    parts = [SOURCE.read_bytes().hex(), *FLAGS, cpu_model(), *cpu_features()]
+    parts = [SOURCE.read_bytes().hex(), *FLAGS, *cpu_identity()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -107,8 +124,10 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
         result = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {last}")
+            lines = result.stderr.strip().splitlines()
+            first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
+            raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {first_error.strip()}")
+        staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would hide the build from other users of the cache
         try:
             staging.rename(out_dir)
         except OSError:  # another process finished first: use its build
@@ -119,28 +138,46 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
     return target
 
 
-@functools.cache
 def library_path() -> Path:
     """The library built for this machine, compiled now if there is none yet (a few seconds,
-    once). NativeUnavailable says why where it cannot be."""
+    once). NativeUnavailable says why where it cannot be; the answer, either way, is kept for
+    the process (`forget` drops it), so a failing build is tried once, not at every session."""
+    path, why = _library()
+    if path is None:
+        raise NativeUnavailable(why)
+    return path
+
+
+def forget() -> None:
+    """Look again at the next `library_path` (after changing the variables it reads)."""
+    _library.cache_clear()
+
+
+@functools.cache
+def _library() -> tuple[Path | None, str]:
     from moedeploy.utils.cache import cache_dir
 
     if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "no", "false"):
-        raise NativeUnavailable(f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off")
-    root, key = cache_dir() / "native", build_key()
-    if (library := built(root, key)) is not None:
-        return library
-    include, why = headers()
-    if include is None:
-        raise NativeUnavailable(why)
-    version = api_version(include)
-    if version is None or not MIN_API_VERSION <= version <= runtime_api_version():
-        raise NativeUnavailable(f"the ONNX Runtime headers in {include} are of C API version {version}; the kernel "
-                                f"needs {MIN_API_VERSION} to {runtime_api_version()} (this onnxruntime's)")
-    cxx = compiler()
-    if cxx is None:
-        raise NativeUnavailable("no C++ compiler (c++, g++ or clang++; or set CXX)")
-    return build(include, cxx, root / f"{key}-api{version}")
+        return None, f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off"
+    try:
+        root, key = cache_dir() / "native", build_key()
+        if (library := built(root, key)) is not None:
+            return library, ""
+        include, why = headers()
+        if include is None:
+            return None, why
+        version = api_version(include)
+        if version is None or not MIN_API_VERSION <= version <= runtime_api_version():
+            return None, (f"the ONNX Runtime headers in {include} are of C API version {version}; the kernel needs "
+                          f"{MIN_API_VERSION} to {runtime_api_version()} (this onnxruntime's)")
+        cxx = compiler()
+        if cxx is None:
+            return None, "no C++ compiler (c++, g++ or clang++; or set CXX)"
+        return build(include, cxx, root / f"{key}-api{version}"), ""
+    except NativeUnavailable as e:
+        return None, str(e)
+    except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a CXX that is not there
+        return None, f"building the native kernels failed: {e}"
 
 
 def available() -> bool:

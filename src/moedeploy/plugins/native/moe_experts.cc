@@ -17,7 +17,8 @@
 // tensors of their own: W1[0..E), W3[0..E), W2[0..E) with W1, W3 (I, H) and W2 (H, I); or with
 // interleaved=1, W1[0..E) as (2I, H), gate row 2i and up row 2i+1 (a streamed export's fused
 // weight), and W2[0..E). One tensor an expert, not a stack: views into the artifact's data
-// file that ONNX Runtime maps in place. A token whose X row is not finite, or whose R row holds
+// file that ONNX Runtime maps in place. Attribute scratch_floats: the most scratch a chunk of
+// tokens may take (default 32 Mi floats; tests set it small). A token whose X row is not finite, or whose R row holds
 // NaN or +Inf (or only -Inf), gets a NaN row, as eager PyTorch gives (plugins/moe.py's
 // nan_where_not_finite says which rows).
 //
@@ -46,7 +47,7 @@
 namespace {
 
 // 16 floats: one AVX-512 register, two AVX2 ones; aligned(4) lets it load from any float.
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -200,24 +201,29 @@ struct Shapes {
   int64_t tokens = 0, hidden = 0, experts = 0, inter = 0;
 };
 
-// What one Compute works on: pointers into ONNX Runtime's tensors, and scratch of its own.
+// What one chunk of tokens works on: pointers into ONNX Runtime's tensors, and scratch of its own.
 // Pairs are grouped by expert, so each expert's weights are read once for all its tokens.
 struct Step {
-  Shapes s;
+  Shapes s;  // s.tokens: the chunk's
   bool interleaved = false;
-  const float* x = nullptr;
+  const float* x = nullptr;  // the chunk's first row, as y
+  float* y = nullptr;
+  const char* nan_row = nullptr;
   std::vector<const float*> w1, w3, w2;  // per expert
-  std::vector<Pair> pairs;               // by expert, then token
+  std::vector<Pair> pairs;               // by expert, then token (tokens counted from the chunk's first)
   std::vector<int64_t> expert_first;     // pairs of expert e: [expert_first[e], expert_first[e + 1])
+  std::vector<int64_t> token_first, token_pairs;  // token n's pairs, in expert order: token_pairs[token_first[n]..]
   std::vector<const float*> pair_x, pair_h;  // each pair's input row and hidden activation
-  std::vector<char> nan_row;
   std::vector<float> gate_up;  // per pair: 2I (gate and up; interleaved as the weight is)
   std::vector<float> h;        // per pair: I
   std::vector<float> down;     // per pair: H
-  float* y = nullptr;
   int64_t fc1_blocks = 0, down_blocks = 0;
   Activation act;
 };
+
+// Scratch floats a chunk may hold (pairs x (3I + H)) unless the attribute scratch_floats says
+// otherwise: a long prompt goes through in chunks, its memory bounded (128 MB).
+constexpr int64_t kScratchFloats = int64_t{32} << 20;
 
 // Phase 1 task: one block of one expert's gate/up rows, for every token routed to the expert.
 void fc1_task(void* data, size_t index) {
@@ -272,10 +278,11 @@ void sum_task(void* data, size_t index) {
     return;
   }
   std::fill(y, y + hidden, 0.f);
-  for (size_t q = 0; q < w.pairs.size(); ++q) {  // by expert: index order for every token
-    if (w.pairs[q].token != n) continue;
+  for (int64_t i = w.token_first[n]; i < w.token_first[n + 1]; ++i) {
+    const int64_t q = w.token_pairs[i];
     const float* part = w.down.data() + q * hidden;
-    for (int64_t r = 0; r < hidden; ++r) y[r] += part[r] * w.pairs[q].weight;
+    const float weight = w.pairs[q].weight;
+    for (int64_t r = 0; r < hidden; ++r) y[r] += part[r] * weight;
   }
 }
 
@@ -294,6 +301,7 @@ struct MoEExpertsKernel {
     act_.alpha = attribute<float>(kernel_info, "activation_alpha", 1.f);
     act_.beta = attribute<float>(kernel_info, "activation_beta", 0.f);
     act_.limit = attribute<float>(kernel_info, "swiglu_limit", std::numeric_limits<float>::infinity());
+    scratch_floats_ = std::max<int64_t>(1, attribute<int64_t>(kernel_info, "scratch_floats", kScratchFloats));
   }
 
   template <typename T>
@@ -353,10 +361,65 @@ struct MoEExpertsKernel {
       }
       w.s.inter = checked_inter_;
     }
-    w.x = x.GetTensorData<float>();
-    w.y = ctx.GetOutput(0, {w.s.tokens, w.s.hidden}).GetTensorMutableData<float>();
-    route(r.GetTensorData<float>(), w);
-    const int64_t inter = w.s.inter, hidden = w.s.hidden, pairs = static_cast<int64_t>(w.pairs.size());
+    const float* all_x = x.GetTensorData<float>();
+    const float* all_r = r.GetTensorData<float>();
+    float* all_y = ctx.GetOutput(0, {w.s.tokens, w.s.hidden}).GetTensorMutableData<float>();
+    const int64_t tokens = w.s.tokens, hidden = w.s.hidden, experts = w.s.experts;
+    std::vector<char> nan_row(tokens);
+    std::vector<int64_t> routed(tokens);  // experts each token takes
+    for (int64_t n = 0; n < tokens; ++n) {
+      nan_row[n] = not_finite(all_x + n * hidden, hidden, all_r + n * experts, experts);
+      routed[n] = 0;
+      for (int64_t e = 0; e < experts && !nan_row[n]; ++e) routed[n] += all_r[n * experts + e] > 0.f;
+    }
+    w.interleaved = interleaved_;
+    w.act = act_;
+    const int64_t budget = std::max<int64_t>(1, scratch_floats_ / (3 * w.s.inter + hidden));
+    for (int64_t t0 = 0; t0 < tokens;) {  // chunks of tokens whose pairs fit the scratch budget
+      int64_t t1 = t0, pairs = 0;
+      while (t1 < tokens && (t1 == t0 || pairs + routed[t1] <= budget)) pairs += routed[t1++];
+      w.s.tokens = t1 - t0;
+      w.x = all_x + t0 * hidden;
+      w.y = all_y + t0 * hidden;
+      w.nan_row = nan_row.data() + t0;
+      run_chunk(ctx, all_r + t0 * experts, w);
+      t0 = t1;
+    }
+    return nullptr;
+  }
+
+  // Whether eager PyTorch gives this token a NaN row: a non-finite input, or a routing row with
+  // NaN or +Inf, or only -Inf (a softmax over it is NaN).
+  static bool not_finite(const float* x, int64_t hidden, const float* r, int64_t experts) {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < hidden; ++i)
+      if (!std::isfinite(x[i])) return true;
+    bool all_minus_inf = true;
+    for (int64_t e = 0; e < experts; ++e) {
+      if (std::isnan(r[e]) || r[e] == inf) return true;
+      all_minus_inf &= r[e] == -inf;
+    }
+    return all_minus_inf;
+  }
+
+  // One chunk: its pairs grouped by expert, then gate/up, activation, down and the sums.
+  void run_chunk(Ort::KernelContext& ctx, const float* r, Step& w) const {
+    const int64_t tokens = w.s.tokens, hidden = w.s.hidden, experts = w.s.experts, inter = w.s.inter;
+    w.pairs.clear();
+    w.expert_first.assign(experts + 1, 0);
+    for (int64_t e = 0; e < experts; ++e) {
+      w.expert_first[e] = static_cast<int64_t>(w.pairs.size());
+      for (int64_t n = 0; n < tokens; ++n)
+        if (!w.nan_row[n] && r[n * experts + e] > 0.f) w.pairs.push_back({n, e, r[n * experts + e]});
+    }
+    w.expert_first[experts] = static_cast<int64_t>(w.pairs.size());
+    const int64_t pairs = w.expert_first[experts];
+    w.token_first.assign(tokens + 1, 0);  // each token's pairs, in the order above: by expert
+    for (const Pair& p : w.pairs) ++w.token_first[p.token + 1];
+    for (int64_t n = 0; n < tokens; ++n) w.token_first[n + 1] += w.token_first[n];
+    w.token_pairs.resize(pairs);
+    std::vector<int64_t> next(w.token_first.begin(), w.token_first.end() - 1);
+    for (int64_t q = 0; q < pairs; ++q) w.token_pairs[next[w.pairs[q].token]++] = q;
     w.gate_up.resize(pairs * 2 * inter);
     w.h.resize(pairs * inter);
     w.down.resize(pairs * hidden);
@@ -368,14 +431,12 @@ struct MoEExpertsKernel {
     }
     if (pairs > 0) {
       w.fc1_blocks = interleaved_ ? (2 * inter + kRowBlock - 1) / kRowBlock : 2 * ((inter + kRowBlock - 1) / kRowBlock);
-      ctx.ParallelFor(fc1_task, w.s.experts * w.fc1_blocks, 0, &w);
-      w.act = act_;
+      ctx.ParallelFor(fc1_task, experts * w.fc1_blocks, 0, &w);
       ctx.ParallelFor(act_task, pairs, 0, &w);  // a prompt's pairs x I exponentials: spread them too
       w.down_blocks = (hidden + kRowBlock - 1) / kRowBlock;
-      ctx.ParallelFor(down_task, w.s.experts * w.down_blocks, 0, &w);
+      ctx.ParallelFor(down_task, experts * w.down_blocks, 0, &w);
     }
-    if (w.s.tokens > 0) ctx.ParallelFor(sum_task, w.s.tokens, 0, &w);
-    return nullptr;
+    if (tokens > 0) ctx.ParallelFor(sum_task, tokens, 0, &w);
   }
 
   // Every weight (rows, cols) as the layout says, W2's I the same as W1's; sets s.inter.
@@ -398,33 +459,9 @@ struct MoEExpertsKernel {
     return nullptr;
   }
 
-  // The (token, expert) pairs to compute, grouped by expert, and the tokens whose row is NaN.
-  static void route(const float* r, Step& w) {
-    const int64_t tokens = w.s.tokens, hidden = w.s.hidden, experts = w.s.experts;
-    constexpr float inf = std::numeric_limits<float>::infinity();
-    w.nan_row.assign(tokens, 0);
-    for (int64_t n = 0; n < tokens; ++n) {
-      bool bad = false, all_minus_inf = true;
-      for (int64_t i = 0; i < hidden && !bad; ++i) bad = !std::isfinite(w.x[n * hidden + i]);
-      for (int64_t e = 0; e < experts; ++e) {
-        const float v = r[n * experts + e];
-        bad |= std::isnan(v) || v == inf;
-        all_minus_inf &= v == -inf;
-      }
-      w.nan_row[n] = bad || all_minus_inf;
-    }
-    w.pairs.clear();
-    w.expert_first.assign(experts + 1, 0);
-    for (int64_t e = 0; e < experts; ++e) {
-      w.expert_first[e] = static_cast<int64_t>(w.pairs.size());
-      for (int64_t n = 0; n < tokens; ++n)
-        if (!w.nan_row[n] && r[n * experts + e] > 0.f) w.pairs.push_back({n, e, r[n * experts + e]});
-    }
-    w.expert_first[experts] = static_cast<int64_t>(w.pairs.size());
-  }
-
   const OrtApi& api_;
   bool interleaved_ = false;
+  int64_t scratch_floats_ = kScratchFloats;
   Activation act_;
   std::mutex check_lock_;
   std::vector<const float*> checked_;  // the weight tensors whose shapes were checked
