@@ -4,6 +4,8 @@ library's build: reused without headers or compiler, never another CPU's, refuse
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -102,14 +104,19 @@ def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(nat
     native_kernels.forget()
 
 
-def test_a_compiler_that_is_not_there_leaves_sessions_on_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
+def _fresh_build_with(native, monkeypatch, cache: Path, cxx: str) -> None:
+    """The headers the suite has, an empty cache, and `cxx` as the compiler."""
     from tests.conftest import NATIVE_TEST_INCLUDE
 
     if NATIVE_TEST_INCLUDE:
         monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
-    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    native_kernels.forget()
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(cache))
+    monkeypatch.setenv("CXX", cxx)
+    native.forget()
+
+
+def test_a_compiler_that_is_not_there_leaves_sessions_on_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
+    _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache", str(tmp_path / "no-such-compiler"))
     assert moe_path_and_source() == ("split", "the default")  # no traceback for a user who never asked
     with pytest.raises(native_kernels.NativeUnavailable, match=r"building the native kernels failed: .*no-such-compiler"):
         native_kernels.library_path()
@@ -117,13 +124,7 @@ def test_a_compiler_that_is_not_there_leaves_sessions_on_the_other_paths(native_
 
 
 def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch, tmp_path) -> None:
-    from tests.conftest import NATIVE_TEST_INCLUDE
-
-    if NATIVE_TEST_INCLUDE:
-        monkeypatch.setenv("MOEDEPLOY_ORT_INCLUDE", NATIVE_TEST_INCLUDE)
-    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", "/bin/false")
-    native_kernels.forget()
+    _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache", "/bin/false")
     with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\): no output"):
         native_kernels.library_path()
     assert list((tmp_path / "cache" / "native").iterdir()) == []
