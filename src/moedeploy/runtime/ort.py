@@ -228,7 +228,7 @@ def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = 
     if value:
         return value, f"{MOE_PATH_ENV} is set"
     if native.available():
-        return "native", "the project's native kernel, built on this machine (plugins/native)"
+        return "native", "the project's native kernel is built on this machine (plugins/native; MOEDEPLOY_NATIVE=0 turns it off)"
     if artifact is not None:
         from moedeploy.runtime.moe_tuning import tuned_file, tuned_path
 
