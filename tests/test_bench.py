@@ -891,6 +891,16 @@ def test_decode_ablation_fixed_experts_is_the_first_k_experts_inlined(tmp_path_f
             sys.modules.pop(name, None)
 
 
+def test_the_reported_moe_path_is_the_one_the_workers_lowered() -> None:
+    from moedeploy.bench.api import path_that_ran
+
+    native = ("native", "the project's native kernel is built on this machine")
+    assert path_that_ran(*native, [_timed("ort-gqa", [70.0], moe_native=8)]) == native
+    assert path_that_ran(*native, [_timed("ort-gqa", [70.0], moe_experts=8)])[0] == "experts"  # biases: not taken
+    assert path_that_ran("split", "the default", [_timed("ort-gqa", [70.0], moe_split=8)]) == ("split", "the default")
+    assert path_that_ran(*native, []) == native  # no ort row timed: nothing says otherwise
+
+
 def _timed(backend: str, rounds: list[float], **lowering: int) -> dict:
     """A merged bench result with the figures the ratios read (decode tokens/s by round) and the
     lowering counts an ONNX Runtime worker reports."""

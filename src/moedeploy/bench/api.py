@@ -555,6 +555,7 @@ def bench(
         from moedeploy.runtime.ort import moe_path_and_source
 
         path, source = moe_path_and_source(artifact, threads)  # what their sessions decided (a worker's warnings are not shown)
+        path, source = path_that_ran(path, source, [r for r in ok if r["backend"] in ("ort", "ort-gqa")])
         report["moe_path"] = {"path": path, "source": source}
     if json_path:
         atomic_write_json(json_path, report)
@@ -636,6 +637,15 @@ def _ratios(ok: list[dict]) -> dict[str, dict[str, float]]:
     if split in by and experts in by and lowered(by[split], "moe_split") and lowered(by[experts], "moe_experts"):
         ratios[f"{split}_vs_{experts}"] = _ratio(by[split], by[experts])
     return ratios
+
+
+def path_that_ran(path: str, source: str, rows: list[dict]) -> tuple[str, str]:
+    """The MoE path as the ort rows' workers lowered it: "native" only where their sessions put
+    some layer on the native kernel, which takes no expert biases (gpt-oss's), for example; those
+    layers take the If per expert instead."""
+    if path != "native" or not rows or any(lowered(r, "moe_native") for r in rows):
+        return path, source
+    return "experts", "the native kernel is built here, but it does not take these experts (expert biases)"
 
 
 def lowered(result: dict, count: str) -> int:
