@@ -262,11 +262,10 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
-        default_expert_pieces,
         load_lowered,
         lowered_model,
         reads_weights_from,
-        session_moe_lowering,
+        session_moe,
         session_options,
     )
     from moedeploy.runtime.quantized import RUN_ACCURACY
@@ -275,11 +274,9 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
                          nbits_accuracy=RUN_ACCURACY)
     if edit is None:
         return decoder
-    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider",
-                                        session_moe_lowering("CPUExecutionProvider", threads, "auto", artifact),
-                                        "gqa", "greedy", "native", "inplace", RUN_ACCURACY,
-                                        expert_pieces=default_expert_pieces("CPUExecutionProvider", threads,
-                                                                            artifact=artifact))
+    moe_lowering, pieces = session_moe("CPUExecutionProvider", threads, "auto", artifact)
+    model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", moe_lowering, "gqa", "greedy", "native",
+                                        "inplace", RUN_ACCURACY, expert_pieces=pieces)
     model = onnx.load_from_string(model_bytes)
     if not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")

@@ -122,10 +122,9 @@ def localize(
     from moedeploy.runtime.lowering import lower_for_ort
     from moedeploy.runtime.ort import (
         decoder_config,
-        default_expert_pieces,
         load_lowered,
         reads_weights_from,
-        session_moe_lowering,
+        session_moe,
         session_options,
     )
     from moedeploy.runtime.runners import TorchRunner
@@ -164,11 +163,9 @@ def localize(
     original = onnx.load(str(artifact.model_path), load_external_data=False)  # weights stay on disk
     candidates = escaping_values(original, list(eager))
     # the lowering the backend's session runs, experts cut into pieces where its session cuts them
-    lowered, _ = lower_for_ort(original, moe_lowering=session_moe_lowering("CPUExecutionProvider", None, moe_lowering,
-                                                                           artifact),
-                               config=decoder_config(artifact),
-                               expert_pieces=default_expert_pieces("CPUExecutionProvider", None, moe_lowering=moe_lowering,
-                                                                     artifact=artifact))
+    session_lowering, pieces = session_moe("CPUExecutionProvider", None, moe_lowering, artifact)
+    lowered, _ = lower_for_ort(original, moe_lowering=session_lowering, config=decoder_config(artifact),
+                               expert_pieces=pieces)
     lowered = _with_outputs(lowered, sorted({v for vs in candidates.values() for v in vs}))
     session = load_lowered(lowered, reads_weights_from(session_options(), artifact), artifact.path)
     names = [o.name for o in session.get_outputs()]

@@ -1,6 +1,6 @@
 """Which fp32 MoE path decodes faster on this machine, timed on the artifact itself and kept.
 
-A CPU session runs an fp32 decoder's MoE layers one of two ways (`runtime.ort.default_expert_pieces`):
+A CPU session runs an fp32 decoder's MoE layers one of two ways (`runtime.ort.session_moe`):
 every expert cut into one piece per thread on com.microsoft::MoE ("split", the default), or one
 If per expert over prepacked Gemms ("experts"). Which decodes faster is a property of the
 machine, and not one a rule predicts: in `bench` the split made 1.02-1.22x the If per expert's

@@ -42,7 +42,7 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 #: instead of being repacked into a copy of the session's own
 DISABLE_PREPACKING = "session.disable_prepacking"
 #: which path fp32 MoE layers take in a CPU session: "native" (the project's kernel, where it is
-#: built here), "split" or "experts" (default_expert_pieces, moe_path_and_source)
+#: built here), "split" or "experts" (session_moe, moe_path_and_source)
 MOE_PATH_ENV, MOE_PATHS = "MOEDEPLOY_MOE_PATH", ("split", "experts", "native")
 #: graph optimizers a session skips, by name (comma-separated)
 DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
@@ -164,7 +164,7 @@ def create_session(
     lowered for its first provider. logits="last": a decoder's LM head on the last position only.
     prepack=False: the session shares the artifact's memory-mapped weights (`session_options`).
     expert_pieces: how many pieces plugins/moe_split cuts each expert into (1: not at all); by
-    default `default_expert_pieces`."""
+    default `session_moe`'s."""
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact)
     providers = providers or default_providers()
@@ -178,8 +178,7 @@ def create_session(
     if reason := dtype_unsupported(artifact.dtype, provider):
         raise SessionError(f"{reason} for these graphs; run bf16 artifacts on TensorRT or CUDA, or export with --dtype fp32/fp16")
     if expert_pieces is None:  # the session's own MoE path (a caller that gives pieces chose one)
-        expert_pieces = default_expert_pieces(provider, threads, prepack, moe_lowering, artifact)
-        moe_lowering = session_moe_lowering(provider, threads, moe_lowering, artifact)
+        moe_lowering, expert_pieces = session_moe(provider, threads, moe_lowering, artifact, prepack)
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
                                   kv_cache, nbits_accuracy, expert_pieces)
     options = session_options(threads, profile, prepack)
@@ -237,37 +236,34 @@ def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = 
     return "split", "the default"
 
 
-def default_expert_pieces(provider: str, threads: int | None, prepack: bool = True,
-                          moe_lowering: MoELowering = "auto", artifact: Artifact | None = None) -> int:
-    """The pieces plugins/moe_split may cut each fp32 expert into (it cuts into the largest
-    divisor of the expert hidden size up to this, where the experts qualify): the threads
+def session_moe(provider: str, threads: int | None, moe_lowering: MoELowering = "auto",
+                artifact: Artifact | None = None, prepack: bool = True) -> tuple[MoELowering, int]:
+    """The MoE lowering and expert pieces a session of these settings runs, from its MoE path
+    (`moe_path`: MOEDEPLOY_MOE_PATH, the native kernel where it is built, what `moedeploy tune`
+    measured for `artifact` on this machine, else the split), decided once for both.
+
+    Lowering: "native" where an "auto" CPU session's path is the project's kernel, else
+    `moe_lowering` as given. Pieces (plugins/moe_split cuts each fp32 expert into the largest
+    divisor of its hidden size up to this, where the experts qualify): the threads
     (`default_threads()` where `threads` is None) on the CPU provider; 1 with prepack=False (the
     re-laid experts would be a private copy per session), on other providers, and for the
-    "auto" lowering where `moe_path` says "experts" (its If per expert): MOEDEPLOY_MOE_PATH, or
-    what `moedeploy tune` measured for `artifact` on this machine.
+    "auto" lowering where the path is "experts" (its If per expert) or "native".
 
-    Which of the two paths decodes faster depends on the machine, not on the model alone: in
-    `bench` the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core AVX-512
-    EPYC reading about 53 GB/s, 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC reading
-    14-22 GB/s, and 0.90x on the AVX-512 kind on another day (benchmarks/README.md). Each of
-    the op's threads runs MLAS's M = 1 transposed-B kernel alone on its pieces; the If per
+    Which of split and If per expert decodes faster depends on the machine, not on the model
+    alone: in `bench` the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core
+    AVX-512 EPYC reading about 53 GB/s, 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC
+    reading 14-22 GB/s, and 0.90x on the AVX-512 kind on another day (benchmarks/README.md).
+    Each of the op's threads runs MLAS's M = 1 transposed-B kernel alone on its pieces; the If per
     expert's Gemms are prepacked and use every thread. Hence `moedeploy tune`."""
     path = moe_path()  # checked first: a wrong value is refused wherever it is set
-    if not prepack or provider != "CPUExecutionProvider":
-        return 1
+    if provider != "CPUExecutionProvider":
+        return moe_lowering, 1
     threads = threads or default_threads()
     if moe_lowering == "auto" and artifact is not None and threads > 1:
         path = moe_path(artifact, threads)
-    return 1 if path in ("experts", "native") and moe_lowering == "auto" else threads
-
-
-def session_moe_lowering(provider: str, threads: int | None, moe_lowering: MoELowering,
-                         artifact: Artifact | None = None) -> MoELowering:
-    """"native" where an "auto" CPU session's MoE path is the project's kernel (`moe_path`), else
-    `moe_lowering` as given: the lowering a session of these settings runs."""
-    if moe_lowering != "auto" or provider != "CPUExecutionProvider":
-        return moe_lowering
-    return "native" if moe_path(artifact, threads or default_threads()) == "native" else moe_lowering
+    lowering: MoELowering = "native" if moe_lowering == "auto" and path == "native" else moe_lowering
+    pieces = 1 if not prepack or (moe_lowering == "auto" and path in ("experts", "native")) else threads
+    return lowering, pieces
 
 
 def default_threads() -> int:

@@ -12,8 +12,9 @@ ONNX Runtime for the API version it was compiled against, which newer runtimes k
 Without headers or a C++ compiler nothing is built and sessions take the other MoE paths.
 
 The library is compiled with -march=native, so it is kept per machine: under
-<cache>/native/<key>-api<N>/, the key hashing the source, the flags and the CPU's model and
-vector flags (a cache folder shared between machines never hands one another's build), N the
+<cache>/native/<key>-api<N>/, the key hashing the source, the flags and the CPU's identity
+(`cpu_identity`: its whole flags line, so a cache folder shared between machines never hands
+one another's build), N the
 headers' C API version (a library is used only with a runtime that serves N). Once built it
 needs neither headers nor compiler. A build goes to a temporary folder renamed into place, so
 two processes building at once both end with a complete library. MOEDEPLOY_NATIVE=0 turns it

@@ -32,11 +32,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <exception>
 #include <limits>
-#include <memory>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
