@@ -510,11 +510,11 @@ def test_a_taken_openai_port_is_refused_before_triton_starts(served) -> None:
     from moedeploy.serving import ModelServer, ServeOptions, ServingError
 
     _, _, artifact = served
-    http, grpc, metrics = free_ports(3)
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
+        http, grpc, metrics = free_ports(3)  # while the taken port is held, so none of these can be it
         options = ServeOptions(backend="ort", host=HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                openai_port=port)
         start = time.monotonic()
