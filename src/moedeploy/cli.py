@@ -867,7 +867,7 @@ def tune_cmd(
     new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Greedy tokens per generation (all but the "
                                    "first are timed decode steps)."),
 ) -> None:
-    """Choose this machine's faster fp32 MoE path for a decoder, by timing both.
+    """Choose this machine's fastest fp32 MoE path for a decoder, by timing each.
 
     A CPU session runs fp32 MoE layers with each expert cut into one piece per thread on
     com.microsoft::MoE (the default) or as one If per expert over prepacked Gemms. Which decodes
@@ -877,11 +877,13 @@ def tune_cmd(
     at these threads, with huge pages as here (the moedeploy command's: on), with these model
     files and library versions, takes it: `bench` on this folder at the same --threads, serve,
     compare, OrtDecoder in Python. Anywhere else the record is ignored, with a warning.
-    MOEDEPLOY_MOE_PATH (split or experts), when set, overrides it; deleting the file forgets it.
-    Where the project's native MoE kernel is built (plugins/native), sessions take it before any
-    record; the record then serves sessions run with MOEDEPLOY_NATIVE=0.
-    Both paths compute the same result (`moedeploy compare --backend ort,ort-experts`). The
-    ratio moves with context length too: tune at the --prompt-len you serve. Both sessions are
+    MOEDEPLOY_MOE_PATH (native, split or experts), when set, overrides it; deleting the file
+    forgets it. Where the project's native MoE kernel is built (plugins/native; sessions take it
+    by default there) it is timed too and kept unless it decodes more than 3% slower than the
+    faster of the other two; such a record applies only while the same build of the kernel is
+    here (and one made without the kernel only while it is off or not built).
+    All paths compute the same result (`moedeploy compare --backend ort,ort-experts`). The
+    ratio moves with context length too: tune at the --prompt-len you serve. The sessions are
     open at once, so tuning needs about twice the weights in memory.
     """
     check_artifact_folder(artifact)
@@ -912,20 +914,20 @@ def tune_cmd(
         tuning = measure(loaded, threads, rounds, prompt_len, new_tokens, progress)
         path = record(loaded, threads, tuning)
     table = make_table(None, ["path", "what", "step ms (median)", "min", "max"], text=("path", "what"))
-    for name, what in (("split", "experts in pieces, com.microsoft::MoE"), ("experts", "one If per expert")):
-        ms = Spread.of(getattr(tuning, f"{name}_ms"))
-        table.add_row(name, what, f"{ms.median:.3f}", f"{ms.low:.3f}", f"{ms.high:.3f}")
+    for name, what in (("split", "experts in pieces, com.microsoft::MoE"), ("experts", "one If per expert"),
+                       ("native", "the project's kernel (plugins/native)")):
+        if (times := getattr(tuning, f"{name}_ms")) is not None:
+            ms = Spread.of(times)
+            table.add_row(name, what, f"{ms.median:.3f}", f"{ms.low:.3f}", f"{ms.high:.3f}")
     out.print(table)
-    from moedeploy.plugins import native
-
-    takes = (f"sessions of this artifact here take [bold]{tuning.path}[/bold]" if not native.available() else
-             f"recorded [bold]{tuning.path}[/bold] for sessions with the native kernel off ({native.SWITCH_ENV}=0): "
-             "it is built here, and sessions take it first (plugins/native)")
-    out.print(f"{threads} threads, {rounds} rounds paired: {escape(tuning.verdict)} (split / experts step time "
-              f"x{tuning.ratio:.3f}): {takes}", highlight=False)
+    ratios = f"split / experts step time x{tuning.ratio:.3f}"
+    if tuning.native_ratio is not None:
+        ratios += f", native / the faster of them x{tuning.native_ratio:.3f}"
+    out.print(f"{threads} threads, {rounds} rounds paired: {escape(tuning.verdict)} ({ratios}): sessions of this "
+              f"artifact here take [bold]{tuning.path}[/bold]", highlight=False)
     if not tuning.tokens_identical:
-        err.print("[yellow]warning:[/yellow] the two paths decoded different greedy tokens (a near tie rounded apart); "
-                  "`moedeploy compare --backend ort,ort-experts` checks both against eager PyTorch", highlight=False)
+        err.print("[yellow]warning:[/yellow] the paths decoded different greedy tokens (a near tie rounded apart); "
+                  "`moedeploy compare --backend ort,ort-experts` checks each against eager PyTorch", highlight=False)
     err.print(f"[dim]recorded in {escape(str(path))} (delete it to return to the default)[/dim]", highlight=False,
               soft_wrap=True)
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from moedeploy.cli import app
 from moedeploy.export.artifact import DERIVED_FILES, Artifact
 from moedeploy.runtime import moe_tuning
-from moedeploy.runtime.moe_tuning import TUNED_FILE, Tuning, choose, record
+from moedeploy.runtime.moe_tuning import TUNED_FILE, Tuning, choose, choose_native, record
 from moedeploy.runtime.ort import CACHE_DIR, CPU, create_session
 
 
@@ -30,6 +30,19 @@ def test_the_choice_is_the_median_of_the_paired_ratios() -> None:
     assert path == "split" and verdict.startswith("no clear difference (x1.00)")
     # medians alone would say experts (10.5 against 10.0); paired, each round says split
     assert choose([9.0, 10.0, 10.5, 11.0, 12.0], [9.5, 10.5, 10.0, 11.5, 12.5])[0] == "split"
+
+
+def test_the_native_kernel_stays_unless_it_decodes_clearly_slower() -> None:
+    # native / split by round: 9/10 = 0.9, 10/10 = 1.0, 9.5/10 = 0.95 -> median 0.95, 1/0.95 = 1.053
+    path, verdict, ratio = choose_native("split", [10.0, 10.0, 10.0], [9.0, 10.0, 9.5])
+    assert (path, round(ratio, 3)) == ("native", 0.95) and verdict == "the native kernel decoded x1.05 the split's speed"
+    # 10.2/10 twice -> 1.02: within 3%, the kernel (the default where it is built) stays
+    path, verdict, _ = choose_native("experts", [10.0, 10.0], [10.2, 10.2])
+    assert path == "native" and verdict == "no clear difference to the If per expert (x1.02): the native kernel stays"
+    # 11/10, 12/10, 10/10 -> median 1.1: the other path
+    path, verdict, ratio = choose_native("experts", [10.0, 10.0, 10.0], [11.0, 12.0, 10.0])
+    assert (path, round(ratio, 3)) == ("experts", 1.1)
+    assert verdict == "the If per expert decoded x1.10 the native kernel's speed"
 
 
 @pytest.fixture()

@@ -4,14 +4,20 @@ library's build: reused without headers or compiler, never another CPU's, refuse
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from moedeploy.export import export_decoder
-from moedeploy.runtime.ort import SessionError, create_session, moe_path_and_source
+from moedeploy.cli import app
+from moedeploy.export import Artifact, export_decoder
+from moedeploy.runtime.moe_tuning import TUNED_FILE, Tuning, record
+from moedeploy.runtime.ort import CACHE_DIR, SessionError, create_session, moe_path_and_source
 from tests.export.artifacts import SEED, decoder_feed, decoder_inputs, eager_decoder
 
 
@@ -128,4 +134,50 @@ def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch,
     with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\): no output"):
         native_kernels.library_path()
     assert list((tmp_path / "cache" / "native").iterdir()) == []
+    native_kernels.forget()
+
+
+def own_copy(artifact, folder: Path) -> Artifact:
+    """A private copy of the decoder (tune writes into its cache/; the module's artifact stays recordless)."""
+    shutil.copytree(artifact.path, folder, ignore=shutil.ignore_patterns(CACHE_DIR, "report"))
+    return Artifact.load(folder)
+
+
+def test_tune_times_the_native_kernel_beside_the_other_paths_and_sessions_follow_it(native_kernels, artifact,
+                                                                                   tmp_path) -> None:
+    own = own_copy(artifact, tmp_path / "decoder")
+    result = CliRunner().invoke(app, ["tune", str(own.path), "--threads", "2", "--rounds", "3", "--prompt-len", "8",
+                                      "--new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    entry, = json.loads((own.path / CACHE_DIR / TUNED_FILE).read_text())["entries"]
+    assert len(entry["split_ms"]) == len(entry["experts_ms"]) == len(entry["native_ms"]) == 3
+    assert entry["tokens_identical"] is True and entry["native_kernel"] == native_kernels.build_key()
+    # the choice, recomputed here from the recorded times: split or If per expert first, then the
+    # kernel against the faster of them, each a median of paired ratios with 3% either side
+    ratio = sorted(s / e for s, e in zip(entry["split_ms"], entry["experts_ms"], strict=True))[1]
+    other = "experts" if ratio > 1.03 else "split"
+    native_ratio = sorted(n / o for n, o in zip(entry["native_ms"], entry[f"{other}_ms"], strict=True))[1]
+    assert entry["native_ratio"] == pytest.approx(native_ratio, rel=1e-12)
+    assert entry["path"] == (other if native_ratio > 1.03 else "native")
+    assert "the project's kernel" in result.stdout and f"take {entry['path']}" in " ".join(result.stdout.split())
+    assert moe_path_and_source(own, 2) == (entry["path"], f"as `moedeploy tune` recorded for this machine in "
+                                                          f"{own.path / CACHE_DIR / TUNED_FILE}")
+
+
+def test_a_record_applies_only_beside_the_kernel_it_was_measured_with(native_kernels, artifact, tmp_path, monkeypatch,
+                                                                      caplog) -> None:
+    own = own_copy(artifact, tmp_path / "decoder")
+    monkeypatch.setenv("MOEDEPLOY_NATIVE", "0")
+    native_kernels.forget()
+    record(own, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))  # timed with the kernel off
+    assert moe_path_and_source(own, 2)[0] == "experts"
+    monkeypatch.delenv("MOEDEPLOY_NATIVE")
+    native_kernels.forget()
+    with caplog.at_level(logging.WARNING):  # the kernel is built: that record never timed it
+        assert moe_path_and_source(own, 2)[0] == "native"
+    assert "it was measured without the native kernel, which is built here now" in caplog.text
+    record(own, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True, [1.2], 1.2))  # the kernel timed, and slower
+    assert moe_path_and_source(own, 2)[0] == "experts"
+    entries = json.loads((own.path / CACHE_DIR / TUNED_FILE).read_text())["entries"]
+    assert [e["native_kernel"] for e in entries] == [None, native_kernels.build_key()]  # both kept: each its own case
     native_kernels.forget()

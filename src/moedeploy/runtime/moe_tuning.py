@@ -8,8 +8,12 @@ tokens/s on a 2-core AVX-512 EPYC, 0.87-0.98x on an AVX2 EPYC, and 0.90x on the 
 again on a day its memory read half as fast (benchmarks/README.md). A default is a guess either way.
 
 So `moedeploy tune` times both on the artifact, in one process, in paired greedy generations
-(the two sessions alternating, so a busy spell slows both), and writes the faster into the
-artifact's cache/ with what it was measured on. A session takes that path only while the record
+(the sessions alternating, so a busy spell slows both), and writes the faster into the
+artifact's cache/ with what it was measured on. Where the project's native kernel is built
+(plugins/native, every CPU session's path by default there) it is timed too, against the
+faster of the two: it stays unless it decoded more than TIE slower. Its speed is as much the
+machine's as the others' (timed on AVX-512 EPYCs only), so this is how a CPU where it loses
+finds out. A session takes that path only while the record
 still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
 versions, as `cache_origin` checks the lowering cache). Otherwise it says why and takes the
 default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
@@ -49,6 +53,10 @@ class Tuning:
     split_ms: list[float]
     experts_ms: list[float]
     tokens_identical: bool
+    #: the native kernel's step times (None: not built here, not timed), and the median of
+    #: native / the faster other path's over the rounds
+    native_ms: list[float] | None = None
+    native_ratio: float | None = None
 
 
 def choose(split_ms: list[float], experts_ms: list[float]) -> tuple[str, str, float]:
@@ -61,6 +69,19 @@ def choose(split_ms: list[float], experts_ms: list[float]) -> tuple[str, str, fl
     if ratio < 1 - TIE:
         return "split", f"the split decoded x{1 / ratio:.2f} the If per expert's speed", ratio
     return "split", f"no clear difference (x{ratio:.2f}): the default, the split, stays", ratio
+
+
+def choose_native(other: str, other_ms: list[float], native_ms: list[float]) -> tuple[str, str, float]:
+    """(path, verdict, ratio) between the native kernel and `other` (the faster of split and If
+    per expert) from paired step times: the ratio is the median over rounds of native / other.
+    The kernel, the default where it is built, stays unless it takes more than TIE longer."""
+    ratio = statistics.median(n / o for n, o in zip(native_ms, other_ms, strict=True))
+    name = {"split": "the split", "experts": "the If per expert"}[other]
+    if ratio > 1 + TIE:
+        return other, f"{name} decoded x{ratio:.2f} the native kernel's speed", ratio
+    if ratio < 1 - TIE:
+        return "native", f"the native kernel decoded x{1 / ratio:.2f} {name}'s speed", ratio
+    return "native", f"no clear difference to {name} (x{ratio:.2f}): the native kernel stays", ratio
 
 
 def tuned_file(artifact: Artifact) -> Path:
@@ -80,7 +101,17 @@ def machine_key(artifact: Artifact, threads: int) -> dict[str, Any]:
     from moedeploy.utils import huge_pages
 
     return {"cpu": cpu_model(), "cpu_features": cpu_features(), "last_level_cache": last_level_cache_bytes(),
-            "threads": threads, "huge_pages": huge_pages.this_process(), "origin": cache_origin(artifact)}
+            "threads": threads, "huge_pages": huge_pages.this_process(), "origin": cache_origin(artifact),
+            "native_kernel": native_kernel()}
+
+
+def native_kernel() -> str | None:
+    """The native kernel's build key where it is built here (its source, flags and this CPU),
+    else None: a record made with the kernel, or without it, or with another version of it,
+    chose among other paths than a session here would run."""
+    from moedeploy.plugins import native
+
+    return native.build_key() if native.available() else None
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -133,6 +164,12 @@ def _why_not(entry: dict[str, Any] | None, key: dict[str, Any]) -> str:
         return "its entries were measured on other model files or library versions"
     if entry.get("threads") != key["threads"]:
         return f"it was measured at {entry.get('threads')} threads, this session runs {key['threads']}"
+    if entry.get("native_kernel") != key["native_kernel"]:
+        if entry.get("native_kernel") is None:
+            return "it was measured without the native kernel, which is built here now"
+        if key["native_kernel"] is None:
+            return "it was measured with the native kernel, which is off or not built here"
+        return "it was measured with another build of the native kernel (its source changed)"
     return (f"it was measured with huge pages {entry.get('huge_pages')}, this process has {key['huge_pages']} (the "
             "moedeploy command turns them on; a Python process gets them with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
             "set before it starts)")
@@ -238,9 +275,10 @@ def decode_step_ms(decoder: Any, prompt: Any, tokens: int) -> tuple[float, list[
 
 def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_tokens: int,
             progress: Any = None) -> Tuning:
-    """Time both paths in this process: a greedy generation each per round, their order swapped
-    every other round, after one untimed generation each. ValueError where there is nothing to
-    choose (the experts are not cut into pieces at these threads: quantized, or too narrow)."""
+    """Time the paths in this process (split, If per expert, and the native kernel where it is
+    built): a greedy generation each per round, their order reversed every other round, after
+    one untimed generation each. ValueError where there is nothing to choose (the experts are not
+    cut into pieces at these threads: quantized, or too narrow)."""
     import numpy as np
     import torch
 
@@ -254,11 +292,12 @@ def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_
         raise ValueError(f"--prompt-len {prompt_len} and --new-tokens {new_tokens} exceed the model's "
                          f"{config['max_positions']} positions")
     say = progress or (lambda _: None)
+    paths = [("split", "auto", threads), ("experts", "auto", 1)] + ([("native", "native", 1)] if native_kernel() else [])
     decoders = {}
-    for path, pieces in (("split", threads), ("experts", 1)):
+    for path, lowering, pieces in paths:  # pieces given: the lowering as named, not the machine's path
         say(f"creating the {path} session")
         decoders[path] = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy",
-                                    kv_cache="inplace", expert_pieces=pieces)
+                                    kv_cache="inplace", moe_lowering=lowering, expert_pieces=pieces)
     if not decoders["split"].lowering.get("moe_split"):
         why = ("its experts are quantized (com.microsoft::QMoE)" if "quantization" in artifact.manifest
                else "with one thread there is one path" if threads < 2
@@ -266,11 +305,17 @@ def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_
         raise ValueError(f"nothing to tune in {artifact.path}: {why}")
     prompt = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (1, prompt_len)))
     decoded = {path: decode_step_ms(d, prompt, new_tokens)[1] for path, d in decoders.items()}  # warm-up
-    times: dict[str, list[float]] = {"split": [], "experts": []}
+    times: dict[str, list[float]] = {path: [] for path in decoders}
     for round_ in range(rounds):
         say(f"round {round_ + 1} of {rounds}")
-        for path in (("split", "experts") if round_ % 2 == 0 else ("experts", "split")):
+        for path in (list(decoders) if round_ % 2 == 0 else list(reversed(decoders))):
             times[path].append(decode_step_ms(decoders[path], prompt, new_tokens)[0])
-    split_ms, experts_ms = ([round(t, 4) for t in times[path]] for path in ("split", "experts"))
-    path, verdict, ratio = choose(split_ms, experts_ms)  # from the times as recorded: anyone can recompute it
-    return Tuning(path, verdict, ratio, split_ms, experts_ms, decoded["split"] == decoded["experts"])
+    ms = {path: [round(t, 4) for t in values] for path, values in times.items()}
+    # chosen from the times as recorded: anyone can recompute it
+    path, verdict, ratio = choose(ms["split"], ms["experts"])
+    identical = all(tokens == decoded["split"] for tokens in decoded.values())
+    if "native" not in ms:
+        return Tuning(path, verdict, ratio, ms["split"], ms["experts"], identical)
+    chosen, native_verdict, native_ratio = choose_native(path, ms[path], ms["native"])
+    return Tuning(chosen, f"{verdict}; {native_verdict}", ratio, ms["split"], ms["experts"], identical,
+                  ms["native"], native_ratio)

@@ -209,9 +209,11 @@ def moe_path(artifact: Artifact | None = None, threads: int | None = None) -> st
 def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = None) -> tuple[str, str]:
     """The fp32 MoE path of a CPU session and what decided it, in words (bench reports it):
     MOEDEPLOY_MOE_PATH where it is set (SessionError naming the choices for anything else, or
-    saying why "native" cannot be built here); else "native", the project's own kernel
-    (plugins/native), wherever it is built or can be; else the path `moedeploy tune` recorded
-    for `artifact` on this machine at `threads` (runtime/moe_tuning.py); else "split"."""
+    saying why "native" cannot be built here); else the path `moedeploy tune` recorded for
+    `artifact` on this machine at `threads` (runtime/moe_tuning.py; a record made with the
+    native kernel applies only where the same build of it is here, one made without it only
+    where it is not); else "native", the project's own kernel (plugins/native), wherever it is
+    built or can be; else "split"."""
     from moedeploy.plugins import native
 
     value = os.environ.get(MOE_PATH_ENV, "").strip().lower()
@@ -226,21 +228,21 @@ def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = 
             raise SessionError(f"{MOE_PATH_ENV}=native, but the native kernel is not available here: {e}") from None
     if value:
         return value, f"{MOE_PATH_ENV} is set"
-    if native.available():
-        return "native", "the project's native kernel is built on this machine (plugins/native; MOEDEPLOY_NATIVE=0 turns it off)"
-    if artifact is not None:
+    if artifact is not None:  # a record applies only where it timed the paths a session here has (native or not)
         from moedeploy.runtime.moe_tuning import tuned_file, tuned_path
 
         if tuned := tuned_path(artifact, threads or default_threads()):
             return tuned, f"as `moedeploy tune` recorded for this machine in {tuned_file(artifact)}"
+    if native.available():
+        return "native", "the project's native kernel is built on this machine (plugins/native; MOEDEPLOY_NATIVE=0 turns it off)"
     return "split", "the default"
 
 
 def session_moe(provider: str, threads: int | None, moe_lowering: MoELowering = "auto",
                 artifact: Artifact | None = None, prepack: bool = True) -> tuple[MoELowering, int]:
     """The MoE lowering and expert pieces a session of these settings runs, from its MoE path
-    (`moe_path`: MOEDEPLOY_MOE_PATH, the native kernel where it is built, what `moedeploy tune`
-    measured for `artifact` on this machine, else the split), decided once for both.
+    (`moe_path`: MOEDEPLOY_MOE_PATH, what `moedeploy tune` measured for `artifact` on this
+    machine, the native kernel where it is built, else the split), decided once for both.
 
     Lowering: "native" where an "auto" CPU session's path is the project's kernel, else
     `moe_lowering` as given. Pieces (plugins/moe_split cuts each fp32 expert into the largest
