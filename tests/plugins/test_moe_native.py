@@ -35,38 +35,46 @@ def native_session(model: onnx.ModelProto, native, threads: int = 2) -> ort.Infe
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU, **attributes) -> onnx.ModelProto:
+def in_panels(matrix: np.ndarray) -> np.ndarray:
+    """(rows, cols) as the kernel's panels=1 takes it: panel p is rows 16p..16p+15, column by column."""
+    return np.stack([matrix[16 * p:16 * p + 16].T for p in range(matrix.shape[0] // 16)])
+
+
+def kernel_model(w: dict, interleaved: bool, activation: ExpertActivation = SILU, panels: bool = False,
+                 **attributes) -> onnx.ModelProto:
     """One MoEExperts node on per-expert weight initializers, as lower_to_native feeds it."""
     inits, names = [], []
+    experts, inter, hidden = w["w_gate"].shape
 
-    def add(name: str, array: np.ndarray) -> None:
+    def add(name: str, matrix: np.ndarray) -> None:
+        array = in_panels(matrix) if panels else matrix
         inits.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
         names.append(name)
 
-    for e in range(E):
+    for e in range(experts):
         if interleaved:  # gate row 2i, up row 2i+1
-            add(f"w1_{e}", torch.stack([w["w_gate"][e], w["w_up"][e]], dim=1).reshape(2 * I, H).numpy())
+            add(f"w1_{e}", torch.stack([w["w_gate"][e], w["w_up"][e]], dim=1).reshape(2 * inter, hidden).numpy())
         else:
             add(f"w1_{e}", w["w_gate"][e].numpy())
     if not interleaved:
-        for e in range(E):
+        for e in range(experts):
             add(f"w3_{e}", w["w_up"][e].numpy())
-    for e in range(E):
+    for e in range(experts):
         add(f"w2_{e}", w["w_down"][e].numpy())
     node = helper.make_node("MoEExperts", ["x", "r", *names], ["y"], domain="moedeploy.cpu",
                             interleaved=int(interleaved), activation_alpha=activation.activation_alpha,
                             activation_beta=activation.activation_beta, swiglu_limit=activation.swiglu_limit,
-                            **attributes)
-    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", H]),
-                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", E])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", H])], inits)
+                            panels=int(panels), **attributes)
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
+                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", experts])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moedeploy.cpu", 1)])
 
 
 def by_hand(x: torch.Tensor, r: torch.Tensor, w: dict, activation: ExpertActivation = SILU) -> np.ndarray:
     """sum over experts with weight > 0, in index order, of weight * W2 act(W1 x, W3 x)."""
     y = torch.zeros_like(x)
-    for e in range(E):
+    for e in range(w["w_gate"].shape[0]):
         g, u = x @ w["w_gate"][e].T, x @ w["w_up"][e].T
         g, u = g.clamp(max=activation.swiglu_limit), u.clamp(-activation.swiglu_limit, activation.swiglu_limit)
         h = g * torch.sigmoid(activation.activation_alpha * g) * (u + activation.activation_beta)
@@ -86,6 +94,35 @@ def test_the_kernel_is_the_routed_experts_weighted_sum(native_kernels, interleav
         r[n, picked] = torch.tensor([0.7, 0.3, -0.4 if n == tokens - 1 else 0.0])
     (y,) = native_session(kernel_model(w, interleaved), native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
     np.testing.assert_allclose(y, by_hand(x, r, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13])
+def test_the_kernel_on_panels_is_the_routed_experts_weighted_sum(native_kernels, interleaved: bool, tokens: int) -> None:
+    """Weights re-laid in 16-row panels (panels=1): H 80 and I 48 (2I 96) multiples of 16, a
+    64-row task block and a partial one; 8 tokens a full AVX-512 group, 13 a partial one."""
+    w = moe_weights(E, 80, 48, "swiglu", False, seed=33)
+    g = torch.Generator().manual_seed(34)
+    x, r = torch.randn(tokens, 80, generator=g), torch.zeros(tokens, E)
+    for n in range(tokens):
+        r[n, torch.randperm(E, generator=g)[:2]] = torch.tensor([0.65, 0.35])
+    model = kernel_model(w, interleaved, panels=True)
+    (y,) = native_session(model, native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
+    np.testing.assert_allclose(y, by_hand(x, r, w), rtol=1e-5, atol=1e-5)
+
+
+def test_panels_of_the_wrong_shape_are_refused_with_the_reason(native_kernels) -> None:
+    w = moe_weights(E, 80, 48, "swiglu", False, seed=35)
+    feed = {"x": np.ones((1, 80), np.float32), "r": np.ones((1, E), np.float32)}
+    model = kernel_model(w, True)  # 2-D rows, told they are panels
+    next(a for a in model.graph.node[0].attribute if a.name == "panels").i = 1
+    with pytest.raises(Exception, match=r"with panels=1 each expert's weight must be \(rows / 16, cols, 16\)"):
+        native_session(model, native_kernels).run(None, feed)
+    model = kernel_model(w, True, panels=True)
+    w2 = model.graph.initializer[E]  # expert 0's W2: (H / 16, I, 16) as (H / 16, I / 2, 32)
+    w2.dims[:] = [w2.dims[0], w2.dims[1] // 2, 32]
+    with pytest.raises(Exception, match=r"MoEExperts: expert 0's W2 is not \(H, I\) in 16-row panels"):
+        native_session(model, native_kernels).run(None, feed)
 
 
 def test_a_prompt_longer_than_the_scratch_goes_through_in_chunks(native_kernels) -> None:

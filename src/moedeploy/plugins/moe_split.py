@@ -29,7 +29,8 @@ into the artifact's data file. The graph reads placeholder initializers (externa
 the same bytes as the stacks they re-lay) that `supply` must override with the re-laid
 arrays through SessionOptions.add_initializer, which ONNX Runtime reads without a copy: the
 session holds one copy of the experts, as the per-expert lowering holds its prepacked ones.
-A lowered graph with placeholders is never written anywhere: `runtime.ort.create_session`
+The native kernel's experts re-laid in 16-row panels (plugins/moe_native.py) come the same
+way, as placeholders of kind PANELS, one an expert and matrix. A lowered graph with placeholders is never written anywhere: `runtime.ort.create_session`
 lowers, supplies and loads in one call. Loaded without `supply` it would run on the stacks in
 their stored order, a wrong answer; a placeholder cannot point at a missing file instead,
 because ONNX Runtime checks the path even of an initializer it is given.
@@ -59,6 +60,8 @@ from moedeploy.plugins.moe import (
 #: TensorProto.metadata_props keys a placeholder carries: what it re-lays and into how many pieces
 SPLIT_OF, PIECES = "moedeploy.split_of", "moedeploy.pieces"
 FC1, FC2 = "fc1", "fc2"  # the interleaved gate/up stack (E, 2I, H) and the down stack (E, H, I)
+#: one expert's matrix (rows, cols) re-laid as (rows / PANEL, cols, PANEL): plugins/moe_native's
+PANELS, PANEL = "panels", 16
 _PAGE = 4096
 
 
@@ -105,8 +108,8 @@ def lower_to_split(graph: ir.Graph, node: ir.Node, pieces: int, provider: str) -
     minus_inf = ir.tensor(np.array([-np.inf], np.float32))
     masked = add("ScatterElements", [add("ConstantOfShape", [add("Shape", [logits])], value=minus_inf),
                                      chosen, add("GatherElements", [logits, chosen], axis=-1)], axis=-1)
-    fc1 = _placeholder(graph, fused, FC1, pieces, [pieces * n_experts, 2 * hidden // pieces, dim])
-    fc2 = _placeholder(graph, w_down, FC2, pieces, [pieces * n_experts, dim, hidden // pieces])
+    fc1 = placeholder(graph, fused, FC1, pieces, [pieces * n_experts, 2 * hidden // pieces, dim])
+    fc2 = placeholder(graph, w_down, FC2, pieces, [pieces * n_experts, dim, hidden // pieces])
     attrs = {"k": k * pieces, "normalize_routing_weights": 1, **contrib_activation_attributes(node_activation(node))}
     moe_node = ir.node("MoE", [x, add("Concat", [masked] * pieces, axis=-1), fc1, None, fc2, None], attrs,
                        domain=CONTRIB_DOMAIN)
@@ -120,12 +123,15 @@ def lower_to_split(graph: ir.Graph, node: ir.Node, pieces: int, provider: str) -
     graph.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
 
 
-def _placeholder(graph: ir.Graph, source: ir.Value, kind: str, pieces: int, shape: list[int]) -> ir.Value:
+def placeholder(graph: ir.Graph, source: ir.Value, kind: str, pieces: int, shape: list[int],
+                name: str | None = None) -> ir.Value:
     """An initializer of `shape` over the same external bytes as `source` (same size), marked
-    with what `supply` re-lays into it."""
+    with what `supply` re-lays into it: the one way the project hands ONNX Runtime re-laid weights."""
     tensor = source.const_value
     assert isinstance(tensor, ir.ExternalTensor)
-    name = f"{source.name}.split{pieces}"
+    name = name or f"{source.name}.split{pieces}"
+    if name in graph.initializers:  # another node's lowering made it already
+        return graph.initializers[name]
     placeholder = ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, tensor.dtype, shape=ir.Shape(shape),
                                     name=name, base_dir=tensor.base_dir,
                                     metadata_props={SPLIT_OF: kind, PIECES: str(pieces)})
@@ -148,12 +154,21 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
     The stacks are read expert by expert with plain file reads, never memory-mapped, so the
     process holds one expert's bytes beyond the re-laid arrays while this runs."""
     arrays = []
+    scratch = np.empty(0, dtype=np.float32)  # one read buffer for every expert's panels (a heap without holes)
     for proto in placeholders(model):
         meta = {p.key: p.value for p in proto.metadata_props}
         kind, pieces = meta[SPLIT_OF], int(meta[PIECES])
         external = {e.key: e.value for e in proto.external_data}
-        if proto.data_type != onnx.TensorProto.FLOAT or kind not in (FC1, FC2):
-            raise ValueError(f"split placeholder {proto.name!r}: expected a float fc1 or fc2 stack, got {kind!r}")
+        if proto.data_type != onnx.TensorProto.FLOAT or kind not in (FC1, FC2, PANELS):
+            raise ValueError(f"placeholder {proto.name!r}: expected a float fc1 or fc2 stack or an expert's panels, "
+                             f"got {kind!r}")
+        path, offset = Path(weights_dir) / external["location"], int(external.get("offset", 0))
+        if kind == PANELS:
+            out, scratch = _panels(proto, path, offset, int(external["length"]), scratch)
+            value = ort.OrtValue.ortvalue_from_numpy(out)
+            options.add_initializer(proto.name, value)
+            arrays += [out, value]
+            continue
         virtual, rows, cols = (int(d) for d in proto.dims)
         n_experts = virtual // pieces
         out = _aligned_empty((virtual, rows, cols))
@@ -161,7 +176,6 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
         if int(external["length"]) != 4 * per_expert * n_experts:
             raise ValueError(f"split placeholder {proto.name!r}: its source is {external['length']} bytes, "
                              f"not the {4 * per_expert * n_experts} its shape needs")
-        path, offset = Path(weights_dir) / external["location"], int(external.get("offset", 0))
         with open(path, "rb") as f:
             for e in range(n_experts):
                 f.seek(offset + 4 * per_expert * e)
@@ -177,6 +191,28 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
         options.add_initializer(proto.name, value)  # keeps a pointer, not a reference: the caller keeps `value`
         arrays += [out, value]
     return arrays
+
+
+def _panels(proto: onnx.TensorProto, path: Path, offset: int, length: int,
+            scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (rows, cols) matrix stored at `offset` as (rows / PANEL, cols, PANEL): panel p holds
+    rows PANEL p.. column by column (moe_experts.cc's panel_dot reads it). Read through
+    `scratch`, returned grown if it had to be (a fresh buffer per matrix left the freed ones as
+    holes in the heap: 118 MB more resident for the small preset's 128 matrices)."""
+    panels, cols, width = (int(d) for d in proto.dims)
+    count = panels * cols * width
+    if length != 4 * count:
+        raise ValueError(f"placeholder {proto.name!r}: its source is {length} bytes, not the {4 * count} its shape needs")
+    if scratch.size < count:
+        scratch = np.empty(count, dtype=np.float32)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        read = f.readinto(memoryview(scratch[:count]).cast("B"))
+    if read != 4 * count:
+        raise ValueError(f"{path} ends inside {proto.name!r}'s source matrix")
+    out = _aligned_empty((panels, cols, width))
+    out[...] = scratch[:count].reshape(panels, width, cols).transpose(0, 2, 1)
+    return out, scratch
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:

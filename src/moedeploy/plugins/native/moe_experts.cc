@@ -17,7 +17,9 @@
 // tensors of their own: W1[0..E), W3[0..E), W2[0..E) with W1, W3 (I, H) and W2 (H, I); or with
 // interleaved=1, W1[0..E) as (2I, H), gate row 2i and up row 2i+1 (a streamed export's fused
 // weight), and W2[0..E). One tensor an expert, not a stack: views into the artifact's data
-// file that ONNX Runtime maps in place. Attribute scratch_floats: the most scratch a chunk of
+// file that ONNX Runtime maps in place; or with panels=1, each re-laid in 16-row panels
+// ((rows / 16, cols, 16), see panel_dot; H and I multiples of 16), arrays the session holds,
+// which decode faster. Attribute scratch_floats: the most scratch a chunk of
 // tokens may take (default 32 Mi floats; tests set it small). A token whose X row is not finite, or whose R row holds
 // NaN or +Inf (or only -Inf), gets a NaN row, as eager PyTorch gives (plugins/moe.py's
 // nan_where_not_finite says which rows).
@@ -152,10 +154,81 @@ inline void dot_rows_tokens(const float* const* rows, const float* const* xs, in
   }
 }
 
-// Rows [begin, end) of w (rows x k) times each of `tokens` vectors xs[t]: out[t * token_stride + r].
-// One token: a row at a time (a memory-bound GEMV); more: blocks of rows x tokens.
+// Panels: a matrix of rows x k re-laid as rows/16 panels of k x 16 floats, panel p holding
+// rows 16p..16p+15 column by column (the lowering re-lays the weights when a session loads).
+// A GEMV then reads one stream and does one FMA per 64 bytes with x[q] broadcast, where the
+// row-at-a-time dot loads x beside every weight vector: on a 2-core AVX-512 EPYC, paired in
+// one process, the panel GEMV read as fast as a plain sum over the same bytes and the row
+// dot 0.68-0.69x as fast (benchmarks/README.md, session 44).
+constexpr int64_t kPanel = 16;
+#if defined(__AVX512F__)
+constexpr int kPanelTokens = 8;  // 8 accumulators of one register each
+#else
+constexpr int kPanelTokens = 4;  // v16 is two AVX2 registers
+#endif
+
+// The 16 rows of one panel p (k x 16) times x: four accumulators over k.
+inline v16 panel_dot(const float* p, const float* x, int64_t k) {
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t q = 0;
+  for (; q + 4 <= k; q += 4) {
+    a0 += *reinterpret_cast<const v16*>(p + kPanel * q) * x[q];
+    a1 += *reinterpret_cast<const v16*>(p + kPanel * (q + 1)) * x[q + 1];
+    a2 += *reinterpret_cast<const v16*>(p + kPanel * (q + 2)) * x[q + 2];
+    a3 += *reinterpret_cast<const v16*>(p + kPanel * (q + 3)) * x[q + 3];
+  }
+  for (; q < k; ++q) a0 += *reinterpret_cast<const v16*>(p + kPanel * q) * x[q];
+  return (a0 + a1) + (a2 + a3);
+}
+
+// One panel times T tokens: each 64-byte load of the panel feeds T FMAs.
+template <int T>
+inline void panel_tokens(const float* p, const float* const* xs, int64_t k, float* out, int64_t token_stride) {
+  v16 a[T] = {};
+  for (int64_t q = 0; q < k; ++q) {
+    const v16 w = *reinterpret_cast<const v16*>(p + kPanel * q);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) a[t] += w * xs[t][q];
+  }
+  for (int t = 0; t < T; ++t) *reinterpret_cast<v16*>(out + t * token_stride) = a[t];
+}
+
+// Rows [begin, end) (multiples of 16) of a panelled matrix times each of `tokens` vectors.
+inline void panels_times_tokens(const float* w, int64_t k, int64_t begin, int64_t end, const float* const* xs,
+                                int64_t tokens, float* out, int64_t token_stride) {
+  for (int64_t r = begin; r < end; r += kPanel) {
+    const float* p = w + r * k;  // panel r / 16 starts r * k floats in
+    if (tokens == 1) {
+      *reinterpret_cast<v16*>(out + r) = panel_dot(p, xs[0], k);
+      continue;
+    }
+    for (int64_t t = 0; t < tokens; t += kPanelTokens) {
+      float* o = out + t * token_stride + r;
+      switch (std::min<int64_t>(kPanelTokens, tokens - t)) {
+        case 1: panel_tokens<1>(p, xs + t, k, o, token_stride); break;
+        case 2: panel_tokens<2>(p, xs + t, k, o, token_stride); break;
+        case 3: panel_tokens<3>(p, xs + t, k, o, token_stride); break;
+#if defined(__AVX512F__)
+        case 4: panel_tokens<4>(p, xs + t, k, o, token_stride); break;
+        case 5: panel_tokens<5>(p, xs + t, k, o, token_stride); break;
+        case 6: panel_tokens<6>(p, xs + t, k, o, token_stride); break;
+        case 7: panel_tokens<7>(p, xs + t, k, o, token_stride); break;
+#endif
+        default: panel_tokens<kPanelTokens>(p, xs + t, k, o, token_stride); break;
+      }
+    }
+  }
+}
+
+// Rows [begin, end) of w (rows x k, or panelled) times each of `tokens` vectors xs[t]:
+// out[t * token_stride + r]. One token: a row at a time (a memory-bound GEMV); more: blocks
+// of rows x tokens.
 inline void rows_times_tokens(const float* w, int64_t k, int64_t begin, int64_t end, const float* const* xs,
-                              int64_t tokens, float* out, int64_t token_stride) {
+                              int64_t tokens, float* out, int64_t token_stride, bool panels) {
+  if (panels) {
+    panels_times_tokens(w, k, begin, end, xs, tokens, out, token_stride);
+    return;
+  }
   if (tokens == 1) {
     for (int64_t r = begin; r < end; ++r) out[r] = dot(w + r * k, xs[0], k);
     return;
@@ -203,7 +276,7 @@ struct Shapes {
 // Pairs are grouped by expert, so each expert's weights are read once for all its tokens.
 struct Step {
   Shapes s;  // s.tokens: the chunk's
-  bool interleaved = false;
+  bool interleaved = false, panels = false;
   const float* x = nullptr;  // the chunk's first row, as y
   float* y = nullptr;
   const char* nan_row = nullptr;
@@ -234,13 +307,14 @@ void fc1_task(void* data, size_t index) {
   float* out = w.gate_up.data() + first * 2 * inter;
   if (w.interleaved) {
     const int64_t begin = block * kRowBlock, end = std::min(begin + kRowBlock, 2 * inter);
-    rows_times_tokens(w.w1[e], hidden, begin, end, xs, count, out, 2 * inter);
+    rows_times_tokens(w.w1[e], hidden, begin, end, xs, count, out, 2 * inter, w.panels);
     return;
   }
   const int64_t half = (inter + kRowBlock - 1) / kRowBlock;  // blocks [0, half) gate, [half, 2 half) up
   const bool up = block >= half;
   const int64_t begin = (up ? block - half : block) * kRowBlock, end = std::min(begin + kRowBlock, inter);
-  rows_times_tokens(up ? w.w3[e] : w.w1[e], hidden, begin, end, xs, count, out + (up ? inter : 0), 2 * inter);
+  rows_times_tokens(up ? w.w3[e] : w.w1[e], hidden, begin, end, xs, count, out + (up ? inter : 0), 2 * inter,
+                    w.panels);
 }
 
 // Between the phases: one pair's hidden activation from its gate and up.
@@ -263,7 +337,7 @@ void down_task(void* data, size_t index) {
   if (count == 0) return;
   const int64_t begin = block * kRowBlock, end = std::min(begin + kRowBlock, w.s.hidden);
   rows_times_tokens(w.w2[e], w.s.inter, begin, end, w.pair_h.data() + first, count,
-                    w.down.data() + first * w.s.hidden, w.s.hidden);
+                    w.down.data() + first * w.s.hidden, w.s.hidden, w.panels);
 }
 
 // Phase 3 task: one token's output, its experts' rows summed in expert index order.
@@ -296,6 +370,7 @@ struct MoEExpertsKernel {
   MoEExpertsKernel(const OrtApi& api, const OrtKernelInfo* info) : api_(api) {
     Ort::ConstKernelInfo kernel_info(info);
     interleaved_ = attribute<int64_t>(kernel_info, "interleaved", 0) != 0;
+    panels_ = attribute<int64_t>(kernel_info, "panels", 0) != 0;
     act_.alpha = attribute<float>(kernel_info, "activation_alpha", 1.f);
     act_.beta = attribute<float>(kernel_info, "activation_beta", 0.f);
     act_.limit = attribute<float>(kernel_info, "swiglu_limit", std::numeric_limits<float>::infinity());
@@ -335,6 +410,7 @@ struct MoEExpertsKernel {
                              std::to_string(w.s.experts) + " experts, got " + std::to_string(ctx.GetInputCount()) +
                              " inputs");
     w.interleaved = interleaved_;
+    w.panels = panels_;
     w.w1.resize(w.s.experts);
     w.w3.assign(w.s.experts, nullptr);
     w.w2.resize(w.s.experts);
@@ -437,28 +513,38 @@ struct MoEExpertsKernel {
     if (tokens > 0) ctx.ParallelFor(sum_task, tokens, 0, &w);
   }
 
-  // Every weight (rows, cols) as the layout says, W2's I the same as W1's; sets s.inter.
+  // Every weight (rows, cols) as the layout says, or (rows / 16, cols, 16) panelled, W2's I the
+  // same as W1's; sets s.inter.
   OrtStatusPtr check_weights(const Ort::KernelContext& ctx, Shapes& s) const {
     const int64_t experts = s.experts, hidden = s.hidden;
     const auto first = shape_of(ctx.GetInput(2));
-    if (first.size() != 2) return error(api_, "each expert's weight must be 2-D");
-    const int64_t inter = interleaved_ ? first[0] / 2 : first[0];
+    if (first.size() != (panels_ ? 3u : 2u))
+      return error(api_, panels_ ? "with panels=1 each expert's weight must be (rows / 16, cols, 16)"
+                                 : "each expert's weight must be 2-D");
+    const int64_t rows = panels_ ? first[0] * kPanel : first[0];
+    const int64_t inter = interleaved_ ? rows / 2 : rows;
+    const auto shaped = [this](int64_t r, int64_t c) {
+      return panels_ ? std::vector<int64_t>{r / kPanel, c, kPanel} : std::vector<int64_t>{r, c};
+    };
+    const std::string how = panels_ ? " in 16-row panels" : "";
+    if (panels_ && (hidden % kPanel != 0 || inter % (interleaved_ ? kPanel / 2 : kPanel) != 0))
+      return error(api_, "panels=1 needs H and " + std::string(interleaved_ ? "2I" : "I") + " multiples of 16");
     for (int64_t e = 0; e < experts; ++e) {
       const auto w1 = shape_of(ctx.GetInput(2 + e));
-      if (w1 != std::vector<int64_t>{interleaved_ ? 2 * inter : inter, hidden})
-        return error(api_, "expert " + std::to_string(e) + "'s W1 is not (" + (interleaved_ ? "2I" : "I") + ", H)");
-      if (!interleaved_ && shape_of(ctx.GetInput(2 + experts + e)) != std::vector<int64_t>{inter, hidden})
-        return error(api_, "expert " + std::to_string(e) + "'s W3 is not (I, H)");
+      if (w1 != shaped(interleaved_ ? 2 * inter : inter, hidden))
+        return error(api_, "expert " + std::to_string(e) + "'s W1 is not (" + (interleaved_ ? "2I" : "I") + ", H)" + how);
+      if (!interleaved_ && shape_of(ctx.GetInput(2 + experts + e)) != shaped(inter, hidden))
+        return error(api_, "expert " + std::to_string(e) + "'s W3 is not (I, H)" + how);
       const size_t down = 2 + (interleaved_ ? 1 : 2) * experts + e;
-      if (shape_of(ctx.GetInput(down)) != std::vector<int64_t>{hidden, inter})
-        return error(api_, "expert " + std::to_string(e) + "'s W2 is not (H, I)");
+      if (shape_of(ctx.GetInput(down)) != shaped(hidden, inter))
+        return error(api_, "expert " + std::to_string(e) + "'s W2 is not (H, I)" + how);
     }
     s.inter = inter;
     return nullptr;
   }
 
   const OrtApi& api_;
-  bool interleaved_ = false;
+  bool interleaved_ = false, panels_ = false;
   int64_t scratch_floats_ = kScratchFloats;
   Activation act_;
   std::mutex check_lock_;
