@@ -154,7 +154,7 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
     The stacks are read expert by expert with plain file reads, never memory-mapped, so the
     process holds one expert's bytes beyond the re-laid arrays while this runs."""
     arrays = []
-    scratch = np.empty(0, dtype=np.float32)  # one read buffer for every expert's panels (a heap without holes)
+    scratch = np.empty(0, dtype=np.float32)  # one read buffer for every expert's panels
     for proto in placeholders(model):
         meta = {p.key: p.value for p in proto.metadata_props}
         kind, pieces = meta[SPLIT_OF], int(meta[PIECES])
@@ -197,8 +197,7 @@ def _panels(proto: onnx.TensorProto, path: Path, offset: int, length: int,
             scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (rows, cols) matrix stored at `offset` as (rows / PANEL, cols, PANEL): panel p holds
     rows PANEL p.. column by column (moe_experts.cc's panel_dot reads it). Read through
-    `scratch`, returned grown if it had to be (a fresh buffer per matrix left the freed ones as
-    holes in the heap: 118 MB more resident for the small preset's 128 matrices)."""
+    `scratch` (one buffer for every matrix), returned grown if it had to be."""
     panels, cols, width = (int(d) for d in proto.dims)
     count = panels * cols * width
     if length != 4 * count:
