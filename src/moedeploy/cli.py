@@ -884,7 +884,8 @@ def tune_cmd(
     here (and one made without the kernel only while it is off or not built).
     All paths compute the same result (`moedeploy compare --backend ort,ort-experts`). The
     ratio moves with context length too: tune at the --prompt-len you serve. The sessions are
-    open at once, so tuning needs about twice the weights in memory.
+    open at once, so tuning needs about twice the weights in memory (three times where the native
+    kernel is built: its session holds the experts re-laid).
     """
     check_artifact_folder(artifact)
     from moedeploy.bench.spread import Spread
@@ -895,8 +896,9 @@ def tune_cmd(
     moe_path()  # a wrong MOEDEPLOY_MOE_PATH, which every session would refuse, refused now
     threads = threads or default_threads()
     if threads < 2:
-        raise UserError("with one thread there is one MoE path (nothing is cut into pieces); tune at the --threads "
-                        "your sessions run with, 2 or more")
+        raise UserError("sessions at one thread read no tune record (nothing is cut into pieces: they take the native "
+                        "kernel where it is built, else one If per expert); tune at the --threads your sessions run "
+                        "with, 2 or more")
     loaded = Artifact.load(artifact)
     if loaded.kind == "decoder" and loaded.dtype != "fp32":
         raise UserError(f"{artifact} holds {loaded.dtype} weights; the MoE paths tune chooses between are fp32's")
@@ -904,7 +906,7 @@ def tune_cmd(
         raise UserError(f"{artifact} is a quantized export: its experts run on com.microsoft::QMoE, one path; "
                         "tune chooses between the fp32 ones")
     if problem := write_problem(loaded):
-        raise UserError(f"{problem}; or choose the path without measuring: {MOE_PATH_ENV}=split|experts")
+        raise UserError(f"{problem}; or choose the path without measuring: {MOE_PATH_ENV}=native|split|experts")
     if problem := memory_problem(loaded):
         raise UserError(problem)
     if os.environ.get(MOE_PATH_ENV, "").strip():

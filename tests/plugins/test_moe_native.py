@@ -97,15 +97,15 @@ def test_the_kernel_is_the_routed_experts_weighted_sum(native_kernels, interleav
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 13])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13, 20])
 def test_the_kernel_on_panels_is_the_routed_experts_weighted_sum(native_kernels, interleaved: bool, tokens: int) -> None:
     """Weights re-laid in 16-row panels (panels=1): H 80 and I 48 (2I 96) multiples of 16, a
-    64-row task block and a partial one; 8 tokens a full AVX-512 group, 13 a partial one."""
+    64-row task block and a partial one. Every token takes experts 1 and 5 (and the last also 6),
+    so an expert's tokens make whole and partial groups of 8 (AVX-512) and of 4."""
     w = moe_weights(E, 80, 48, "swiglu", False, seed=33)
     g = torch.Generator().manual_seed(34)
     x, r = torch.randn(tokens, 80, generator=g), torch.zeros(tokens, E)
-    for n in range(tokens):
-        r[n, torch.randperm(E, generator=g)[:2]] = torch.tensor([0.65, 0.35])
+    r[:, 1], r[:, 5], r[-1, 6] = 0.65, 0.35, 0.2
     model = kernel_model(w, interleaved, panels=True)
     (y,) = native_session(model, native_kernels).run(None, {"x": x.numpy(), "r": r.numpy()})
     np.testing.assert_allclose(y, by_hand(x, r, w), rtol=1e-5, atol=1e-5)

@@ -179,7 +179,7 @@ def test_tune_times_both_paths_records_the_faster_and_sessions_follow_it(own_dec
 
 
 @pytest.mark.parametrize("args,setup,message", [
-    (["--threads", "1"], None, "with one thread there is one MoE path"),
+    (["--threads", "1"], None, "sessions at one thread read no tune record"),
     ([], "foreign", "is not a record `moedeploy tune` wrote (format 1), so tune will not overwrite it"),
     ([], "link", "is a link (to "),
     ([], "file", "is not a folder, and moedeploy keeps its caches there"),
@@ -234,14 +234,15 @@ def test_bench_is_told_which_path_its_sessions_take_and_why(own_decoder, monkeyp
 
 
 def test_tune_refuses_where_two_sessions_of_the_weights_would_not_fit(own_decoder, tmp_path, monkeypatch) -> None:
-    """Both paths' sessions are open at once: about twice the weights, checked against MemAvailable."""
+    """Both paths' sessions are open at once (the native kernel off): about twice the weights,
+    checked against MemAvailable."""
     from moedeploy.runtime.moe_tuning import available_bytes, memory_problem
 
     weights = own_decoder.stored_weight_bytes()
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {(2 * weights - 4096) // 1024} kB\n")
     assert available_bytes(str(meminfo)) == (2 * weights - 4096) // 1024 * 1024
-    assert "tune holds both paths' sessions at once" in memory_problem(own_decoder, str(meminfo))
+    assert "tune holds 2 sessions at once" in memory_problem(own_decoder, str(meminfo))
     meminfo.write_text(f"MemAvailable:   {2 * weights // 1024 + 1} kB\n")
     assert memory_problem(own_decoder, str(meminfo)) is None
     meminfo.write_text("MemFree: 1 kB\n")  # no MemAvailable (an old kernel): not refused on a guess

@@ -47,8 +47,10 @@ def native_eligible(node: ir.Node, provider: str) -> bool:
     return not biases and all(v.const_value is not None and v.dtype == FLOAT for v in stacks)
 
 
-def lower_to_native(graph: ir.Graph, node: ir.Node) -> None:
-    """Replace one moe::MoE node by its routing on graph ops and one MoEExperts node, in place."""
+def lower_to_native(graph: ir.Graph, node: ir.Node, relayout: bool = True) -> None:
+    """Replace one moe::MoE node by its routing on graph ops and one MoEExperts node, in place;
+    relayout=False: views of the stored weights even where panels could be made (a session
+    sharing the mapped file must not hold a copy of its own)."""
     x, logits, w_gate, w_up, w_down = node.inputs[:5]
     n_experts, dim = int(w_up.shape[0]), int(w_up.shape[2])
     fused = interleaved_source(w_gate, w_up)
@@ -57,7 +59,8 @@ def lower_to_native(graph: ir.Graph, node: ir.Node) -> None:
     flat_x = add("Reshape", [x, add.ints([-1, dim])])
     dense = dense_routing(add, node, logits, n_experts)
     stacks = [fused, w_down] if fused is not None else [w_gate, w_up, w_down]
-    panels = all(isinstance(v.const_value, ir.ExternalTensor) and int(v.shape[1]) % moe_split.PANEL == 0 for v in stacks)
+    panels = relayout and all(isinstance(v.const_value, ir.ExternalTensor) and int(v.shape[1]) % moe_split.PANEL == 0
+                              for v in stacks)
     weights = []
     for stack in stacks:
         for e in range(n_experts):  # one initializer an expert: a view into the artifact's data file

@@ -147,8 +147,9 @@ def placeholders(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 
 
 def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.SessionOptions) -> list[object]:
-    """Re-lay every placeholder's source stack piece-major into a page-aligned array and hand it
-    to ONNX Runtime (add_initializer: read in place, never copied). Returns the arrays and the
+    """Re-lay every placeholder's source (a stack piece-major, or an expert's matrix in panels)
+    into a page-aligned array and hand it to ONNX Runtime (add_initializer: read in place, never
+    copied). Returns the arrays and the
     OrtValues over them, which must live as long as `options` and any session made with it.
 
     The stacks are read expert by expert with plain file reads, never memory-mapped, so the

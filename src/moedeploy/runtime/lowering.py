@@ -93,8 +93,8 @@ KVCache = Literal["copy", "inplace", "ragged"]
 #: 10: a shared-buffer cache takes a past length per row; 11: the ragged cache; 12: q/k/v MatMulNBits
 #: that share an input fused and handed to GroupQueryAttention packed; 13: signed codes reach the
 #: quantized kernels through BitwiseXor; 14: the greedy_token count; 15: the NaN guard after a MoE
-#: whose router is x @ W checks the routing alone).
-LOWERING_VERSION = 15
+#: whose router is x @ W checks the routing alone; 16: the native kernel's panels attribute).
+LOWERING_VERSION = 16
 MOE_LOWERINGS = ("auto", "contrib", "experts", "native", "function")
 ATTENTION_LOWERINGS = ("graph", "gqa")
 LOGITS_LOWERINGS = ("all", "last", "greedy")
@@ -112,7 +112,7 @@ def lower_for_ort(
     model: onnx.ModelProto, provider: str = "CPUExecutionProvider", moe_lowering: MoELowering = "auto",
     config: DecoderConfig | None = None, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
-    weights_dir: str | None = None, nbits_accuracy: int = 0, expert_pieces: int = 1,
+    weights_dir: str | None = None, nbits_accuracy: int = 0, expert_pieces: int = 1, relayout: bool = True,
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Returns the lowered model and counts of what was lowered to what. `config`: a decoder
     artifact's config, without which attention is left as traced. `weights_dir`: where the
@@ -120,8 +120,10 @@ def lower_for_ort(
     nbits_accuracy: MatMulNBits' accuracy_level for quantized weights, 0 (float compute: what
     the artifact's DequantizeLinear graph computes, to rounding) or 4 (int8 activations: faster).
     expert_pieces: the session's threads, for moe_split in "auto" and "contrib"; above 1 the
-    model may read placeholders that moe_split.supply must fill (count "moe_split"), so such
-    a model is for runtime.ort.create_session only, never to be saved."""
+    model may read placeholders that moe_split.supply must fill (count "moe_split"). relayout:
+    the native kernel's experts in panels where their weights are external data (placeholders
+    too, count "moe_native"); False keeps views of the file (a session that shares the mapped
+    weights). A model with placeholders is for runtime.ort.load_lowered only, never to be saved."""
     for what, value, choices in (("MoE lowering", moe_lowering, MOE_LOWERINGS),
                                  ("attention lowering", attention_lowering, ATTENTION_LOWERINGS),
                                  ("logits lowering", logits, LOGITS_LOWERINGS),
@@ -158,7 +160,7 @@ def lower_for_ort(
         quantized_on_qmoe = is_moe and moe_lowering in ("auto", "native") and moe.qmoe_eligible(node, provider, nbits_accuracy)
         pieces = moe_split.pieces_for(node, provider, expert_pieces) if is_moe and moe_lowering in ("auto", "contrib") else 1
         if is_moe and moe_lowering == "native" and moe_native.native_eligible(node, provider):
-            moe_native.lower_to_native(graph, node)
+            moe_native.lower_to_native(graph, node, relayout)
             counts["moe_native"] += 1
         elif pieces > 1:
             moe_split.lower_to_split(graph, node, pieces, provider)

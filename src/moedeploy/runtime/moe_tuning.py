@@ -1,8 +1,9 @@
 """Which fp32 MoE path decodes faster on this machine, timed on the artifact itself and kept.
 
-A CPU session runs an fp32 decoder's MoE layers one of two ways (`runtime.ort.session_moe`):
-every expert cut into one piece per thread on com.microsoft::MoE ("split", the default), or one
-If per expert over prepacked Gemms ("experts"). Which decodes faster is a property of the
+A CPU session runs an fp32 decoder's MoE layers one of two ways on ONNX Runtime's own kernels
+(`runtime.ort.session_moe`): every expert cut into one piece per thread on com.microsoft::MoE
+("split", the default), or one If per expert over prepacked Gemms ("experts"); and where it is
+built, on the project's native kernel ("native", then the default). Which decodes faster is a property of the
 machine, and not one a rule predicts: in `bench` the split made 1.02-1.22x the If per expert's
 tokens/s on a 2-core AVX-512 EPYC, 0.87-0.98x on an AVX2 EPYC, and 0.90x on the AVX-512 kind
 again on a day its memory read half as fast (benchmarks/README.md). A default is a guess either way.
@@ -17,7 +18,7 @@ finds out. A session takes that path only while the record
 still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
 versions, as `cache_origin` checks the lowering cache). Otherwise it says why and takes the
 default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
-the record for every session. Both paths compute the same function (`compare` checks each
+the record for every session. All paths compute the same function (`compare` checks each
 against eager PyTorch), so a record can make a session slower, never wrong.
 """
 
@@ -225,18 +226,20 @@ def available_bytes(meminfo: str | None = None) -> int | None:
 
 
 def memory_problem(artifact: Artifact, meminfo: str | None = None) -> str | None:
-    """Why tune would run out of memory here, or None: both paths' sessions are open at once (the
+    """Why tune would run out of memory here, or None: every path's session is open at once (the
     rounds alternate between them), each with its own copy of the weights (the If per expert's
-    prepacked, the split's re-laid experts and prepacked rest), so it needs about twice the
-    weights; a large checkpoint would be killed by the kernel minutes in, not refused."""
+    prepacked, the split's re-laid experts and prepacked rest, the native kernel's experts in
+    panels), so it needs about twice the weights, three times where the native kernel is built;
+    a large checkpoint would be killed by the kernel minutes in, not refused."""
     from moedeploy.utils.progress import size_text
 
-    needed, available = 2 * artifact.stored_weight_bytes(), available_bytes(meminfo)
+    sessions = 3 if native_kernel() else 2
+    needed, available = sessions * artifact.stored_weight_bytes(), available_bytes(meminfo)
     if available is None or needed <= available:
         return None
-    return (f"tune holds both paths' sessions at once, about {size_text(needed)} for these weights, and this "
+    return (f"tune holds {sessions} sessions at once, about {size_text(needed)} for these weights, and this "
             f"machine has {size_text(available)} available; free memory, or choose the path without measuring: "
-            "MOEDEPLOY_MOE_PATH=split|experts")
+            "MOEDEPLOY_MOE_PATH=native|split|experts")
 
 
 def record(artifact: Artifact, threads: int, tuning: Tuning) -> Path:
@@ -300,7 +303,8 @@ def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_
                                     kv_cache="inplace", moe_lowering=lowering, expert_pieces=pieces)
     if not decoders["split"].lowering.get("moe_split"):
         why = ("its experts are quantized (com.microsoft::QMoE)" if "quantization" in artifact.manifest
-               else "with one thread there is one path" if threads < 2
+               else "sessions at one thread read no record (they take the native kernel where it is built, else "
+                    "one If per expert)" if threads < 2
                else f"its experts are not cut into pieces at {threads} threads (plugins/moe_split)")
         raise ValueError(f"nothing to tune in {artifact.path}: {why}")
     prompt = torch.from_numpy(np.random.default_rng(0).integers(0, config["vocab_size"], (1, prompt_len)))
@@ -316,6 +320,7 @@ def measure(artifact: Artifact, threads: int, rounds: int, prompt_len: int, new_
     identical = all(tokens == decoded["split"] for tokens in decoded.values())
     if "native" not in ms:
         return Tuning(path, verdict, ratio, ms["split"], ms["experts"], identical)
-    chosen, native_verdict, native_ratio = choose_native(path, ms[path], ms["native"])
-    return Tuning(chosen, f"{verdict}; {native_verdict}", ratio, ms["split"], ms["experts"], identical,
-                  ms["native"], native_ratio)
+    faster = "experts" if ratio > 1 else "split"  # even within the tie that keeps the split as the default
+    chosen, native_verdict, native_ratio = choose_native(faster, ms[faster], ms["native"])
+    return Tuning(path if chosen != "native" else chosen, f"{verdict}; {native_verdict}", ratio, ms["split"],
+                  ms["experts"], identical, ms["native"], native_ratio)

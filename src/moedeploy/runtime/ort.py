@@ -180,7 +180,7 @@ def create_session(
     if expert_pieces is None:  # the session's own MoE path (a caller that gives pieces chose one)
         moe_lowering, expert_pieces = session_moe(provider, threads, moe_lowering, artifact, prepack)
     model, counts = lowered_model(artifact, provider, moe_lowering, attention_lowering, logits, norm_lowering,
-                                  kv_cache, nbits_accuracy, expert_pieces)
+                                  kv_cache, nbits_accuracy, expert_pieces, relayout=prepack)
     options = session_options(threads, profile, prepack)
     if not prepack and counts.get("sign_flips"):
         # Signed codes reach the quantized kernels through BitwiseXor. Folded, each mapped session
@@ -319,7 +319,7 @@ def _reads_native_ops(model: str | bytes) -> bool:
 def lowered_model(
     artifact: Artifact, provider: str, moe_lowering: MoELowering, attention_lowering: AttentionLowering = "graph",
     logits: LogitsLowering = "all", norm_lowering: NormLowering = "native", kv_cache: KVCache = "copy",
-    nbits_accuracy: int = 0, expert_pieces: int = 1,
+    nbits_accuracy: int = 0, expert_pieces: int = 1, relayout: bool = True,
 ) -> tuple[str | bytes, dict[str, int]]:
     """The lowered graph for ONNX Runtime.
 
@@ -327,8 +327,9 @@ def lowered_model(
     loaded and lowered here, and its bytes are returned; the session reads the weights from
     the artifact's data file, which the lowering never copies (the streamed export stores the
     experts in the layout com.microsoft::MoE takes), except the experts plugins/moe_split
-    re-lays (expert_pieces > 1, count "moe_split"): their placeholders must be filled with
-    moe_split.supply before a session loads the bytes. Nothing is cached: lowering a graph
+    re-lays (expert_pieces > 1, count "moe_split") and the native kernel's panels (relayout,
+    count "moe_native"): their placeholders are filled by moe_split.supply when `load_lowered`
+    loads the bytes. Nothing is cached: lowering a graph
     without its weights takes milliseconds. Otherwise (a block, weights inside model.onnx): a
     verified cache file's path, else the bytes of a graph lowered here (a read-only artifact:
     the cache is an optimisation, never a requirement).
@@ -337,7 +338,7 @@ def lowered_model(
         graph = onnx.load(str(artifact.model_path), load_external_data=False)
         lowered, counts = lower_for_ort(graph, provider, moe_lowering, decoder_config(artifact), attention_lowering,
                                         logits, norm_lowering, kv_cache, weights_dir=str(artifact.path),
-                                        nbits_accuracy=nbits_accuracy, expert_pieces=expert_pieces)
+                                        nbits_accuracy=nbits_accuracy, expert_pieces=expert_pieces, relayout=relayout)
         return lowered.SerializeToString(), counts
     if logits != "all" or norm_lowering != "native" or kv_cache != "copy" or attention_lowering != "graph":
         raise ValueError(f"the attention, logits, norm and KV-cache lowerings apply to decoder artifacts; "

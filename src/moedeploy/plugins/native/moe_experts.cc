@@ -25,9 +25,10 @@
 // nan_where_not_finite says which rows).
 //
 // Work: the (token, expert) pairs grouped by expert; each expert's weight rows split in blocks
-// over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor). One token routed to an
-// expert (a decode step): a row at a time, a memory-bound GEMV. Several (a prompt): blocks of
-// 4 rows x 4 tokens of dot products, the rows in L1 while the tokens pass over them.
+// over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor). Panels (panel_dot): one
+// token routed to an expert (a decode step) a GEMV with x broadcast; several (a prompt) 8 tokens
+// (4 without AVX-512) over each panel. Rows: a row at a time for one token, blocks of 4 rows x
+// 4 tokens of dot products for several, the rows in L1 while the tokens pass over them.
 // Built on the machine that runs it by moedeploy.plugins.native, against ONNX Runtime's C API
 // headers (version 17 or later).
 
@@ -262,6 +263,7 @@ struct Activation {
 };
 
 constexpr int64_t kRowBlock = 64;  // weight rows a task
+static_assert(kRowBlock % kPanel == 0, "a task's rows must be whole panels");
 
 struct Pair {  // one token routed to one expert
   int64_t token, expert;
