@@ -10,9 +10,10 @@ prompt. It takes one initializer an expert and matrix: where the weights live in
 artifact's data file and every matrix has a multiple of 16 rows (every decoder we export), a
 placeholder over that expert's bytes that plugins/moe_split.supply fills with them re-laid in
 16-row panels when the session loads (the kernel's panel GEMV reads as fast as a plain sum;
-the row-at-a-time dot read 0.68-0.69x as fast, benchmarks/README.md): the session holds one
+the row-at-a-time dot read 0.61-0.74x as fast, benchmarks/README.md): the session holds one
 copy of the experts, and the mapped file's pages stay unread. Otherwise (weights inside
-model.onnx: blocks, whose lowered graphs are cached as files) views of the stacks as stored.
+model.onnx: blocks, whose lowered graphs are cached as files; or a session sharing the mapped
+file, relayout=False) views of the stacks as stored.
 
 NaN rows where eager PyTorch gives them (a non-finite input row, a NaN or +Inf routing
 weight) come from the kernel itself: no guard nodes after it.

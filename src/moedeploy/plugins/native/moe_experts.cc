@@ -160,7 +160,7 @@ inline void dot_rows_tokens(const float* const* rows, const float* const* xs, in
 // A GEMV then reads one stream and does one FMA per 64 bytes with x[q] broadcast, where the
 // row-at-a-time dot loads x beside every weight vector: on a 2-core AVX-512 EPYC, paired in
 // one process, the panel GEMV read as fast as a plain sum over the same bytes and the row
-// dot 0.68-0.69x as fast (benchmarks/README.md, session 44).
+// dot 0.61-0.74x as fast (benchmarks/README.md, session 44).
 constexpr int64_t kPanel = 16;
 #if defined(__AVX512F__)
 constexpr int kPanelTokens = 8;  // 8 accumulators of one register each
