@@ -256,9 +256,10 @@ VARIANTS: dict[str, Edit | None] = {
 }
 
 
-def decoder_variant(artifact, edit: Edit | None, threads: int):
+def decoder_variant(artifact, edit: Edit | None, threads: int, relayout: bool = True):
     """An in-place-cache greedy OrtDecoder whose session runs the lowered graph after `edit`; a
-    quantized artifact's at the accuracy level bench runs it at."""
+    quantized artifact's at the accuracy level bench runs it at. relayout=False: the native
+    kernel's experts as stored rows, not panels (benchmarks/native_layouts.py)."""
     from moedeploy.runtime.generation import OrtDecoder
     from moedeploy.runtime.ort import (
         LoweredSession,
@@ -272,13 +273,13 @@ def decoder_variant(artifact, edit: Edit | None, threads: int):
 
     decoder = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace",
                          nbits_accuracy=RUN_ACCURACY)
-    if edit is None:
+    if edit is None and relayout:
         return decoder
     moe_lowering, pieces = session_moe("CPUExecutionProvider", threads, "auto", artifact)
     model_bytes, counts = lowered_model(artifact, "CPUExecutionProvider", moe_lowering, "gqa", "greedy", "native",
-                                        "inplace", RUN_ACCURACY, expert_pieces=pieces)
+                                        "inplace", RUN_ACCURACY, expert_pieces=pieces, relayout=relayout)
     model = onnx.load_from_string(model_bytes)
-    if not edit(model):
+    if edit is not None and not edit(model):
         raise VariantSkipped("nothing of what it removes is in this lowering")
     # the decoder's own session is replaced by the edited one (its buffers and binding are what is reused)
     options = reads_weights_from(session_options(threads), artifact)

@@ -20,30 +20,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from decode_ablation import decoder_variant
 from decode_profile import artifact_for
 
 from moedeploy.bench.report_file import script_report_check, write_script_report
-
-
-def decoder(artifact, threads: int, relayout: bool):
-    """A greedy in-place-cache OrtDecoder on the native kernel, its experts in panels or rows."""
-    from moedeploy.runtime.generation import OrtDecoder
-    from moedeploy.runtime.ort import (
-        CPU,
-        LoweredSession,
-        load_lowered,
-        lowered_model,
-        reads_weights_from,
-        session_options,
-    )
-
-    built = OrtDecoder(artifact, threads=threads, attention_lowering="gqa", logits="greedy", kv_cache="inplace",
-                       moe_lowering="native", expert_pieces=1)
-    if not relayout:  # the same lowering with the stored rows: the decoder's buffers and binding reused
-        model, counts = lowered_model(artifact, CPU, "native", "gqa", "greedy", "native", "inplace", relayout=False)
-        session = load_lowered(model, reads_weights_from(session_options(threads), artifact), artifact.path)
-        built.lowered = LoweredSession(session, CPU, counts)
-    return built
 
 
 def main() -> None:
@@ -77,7 +57,12 @@ def measure(args: argparse.Namespace) -> None:
     from moedeploy.runtime.moe_tuning import decode_step_ms
 
     artifact = artifact_for(args.target)
-    decoders = {"panels": decoder(artifact, args.threads, True), "rows": decoder(artifact, args.threads, False)}
+    # a session's own path (the kernel, checked in main), and the same lowering on the stored rows
+    decoders = {"panels": decoder_variant(artifact, None, args.threads),
+                "rows": decoder_variant(artifact, None, args.threads, relayout=False)}
+    if not all(d.lowered.lowering["moe_native"] for d in decoders.values()):
+        raise SystemExit("error: this artifact's sessions do not take the native kernel here (MOEDEPLOY_MOE_PATH, or a "
+                         "`moedeploy tune` record, chose another path; or its experts have biases)")
     vocab = artifact.manifest["config"]["vocab_size"]
     prompt = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (1, args.prompt_len)))
     step: dict[str, list[float]] = {name: [] for name in decoders}

@@ -30,8 +30,9 @@ the same bytes as the stacks they re-lay) that `supply` must override with the r
 arrays through SessionOptions.add_initializer, which ONNX Runtime reads without a copy: the
 session holds one copy of the experts, as the per-expert lowering holds its prepacked ones.
 The native kernel's experts re-laid in 16-row panels (plugins/moe_native.py) come the same
-way, as placeholders of kind PANELS, one an expert and matrix. A lowered graph with placeholders is never written anywhere: `runtime.ort.create_session`
-lowers, supplies and loads in one call. Loaded without `supply` it would run on the stacks in
+way, as placeholders of kind PANELS, one an expert and matrix. A lowered graph with
+placeholders is never written anywhere: `runtime.ort.create_session` lowers, supplies and
+loads in one call. Loaded without `supply` it would run on the stacks in
 their stored order, a wrong answer; a placeholder cannot point at a missing file instead,
 because ONNX Runtime checks the path even of an initializer it is given.
 """
@@ -149,13 +150,12 @@ def placeholders(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.SessionOptions) -> list[object]:
     """Re-lay every placeholder's source (a stack piece-major, or an expert's matrix in panels)
     into a page-aligned array and hand it to ONNX Runtime (add_initializer: read in place, never
-    copied). Returns the arrays and the
-    OrtValues over them, which must live as long as `options` and any session made with it.
+    copied). Returns the arrays and the OrtValues over them, which must live as long as
+    `options` and any session made with it.
 
     The stacks are read expert by expert with plain file reads, never memory-mapped, so the
     process holds one expert's bytes beyond the re-laid arrays while this runs."""
     arrays = []
-    scratch = np.empty(0, dtype=np.float32)  # one read buffer for every expert's panels
     for proto in placeholders(model):
         meta = {p.key: p.value for p in proto.metadata_props}
         kind, pieces = meta[SPLIT_OF], int(meta[PIECES])
@@ -163,56 +163,53 @@ def supply(model: onnx.ModelProto, weights_dir: Path | str, options: ort.Session
         if proto.data_type != onnx.TensorProto.FLOAT or kind not in (FC1, FC2, PANELS):
             raise ValueError(f"placeholder {proto.name!r}: expected a float fc1 or fc2 stack or an expert's panels, "
                              f"got {kind!r}")
-        path, offset = Path(weights_dir) / external["location"], int(external.get("offset", 0))
-        if kind == PANELS:
-            out, scratch = _panels(proto, path, offset, int(external["length"]), scratch)
-            value = ort.OrtValue.ortvalue_from_numpy(out)
-            options.add_initializer(proto.name, value)
-            arrays += [out, value]
-            continue
-        virtual, rows, cols = (int(d) for d in proto.dims)
-        n_experts = virtual // pieces
-        out = _aligned_empty((virtual, rows, cols))
-        per_expert = rows * cols * pieces  # floats of one stored expert
-        if int(external["length"]) != 4 * per_expert * n_experts:
-            raise ValueError(f"split placeholder {proto.name!r}: its source is {external['length']} bytes, "
-                             f"not the {4 * per_expert * n_experts} its shape needs")
-        with open(path, "rb") as f:
-            for e in range(n_experts):
-                f.seek(offset + 4 * per_expert * e)
-                stored = np.fromfile(f, dtype=np.float32, count=per_expert)
-                if stored.size != per_expert:
-                    raise ValueError(f"{path} ends inside {proto.name!r}'s source stack")
-                if kind == FC1:  # (2I, H): piece j is rows j*2I/P.. (gate/up pairs stay together)
-                    pieces_of = stored.reshape(pieces, rows, cols)
-                else:  # (H, I): piece j is columns j*I/P..
-                    pieces_of = stored.reshape(rows, pieces, cols).transpose(1, 0, 2)
-                out[e::n_experts] = pieces_of  # virtual expert j*E + e
+        path, offset, length = Path(weights_dir) / external["location"], int(external.get("offset", 0)), \
+            int(external["length"])
+        out = (_panels if kind == PANELS else _pieces)(proto, kind, pieces, path, offset, length)
         value = ort.OrtValue.ortvalue_from_numpy(out)
         options.add_initializer(proto.name, value)  # keeps a pointer, not a reference: the caller keeps `value`
         arrays += [out, value]
     return arrays
 
 
-def _panels(proto: onnx.TensorProto, path: Path, offset: int, length: int,
-            scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _pieces(proto: onnx.TensorProto, kind: str, pieces: int, path: Path, offset: int, length: int) -> np.ndarray:
+    """The fc1 or fc2 stack stored at `offset` with every expert cut into `pieces`, piece-major."""
+    virtual, rows, cols = (int(d) for d in proto.dims)
+    n_experts = virtual // pieces
+    out = _aligned_empty((virtual, rows, cols))
+    per_expert = rows * cols * pieces  # floats of one stored expert
+    if length != 4 * per_expert * n_experts:
+        raise ValueError(f"split placeholder {proto.name!r}: its source is {length} bytes, "
+                         f"not the {4 * per_expert * n_experts} its shape needs")
+    with open(path, "rb") as f:
+        for e in range(n_experts):
+            f.seek(offset + 4 * per_expert * e)
+            stored = np.fromfile(f, dtype=np.float32, count=per_expert)
+            if stored.size != per_expert:
+                raise ValueError(f"{path} ends inside {proto.name!r}'s source stack")
+            if kind == FC1:  # (2I, H): piece j is rows j*2I/P.. (gate/up pairs stay together)
+                pieces_of = stored.reshape(pieces, rows, cols)
+            else:  # (H, I): piece j is columns j*I/P..
+                pieces_of = stored.reshape(rows, pieces, cols).transpose(1, 0, 2)
+            out[e::n_experts] = pieces_of  # virtual expert j*E + e
+    return out
+
+
+def _panels(proto: onnx.TensorProto, kind: str, pieces: int, path: Path, offset: int, length: int) -> np.ndarray:
     """The (rows, cols) matrix stored at `offset` as (rows / PANEL, cols, PANEL): panel p holds
-    rows PANEL p.. column by column (moe_experts.cc's panel_dot reads it). Read through
-    `scratch` (one buffer for every matrix), returned grown if it had to be."""
+    rows PANEL p.. column by column (moe_experts.cc's panel_dot reads it)."""
     panels, cols, width = (int(d) for d in proto.dims)
     count = panels * cols * width
     if length != 4 * count:
         raise ValueError(f"placeholder {proto.name!r}: its source is {length} bytes, not the {4 * count} its shape needs")
-    if scratch.size < count:
-        scratch = np.empty(count, dtype=np.float32)
     with open(path, "rb") as f:
         f.seek(offset)
-        read = f.readinto(memoryview(scratch[:count]).cast("B"))
-    if read != 4 * count:
+        stored = np.fromfile(f, dtype=np.float32, count=count)
+    if stored.size != count:
         raise ValueError(f"{path} ends inside {proto.name!r}'s source matrix")
     out = _aligned_empty((panels, cols, width))
-    out[...] = scratch[:count].reshape(panels, width, cols).transpose(0, 2, 1)
-    return out, scratch
+    out[...] = stored.reshape(panels, width, cols).transpose(0, 2, 1)
+    return out
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:

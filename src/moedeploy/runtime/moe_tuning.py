@@ -3,8 +3,8 @@
 A CPU session runs an fp32 decoder's MoE layers one of two ways on ONNX Runtime's own kernels
 (`runtime.ort.session_moe`): every expert cut into one piece per thread on com.microsoft::MoE
 ("split", the default), or one If per expert over prepacked Gemms ("experts"); and where it is
-built, on the project's native kernel ("native", then the default). Which decodes faster is a property of the
-machine, and not one a rule predicts: in `bench` the split made 1.02-1.22x the If per expert's
+built, on the project's native kernel ("native", then the default). Which decodes faster is a
+property of the machine, and not one a rule predicts: in `bench` the split made 1.02-1.22x the If per expert's
 tokens/s on a 2-core AVX-512 EPYC, 0.87-0.98x on an AVX2 EPYC, and 0.90x on the AVX-512 kind
 again on a day its memory read half as fast (benchmarks/README.md). A default is a guess either way.
 
@@ -14,8 +14,7 @@ artifact's cache/ with what it was measured on. Where the project's native kerne
 (plugins/native, every CPU session's path by default there) it is timed too, against the
 faster of the two: it stays unless it decoded more than TIE slower. Its speed is as much the
 machine's as the others' (timed on AVX-512 EPYCs only), so this is how a CPU where it loses
-finds out. A session takes that path only while the record
-still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
+finds out. A session takes that path only while the record still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
 versions, as `cache_origin` checks the lowering cache). Otherwise it says why and takes the
 default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
 the record for every session. All paths compute the same function (`compare` checks each

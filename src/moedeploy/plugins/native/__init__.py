@@ -98,8 +98,10 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
     return [f"{k}={found.get(k, '')}" for k in wanted]
 
 
+@functools.cache
 def build_key() -> str:
-    """What a built library is valid for: the source, the flags, and this CPU (-march=native)."""
+    """What a built library is valid for: the source, the flags, and this CPU (-march=native).
+    Kept for the process (sessions and tune records ask for it); `forget` drops it."""
     parts = [SOURCE.read_bytes().hex(), *FLAGS, *cpu_identity()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -151,6 +153,7 @@ def library_path() -> Path:
 
 def forget() -> None:
     """Look again at the next `library_path` (after changing the variables it reads)."""
+    build_key.cache_clear()
     _library.cache_clear()
 
 
