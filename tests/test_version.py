@@ -65,3 +65,51 @@ def test_a_distribution_is_found_by_the_module_it_provides(tmp_path: Path, monke
     assert importlib.metadata.version("fakert-cu99") == "10.99.1"
     assert installed_version("fakert") == "10.99.1"
     assert installed_version("no_such_module_anywhere") is None
+
+
+def native_line(monkeypatch: pytest.MonkeyPatch, **env: str | None) -> str:
+    """`moedeploy version`'s native-kernel line under these environment variables (None: unset)."""
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    from moedeploy.cli import NATIVE_KERNEL_LINE
+
+    line = printed_versions()[NATIVE_KERNEL_LINE]
+    assert list(printed_versions())[-1] == NATIVE_KERNEL_LINE  # the last line, after every library
+    return line
+
+
+def test_version_says_the_native_kernel_is_off_where_it_is_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert native_line(monkeypatch, MOEDEPLOY_NATIVE="off") == (
+        "not available (MOEDEPLOY_NATIVE=off turns the native kernels off); sessions take the other MoE paths")
+
+
+def test_version_names_missing_headers_and_builds_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    line = native_line(monkeypatch, MOEDEPLOY_NATIVE=None, MOEDEPLOY_CACHE=str(cache), MOEDEPLOY_ORT_INCLUDE=str(tmp_path))
+    assert line == f"not available (MOEDEPLOY_ORT_INCLUDE={tmp_path} holds no onnxruntime_c_api.h); sessions take the other MoE paths"
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("api", [17, 999])
+def test_version_says_a_session_would_build_the_kernel_or_why_the_headers_do_not_fit(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, api: int) -> None:
+    """Headers of a C API version between 17 and the installed runtime's and a compiler: the next
+    session compiles it (version itself never does: /bin/false as the compiler would fail)."""
+    import onnxruntime
+
+    include, cache = tmp_path / "include", tmp_path / "cache"
+    include.mkdir()
+    (include / "onnxruntime_c_api.h").write_text(f"#pragma once\n#define ORT_API_VERSION {api}\n")
+    line = native_line(monkeypatch, MOEDEPLOY_NATIVE=None, MOEDEPLOY_CACHE=str(cache), MOEDEPLOY_ORT_INCLUDE=str(include),
+                       CXX="/bin/false")
+    runtime = int(onnxruntime.__version__.split(".")[1])
+    if api <= runtime:
+        assert line == (f"not built yet: the first session compiles it, a few seconds once (headers {include}, "
+                        "C API 17; /bin/false)")
+    else:
+        assert line == (f"not available (the ONNX Runtime headers in {include} are of C API version 999; the kernel "
+                        f"needs 17 to {runtime} (this onnxruntime's)); sessions take the other MoE paths")
+    assert not cache.exists()

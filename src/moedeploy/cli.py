@@ -72,6 +72,8 @@ MAX_ITERATIONS = 1000
 #: thousand rows of a KV cache is an allocation error, not a benchmark
 MAX_THREADS = 1024
 MAX_BENCH_BATCH = 4096
+#: `moedeploy version`'s last line starts so: whether sessions take the native MoE kernel here
+NATIVE_KERNEL_LINE = "native-moe-kernel"
 #: build's --workspace in MB: 16 TB, far past any GPU, whose bytes still fit TensorRT's int64
 MAX_WORKSPACE_MB = 2**24
 
@@ -288,18 +290,23 @@ def progress_steps(title: str, echo_on_terminal: bool = False) -> Iterator[Calla
 @app.command()
 @handle_errors
 def version() -> None:
-    """Print the versions of moedeploy and its libraries.
+    """Print the versions of moedeploy and its libraries, and whether its native MoE kernel is here.
 
     Optional ones that are missing say "not installed", with the command that installs them.
+    The last line says whether CPU sessions take the project's native MoE kernel (built for
+    this CPU, built by the next session, or why not: it needs ONNX Runtime's C headers, which
+    the pip wheel lacks; MOEDEPLOY_ORT_INCLUDE names a folder holding them).
     """
     # from package metadata: no torch imported for a list of numbers
     import importlib.metadata
 
+    from moedeploy.plugins import native
     from moedeploy.utils.versions import core_versions, supporting_versions
 
     providers = importlib.metadata.packages_distributions()  # one scan of the installed packages
     for name, v in {**core_versions(providers), **supporting_versions(providers)}.items():
         out.print(escape(f"{name} {v}"), highlight=False, soft_wrap=True)
+    out.print(escape(f"{NATIVE_KERNEL_LINE} {native.status()}"), highlight=False, soft_wrap=True)
 
 
 @app.command("families")

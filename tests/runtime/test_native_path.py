@@ -118,12 +118,14 @@ def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(nat
     monkeypatch.setenv("CXX", "/bin/false")
     native_kernels.forget()
     assert native_kernels.library_path() == built  # neither headers nor a compiler needed any more
+    assert native_kernels.status() == f"built for this CPU ({built})"  # `moedeploy version`'s line
     real = native_kernels.cpu_identity()
     assert any(line.startswith(("flags=", "Features=")) and len(line) > 20 for line in real), real
     monkeypatch.setattr(native_kernels, "cpu_identity", lambda: [*real[:-1], real[-1] + " another"])
     native_kernels.forget()
     with pytest.raises(native_kernels.NativeUnavailable, match="no ONNX Runtime C API headers"):
         native_kernels.library_path()
+    assert native_kernels.status().startswith("not available (no ONNX Runtime C API headers")
     native_kernels.forget()
 
 

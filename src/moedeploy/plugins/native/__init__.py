@@ -157,31 +157,59 @@ def forget() -> None:
     _library.cache_clear()
 
 
+def _readiness() -> tuple[Path | None, tuple[Path, int, str] | None, str]:
+    """Where the library stands, compiling nothing: (the library built for this machine, None, "")
+    or (None, (headers, their C API version, compiler) to build it with, "") or (None, None, why
+    neither)."""
+    from moedeploy.utils.cache import cache_dir
+
+    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        return None, None, f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off"
+    if (library := built(cache_dir() / "native", build_key())) is not None:
+        return library, None, ""
+    include, why = headers()
+    if include is None:
+        return None, None, why
+    version = api_version(include)
+    if version is None or not MIN_API_VERSION <= version <= runtime_api_version():
+        return None, None, (f"the ONNX Runtime headers in {include} are of C API version {version}; the kernel needs "
+                            f"{MIN_API_VERSION} to {runtime_api_version()} (this onnxruntime's)")
+    cxx = compiler()
+    if cxx is None:
+        return None, None, "no C++ compiler (c++, g++ or clang++; or set CXX)"
+    return None, (include, version, cxx), ""
+
+
 @functools.cache
 def _library() -> tuple[Path | None, str]:
     from moedeploy.utils.cache import cache_dir
 
-    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "no", "false"):
-        return None, f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off"
     try:
-        root, key = cache_dir() / "native", build_key()
-        if (library := built(root, key)) is not None:
-            return library, ""
-        include, why = headers()
-        if include is None:
-            return None, why
-        version = api_version(include)
-        if version is None or not MIN_API_VERSION <= version <= runtime_api_version():
-            return None, (f"the ONNX Runtime headers in {include} are of C API version {version}; the kernel needs "
-                          f"{MIN_API_VERSION} to {runtime_api_version()} (this onnxruntime's)")
-        cxx = compiler()
-        if cxx is None:
-            return None, "no C++ compiler (c++, g++ or clang++; or set CXX)"
-        return build(include, cxx, root / f"{key}-api{version}"), ""
+        library, recipe, why = _readiness()
+        if library is not None or recipe is None:
+            return library, why
+        include, version, cxx = recipe
+        return build(include, cxx, cache_dir() / "native" / f"{build_key()}-api{version}"), ""
     except NativeUnavailable as e:
         return None, str(e)
     except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a CXX that is not there
         return None, f"building the native kernels failed: {e}"
+
+
+def status() -> str:
+    """Whether sessions here take the native kernel, in one line (`moedeploy version`), without
+    compiling it: built for this CPU, buildable by the next session, or why not and what to do."""
+    try:
+        library, recipe, why = _readiness()
+    except OSError as e:  # an unreadable cache folder
+        return f"not available: {e}"
+    if library is not None:
+        return f"built for this CPU ({library})"
+    if recipe is not None:
+        include, version, cxx = recipe
+        return (f"not built yet: the first session compiles it, a few seconds once (headers {include}, "
+                f"C API {version}; {cxx})")
+    return f"not available ({why}); sessions take the other MoE paths"
 
 
 def available() -> bool:
