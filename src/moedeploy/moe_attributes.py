@@ -38,6 +38,10 @@ class Routing:
             raise ValueError(f"sparsemixer routing picks exactly 2 experts, not top_k={self.top_k}")
         if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"need 1 <= topk_group ({self.topk_group}) <= n_group ({self.n_group})")
+        # every lowering takes an expert where its dense routing weight is > 0 (unpicked ones are
+        # 0): a factor <= 0 would drop every picked expert there and not in the eager reference
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ValueError(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor}")
 
     def check(self, n_experts: int) -> None:
         """Refuse a routing these experts cannot follow (before any node is built)."""

@@ -100,3 +100,8 @@ def test_routing_refuses_what_it_cannot_follow() -> None:
         Routing(2, n_group=3, topk_group=1).check(8)
     with pytest.raises(ValueError, match="exceeds the experts of 1 groups"):
         Routing(3, n_group=4, topk_group=1).check(8)
+    # every lowering takes an expert where its dense weight is > 0: a factor <= 0 (or NaN) would
+    # drop the picked experts there and not in the eager reference, so no Routing holds one
+    for factor in (-2.5, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"routed_scaling_factor must be a positive number, got {factor}"):
+            Routing(2, routed_scaling_factor=factor)

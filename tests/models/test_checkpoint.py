@@ -262,6 +262,7 @@ def test_error_wrong_model_type(hf_folder: Path) -> None:
         ({"hidden_size": "32"}, "hidden_size is '32', not an integer"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, not a finite number >= 0"),
         ({"rms_norm_eps": "x"}, "rms_norm_eps is 'x'"),
+        ({"routed_scaling_factor": 0}, "routed_scaling_factor is 0, which weighs every expert by 0; fix it in config.json"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta is -5.0, not a finite number > 0"),
         # named as config.json names them, not as moedeploy's DecoderConfig does (n_heads, top_k ...)
         ({"num_attention_heads": 0}, "num_attention_heads is 0, not an integer >= 1"),  # was a ZeroDivisionError

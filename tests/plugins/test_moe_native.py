@@ -200,6 +200,30 @@ def test_weights_of_the_wrong_count_or_shape_are_refused_with_the_reason(native_
         native_session(model, native_kernels).run(None, {"x": np.ones((1, H), np.float32), "r": np.ones((1, E), np.float32)})
 
 
+def test_weights_given_as_graph_inputs_are_checked_at_every_run(native_kernels) -> None:
+    """A weight that is a graph input can come back at the same address with another shape (a
+    view of the same buffer): the kernel must not keep the first run's I for it (it read past
+    the smaller matrices and returned a wrong sum). Initializers, the lowering's, cannot."""
+    names = ["x", "r", "w1", "w3", "w2"]
+    node = helper.make_node("MoEExperts", names, ["y"], domain="moedeploy.cpu")
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moedeploy.cpu", 1)])
+    session = native_session(model, native_kernels, threads=1)
+    rng = np.random.default_rng(40)
+    hidden, buffers = 16, [rng.standard_normal(64 * 16, dtype=np.float32) for _ in range(3)]
+    x, r = rng.standard_normal((1, hidden), dtype=np.float32), np.ones((1, 1), np.float32)
+    for inter in (64, 16, 64):
+        w1, w3 = (b[:inter * hidden].reshape(inter, hidden) for b in buffers[:2])
+        w2 = buffers[2][:hidden * inter].reshape(hidden, inter)
+        (y,) = session.run(None, {"x": x, "r": r, "w1": w1, "w3": w3, "w2": w2})
+        g, u = w1 @ x[0], w3 @ x[0]
+        np.testing.assert_allclose(y[0], w2 @ (g / (1 + np.exp(-g)) * u), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"MoEExperts: H and I must be at least 1"):
+        session.run(None, {"x": np.ones((1, 0), np.float32), "r": r, "w1": np.ones((0, 0), np.float32),
+                           "w3": np.ones((0, 0), np.float32), "w2": np.ones((0, 0), np.float32)})
+
+
 @pytest.mark.parametrize("name", list(ROUTINGS))
 def test_the_lowering_matches_eager_for_one_token_and_for_many(native_kernels, name: str) -> None:
     """One node for every token count: a decode step's GEMV and a prompt's blocks of rows x

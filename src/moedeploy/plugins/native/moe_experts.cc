@@ -377,6 +377,14 @@ struct MoEExpertsKernel {
     act_.beta = attribute<float>(kernel_info, "activation_beta", 0.f);
     act_.limit = attribute<float>(kernel_info, "swiglu_limit", std::numeric_limits<float>::infinity());
     scratch_floats_ = std::max<int64_t>(1, attribute<int64_t>(kernel_info, "scratch_floats", kScratchFloats));
+    // Constant initializers (what the lowering gives) keep their shapes for the session's life,
+    // so their check is kept while their addresses stay; a weight that is a graph input may
+    // come back at the same address with another shape, so then every run checks.
+    for (size_t i = 2; i < kernel_info.GetInputCount(); ++i) {
+      int is_constant = 0;
+      kernel_info.GetTensorConstantInput(i, &is_constant);
+      weights_constant_ = weights_constant_ && is_constant != 0;
+    }
   }
 
   template <typename T>
@@ -422,8 +430,9 @@ struct MoEExpertsKernel {
       w.w2[e] = ctx.GetInput(2 + (per_expert - 1) * w.s.experts + e).GetTensorData<float>();
     }
     {  // the weights' shapes: checked on the first run, and again whenever any tensor or H changes
+      // (at every run where a weight is not a constant initializer)
       std::lock_guard<std::mutex> guard(check_lock_);
-      bool moved = checked_.size() != ctx.GetInputCount() || w.s.hidden != checked_hidden_;
+      bool moved = !weights_constant_ || checked_.size() != ctx.GetInputCount() || w.s.hidden != checked_hidden_;
       checked_.resize(ctx.GetInputCount(), nullptr);
       for (size_t i = 2; i < ctx.GetInputCount(); ++i) moved |= ctx.GetInput(i).GetTensorData<float>() != checked_[i];
       if (moved) {
@@ -525,6 +534,7 @@ struct MoEExpertsKernel {
                                  : "each expert's weight must be 2-D");
     const int64_t rows = panels_ ? first[0] * kPanel : first[0];
     const int64_t inter = interleaved_ ? rows / 2 : rows;
+    if (inter < 1 || hidden < 1) return error(api_, "H and I must be at least 1");
     const auto shaped = [this](int64_t r, int64_t c) {
       return panels_ ? std::vector<int64_t>{r / kPanel, c, kPanel} : std::vector<int64_t>{r, c};
     };
@@ -551,6 +561,7 @@ struct MoEExpertsKernel {
   Activation act_;
   std::mutex check_lock_;
   std::vector<const float*> checked_;  // the weight tensors whose shapes were checked
+  bool weights_constant_ = true;       // every weight a constant initializer (the constructor asks)
   int64_t checked_hidden_ = -1, checked_inter_ = 0;
 };
 
