@@ -187,3 +187,46 @@ def test_pieces_divide_the_expert_hidden_size(tmp_path: Path) -> None:
     node = ir.from_proto(streamed_model(tmp_path, moe_weights(E, H, I, "swiglu", False, seed=40),
                                         Routing(2, True))).graph.node(-1)
     assert [moe_split.pieces_for(node, CPU, t) for t in (2, 3, 4, 5, 7, 16)] == [2, 3, 4, 4, 6, 12]  # I = 24
+
+
+def test_a_lowered_graph_saved_as_a_file_gets_its_placeholders_filled(tmp_path: Path) -> None:
+    """load_lowered given a path (a graph someone saved after lowering) supplies the re-laid
+    experts as it does for bytes; before, ONNX Runtime read the placeholders' stored bytes, in
+    the stacks' own layout, as pieces: the right size and the wrong numbers."""
+    w = moe_weights(E, H, I, "swiglu", False, seed=41)
+    routing = Routing(2, True)
+    lowered, counts = lower_for_ort(streamed_model(tmp_path, w, routing), CPU, "auto", weights_dir=str(tmp_path),
+                                    expert_pieces=2)
+    assert counts["moe_split"] == 1 and moe_split.placeholders(lowered)
+    onnx.save(lowered, tmp_path / "lowered.onnx")  # beside model.onnx.data, which its weights name
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = load_lowered(str(tmp_path / "lowered.onnx"), options, tmp_path)
+    assert session.moedeploy_owned_weights
+    x, logits = inputs(5, seed=42)
+    (y,) = session.run(None, {"X": x.numpy(), "router_logits": logits.numpy()})
+    np.testing.assert_allclose(y, eager(x, logits, w, routing), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stack_shorter_in_the_file_than_its_shape_is_refused_not_read_past(tmp_path: Path) -> None:
+    """A graph whose record of a stack's bytes is shorter than its shape needs (an inconsistent
+    model.onnx): the split refuses it when it reads the stack, and an expert's view into it (the
+    native kernel's, the If per expert's) when it is made: a later expert's would read the next
+    tensor's bytes."""
+    from moedeploy.runtime.quantized import constant_view
+
+    w = moe_weights(E, H, I, "swiglu", False, seed=43)
+    model = streamed_model(tmp_path, w, Routing(2, True))
+    stack = next(t for t in model.graph.initializer if t.name == "w_down")
+    entries = {e.key: e for e in stack.external_data}
+    entries["length"].value = str(4 * E * H * I - 4)
+    with pytest.raises(ValueError, match=rf"its source is {4 * E * H * I - 4} bytes, not the {4 * E * H * I}"):
+        split_session(tmp_path, model, 2)
+    value = ir.Value(name="w_down", shape=ir.Shape([E, H, I]), type=ir.TensorType(ir.DataType.FLOAT),
+                     const_value=ir.ExternalTensor("model.onnx.data", 0, 4 * E * H * I - 4, ir.DataType.FLOAT,
+                                                   shape=ir.Shape([E, H, I]), name="w_down", base_dir=tmp_path))
+    first = constant_view(value, 0, ir.DataType.FLOAT, [H, I], "w_down.expert0").const_value
+    assert (first.offset, first.length) == (0, 4 * H * I)
+    with pytest.raises(ValueError, match=rf"w_down: the data file holds {4 * E * H * I - 4} bytes of it, but part "
+                                         rf"{E - 1} ends at byte {4 * E * H * I}"):
+        constant_view(value, E - 1, ir.DataType.FLOAT, [H, I], "w_down.expert7")

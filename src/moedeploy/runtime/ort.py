@@ -292,11 +292,15 @@ def load_lowered(model: str | bytes | onnx.ModelProto, options: ort.SessionOptio
     itself (ONNX Runtime reads them in place), so they live as long as anyone holds it."""
     split_experts: list[object] = []
     if isinstance(model, onnx.ModelProto):
-        split_experts = moe_split.supply(model, weights_dir, options)
+        proto: onnx.ModelProto | None = model
         model = model.SerializeToString()
-    elif isinstance(model, bytes) and moe_split.SPLIT_OF.encode() in model:  # no placeholder: nothing to parse
-        split_experts = moe_split.supply(onnx.load_from_string(model), weights_dir, options)
-    if _reads_native_ops(model):
+    elif isinstance(model, bytes):  # no placeholder and no native node: nothing to parse
+        proto = onnx.load_from_string(model) if moe_split.SPLIT_OF.encode() in model else None
+    else:  # a file (a cached block graph, one a user saved): its graph without the weights
+        proto = onnx.load(str(model), load_external_data=False)
+    if proto is not None and moe_split.placeholders(proto):
+        split_experts = moe_split.supply(proto, weights_dir, options)
+    if _reads_native_ops(model if proto is None else proto):
         from moedeploy.plugins import native
         options.register_custom_ops_library(str(native.library_path()))
     session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
@@ -305,15 +309,14 @@ def load_lowered(model: str | bytes | onnx.ModelProto, options: ort.SessionOptio
     return session
 
 
-def _reads_native_ops(model: str | bytes) -> bool:
+def _reads_native_ops(model: bytes | onnx.ModelProto) -> bool:
     """Whether a lowered graph has nodes of the project's native kernels' domain."""
     from moedeploy.plugins import moe_native
 
     if isinstance(model, bytes):
         return moe_native.DOMAIN.encode() in model
-    proto = onnx.load(str(model), load_external_data=False)
-    return any(o.domain == moe_native.DOMAIN for o in proto.opset_import) or \
-        any(n.domain == moe_native.DOMAIN for n in proto.graph.node)
+    return any(o.domain == moe_native.DOMAIN for o in model.opset_import) or \
+        any(n.domain == moe_native.DOMAIN for n in model.graph.node)
 
 
 def lowered_model(

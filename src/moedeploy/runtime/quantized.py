@@ -183,6 +183,10 @@ def constant_view(value: ir.Value, index: int, dtype: ir.DataType, shape: list[i
     assert tensor is not None
     length = int(np.prod(shape)) * dtype.bitwidth // 8
     if isinstance(tensor, ir.ExternalTensor):
+        stored = tensor.length  # the bytes the graph says the data file holds for the whole constant
+        if stored is not None and (index + 1) * length > stored:
+            raise ValueError(f"{value.name}: the data file holds {stored} bytes of it, but part {index} ends at byte "
+                             f"{(index + 1) * length}: the graph's record of its weights is inconsistent; re-export it")
         view: ir.TensorProtocol = ir.ExternalTensor(
             tensor.location, (tensor.offset or 0) + index * length, length, dtype, shape=ir.Shape(shape),
             name=name, base_dir=tensor.base_dir)
