@@ -608,6 +608,7 @@ def test_every_user_error_class_the_cli_names_exists() -> None:
     from moedeploy import cli
     from moedeploy.export import ArtifactError, ExportError
     from moedeploy.models import CheckpointError
+    from moedeploy.plugins.native import NativeUnavailable
     from moedeploy.runtime.lowering import LoweringError
     from moedeploy.runtime.ort import SessionError
     from moedeploy.runtime.tensorrt import TensorRTUnavailable
@@ -615,4 +616,5 @@ def test_every_user_error_class_the_cli_names_exists() -> None:
     for module, name in cli._USER_ERROR_CLASSES:
         assert issubclass(getattr(importlib.import_module(module), name), Exception), (module, name)
     assert set(cli._user_errors()) == {cli.UserError, ValueError, OSError, ArtifactError, ExportError,
-                                       CheckpointError, LoweringError, SessionError, TensorRTUnavailable}
+                                       CheckpointError, LoweringError, SessionError, TensorRTUnavailable,
+                                       NativeUnavailable}

@@ -122,6 +122,7 @@ _USER_ERROR_CLASSES = (
     ("moedeploy.export.artifact", "ArtifactError"),
     ("moedeploy.export.onnx_export", "ExportError"),
     ("moedeploy.models.checkpoint_config", "CheckpointError"),
+    ("moedeploy.plugins.native", "NativeUnavailable"),
     ("moedeploy.runtime.lowering", "LoweringError"),
     ("moedeploy.runtime.ort", "SessionError"),
     ("moedeploy.runtime.tensorrt_import", "TensorRTUnavailable"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -153,6 +154,54 @@ def test_a_failed_build_says_why_and_leaves_nothing(native_kernels, monkeypatch,
     with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc failed \(/bin/false\): no output"):
         native_kernels.library_path()
     assert list((tmp_path / "cache" / "native").iterdir()) == []
+    native_kernels.forget()
+
+
+def test_a_library_onnx_runtime_cannot_load_leaves_the_other_paths_with_the_reason(monkeypatch, tmp_path) -> None:
+    """A built library that will not load (a damaged file here; a noexec cache or an older C++
+    runtime elsewhere) made every CPU session fail; now sessions take the split, and the line
+    that says why names the file and the way out. Needs no headers: the library is a fake."""
+    from moedeploy.plugins import native
+
+    monkeypatch.delenv("MOEDEPLOY_NATIVE", raising=False)
+    monkeypatch.delenv("MOEDEPLOY_MOE_PATH", raising=False)
+    monkeypatch.setenv("MOEDEPLOY_CACHE", str(tmp_path))
+    folder = tmp_path / "native" / f"{native.build_key()}-api17"
+    folder.mkdir(parents=True)
+    (folder / native.LIBRARY).write_bytes(b"not a shared library")
+    native.forget()
+    try:
+        why = f"ONNX Runtime cannot load {folder / native.LIBRARY} ("
+        assert native.status().startswith(f"not available ({why}")
+        assert f"remove {folder} to build it again, or set MOEDEPLOY_NATIVE=0" in native.status()
+        with pytest.raises(native.NativeUnavailable, match=re.escape(why)):
+            native.library_path()
+        assert moe_path_and_source() == ("split", "the default")
+        monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "native")
+        with pytest.raises(SessionError, match=re.escape(f"the native kernel is not available here: {why}")):
+            moe_path_and_source()
+    finally:
+        native.forget()
+
+
+def test_a_stray_build_folder_and_a_hung_compiler_are_named(native_kernels, monkeypatch, tmp_path) -> None:
+    _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache", native_kernels.compiler())
+    include, _ = native_kernels.headers()
+    stray = tmp_path / "cache" / "native" / f"{native_kernels.build_key()}-api{native_kernels.api_version(include)}"
+    stray.mkdir(parents=True)
+    (stray / "notes.txt").write_text("not ours to remove")
+    with pytest.raises(native_kernels.NativeUnavailable, match=f"{re.escape(str(stray))} exists without "
+                                                               "libmoedeploy_cpu.so in it; remove it"):
+        native_kernels.library_path()
+    assert (stray / "notes.txt").read_text() == "not ours to remove"
+    hung = tmp_path / "hung-cxx"
+    hung.write_text("#!/bin/sh\nexec sleep 30\n")  # exec: the kill reaches the sleep
+    hung.chmod(0o755)
+    _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache2", str(hung))
+    monkeypatch.setattr(native_kernels, "COMPILE_TIMEOUT_S", 1)
+    with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc \(.*hung-cxx\) took over 1 s"):
+        native_kernels.library_path()
+    assert list((tmp_path / "cache2" / "native").iterdir()) == []  # the staging folder is gone
     native_kernels.forget()
 
 

@@ -44,6 +44,8 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility
 #: the C API version that added KernelContext_ParallelFor, which the kernel splits its work with
 MIN_API_VERSION = 17
 HEADER = "onnxruntime_c_api.h"
+#: a compile takes about 7 s; a compiler that hangs must not hang the session that asked for it
+COMPILE_TIMEOUT_S = 600
 
 
 class NativeUnavailable(RuntimeError):
@@ -124,8 +126,12 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        result = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
-                                capture_output=True, text=True, check=False)
+        try:
+            result = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
+                                    capture_output=True, text=True, check=False, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise NativeUnavailable(f"compiling {SOURCE.name} ({cxx}) took over {COMPILE_TIMEOUT_S} s; "
+                                    f"stopped it (set {SWITCH_ENV}=0 to skip the build)") from None
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines()
             first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
@@ -134,8 +140,9 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
         try:
             staging.rename(out_dir)
         except OSError:  # another process finished first: use its build
-            if not target.is_file():
-                raise
+            if not target.is_file():  # a folder of that name holding something else (a partial copy of a cache)
+                raise NativeUnavailable(f"{out_dir} exists without {LIBRARY} in it; remove it to build the library "
+                                        "again") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -157,6 +164,22 @@ def forget() -> None:
     _library.cache_clear()
 
 
+def load_problem(library: Path) -> str | None:
+    """Why ONNX Runtime cannot load a built library (a cache on a noexec mount, a C++ runtime
+    older than the compiler's, a damaged file), or None: asked once, in a throwaway
+    SessionOptions, so that sessions fall back to the other MoE paths with this reason instead
+    of every one failing to load."""
+    import onnxruntime
+
+    try:
+        onnxruntime.SessionOptions().register_custom_ops_library(str(library))
+    except Exception as e:  # onnxruntime raises its own exception types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (f"ONNX Runtime cannot load {library} ({reason}); remove {library.parent} to build it again, "
+                f"or set {SWITCH_ENV}=0")
+    return None
+
+
 def _readiness() -> tuple[Path | None, tuple[Path, int, str] | None, str]:
     """Where the library stands, compiling nothing: (the library built for this machine, None, "")
     or (None, (headers, their C API version, compiler) to build it with, "") or (None, None, why
@@ -166,7 +189,7 @@ def _readiness() -> tuple[Path | None, tuple[Path, int, str] | None, str]:
     if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "no", "false"):
         return None, None, f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns the native kernels off"
     if (library := built(cache_dir() / "native", build_key())) is not None:
-        return library, None, ""
+        return (library, None, "") if (why := load_problem(library)) is None else (None, None, why)
     include, why = headers()
     if include is None:
         return None, None, why
@@ -189,7 +212,8 @@ def _library() -> tuple[Path | None, str]:
         if library is not None or recipe is None:
             return library, why
         include, version, cxx = recipe
-        return build(include, cxx, cache_dir() / "native" / f"{build_key()}-api{version}"), ""
+        library = build(include, cxx, cache_dir() / "native" / f"{build_key()}-api{version}")
+        return (library, "") if (why := load_problem(library)) is None else (None, why)
     except NativeUnavailable as e:
         return None, str(e)
     except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a CXX that is not there
