@@ -841,7 +841,7 @@ def bench_cmd(
                   f"x{ratio['prefill_time_ratio']:.2f}, peak memory x{ratio['peak_rss_ratio']:.2f}", highlight=False)
     if line := moe_path_line(report):
         out.print(escape(line), highlight=False)
-    if (chosen := report.get("moe_path")) and chosen["source"] != "the default":
+    if chosen := report.get("moe_path"):  # the split's line says why the native kernel is not used
         out.print(escape(f"MoE path of ort and ort-gqa here: {chosen['path']} ({chosen['source']})"), highlight=False)
     if report["greedy_tokens_agree"] is False:  # None: the target is itself a quantized export (the note below)
         out.print("[yellow]warning:[/yellow] backends with the same weights generated different greedy tokens")

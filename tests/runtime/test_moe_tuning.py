@@ -226,7 +226,8 @@ def test_tune_refuses_a_quantized_export_before_any_session(tmp_path: Path) -> N
 def test_bench_is_told_which_path_its_sessions_take_and_why(own_decoder, monkeypatch) -> None:
     from moedeploy.runtime.ort import moe_path_and_source
 
-    assert moe_path_and_source(own_decoder, 2) == ("split", "the default")
+    # the suite runs with MOEDEPLOY_NATIVE=off (tests/conftest.py)
+    assert moe_path_and_source(own_decoder, 2) == ("split", "the default; the native kernel is not used here: MOEDEPLOY_NATIVE=off turns the native kernels off")
     path = record(own_decoder, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True))
     assert moe_path_and_source(own_decoder, 2) == ("experts", f"as `moedeploy tune` recorded for this machine in {path}")
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "split")

@@ -98,7 +98,8 @@ def test_compare_passes_on_every_lowering_with_the_native_kernel(native_kernels,
 def test_native_off_or_unbuildable_leaves_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MOEDEPLOY_NATIVE", "0")
     native_kernels.forget()
-    assert moe_path_and_source() == ("split", "the default")
+    assert moe_path_and_source() == ("split", "the default; the native kernel is not used here: MOEDEPLOY_NATIVE=0 "
+                                              "turns the native kernels off")
     monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "native")
     with pytest.raises(SessionError, match="MOEDEPLOY_MOE_PATH=native, but the native kernel is not available here: "
                                            "MOEDEPLOY_NATIVE=0 turns the native kernels off"):
@@ -143,7 +144,9 @@ def _fresh_build_with(native, monkeypatch, cache: Path, cxx: str) -> None:
 
 def test_a_compiler_that_is_not_there_leaves_sessions_on_the_other_paths(native_kernels, monkeypatch, tmp_path) -> None:
     _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache", str(tmp_path / "no-such-compiler"))
-    assert moe_path_and_source() == ("split", "the default")  # no traceback for a user who never asked
+    path, source = moe_path_and_source()  # no traceback for a user who never asked; bench says why
+    assert path == "split" and re.fullmatch(r"the default; the native kernel is not used here: building the native "
+                                            r"kernels failed: .*no-such-compiler.*", source), source
     with pytest.raises(native_kernels.NativeUnavailable, match=r"building the native kernels failed: .*no-such-compiler"):
         native_kernels.library_path()
     native_kernels.forget()
@@ -176,7 +179,8 @@ def test_a_library_onnx_runtime_cannot_load_leaves_the_other_paths_with_the_reas
         assert f"remove {folder} to build it again, or set MOEDEPLOY_NATIVE=0" in native.status()
         with pytest.raises(native.NativeUnavailable, match=re.escape(why)):
             native.library_path()
-        assert moe_path_and_source() == ("split", "the default")
+        path, source = moe_path_and_source()
+        assert path == "split" and source.startswith(f"the default; the native kernel is not used here: {why}")
         monkeypatch.setenv("MOEDEPLOY_MOE_PATH", "native")
         with pytest.raises(SessionError, match=re.escape(f"the native kernel is not available here: {why}")):
             moe_path_and_source()

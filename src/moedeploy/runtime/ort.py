@@ -213,7 +213,7 @@ def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = 
     `artifact` on this machine at `threads` (runtime/moe_tuning.py; a record made with the
     native kernel applies only where the same build of it is here, one made without it only
     where it is not); else "native", the project's own kernel (plugins/native), wherever it is
-    built or can be; else "split"."""
+    built or can be; else "split", the source saying why the kernel is not used."""
     from moedeploy.plugins import native
 
     value = os.environ.get(MOE_PATH_ENV, "").strip().lower()
@@ -233,9 +233,11 @@ def moe_path_and_source(artifact: Artifact | None = None, threads: int | None = 
 
         if tuned := tuned_path(artifact, threads or default_threads()):
             return tuned, f"as `moedeploy tune` recorded for this machine in {tuned_file(artifact)}"
-    if native.available():
-        return "native", "the project's native kernel is built on this machine (plugins/native; MOEDEPLOY_NATIVE=0 turns it off)"
-    return "split", "the default"
+    try:
+        native.library_path()
+    except native.NativeUnavailable as e:  # why, and what to do: a user who wants the kernel reads it in bench
+        return "split", f"the default; the native kernel is not used here: {e}"
+    return "native", "the project's native kernel is built on this machine (plugins/native; MOEDEPLOY_NATIVE=0 turns it off)"
 
 
 def session_moe(provider: str, threads: int | None, moe_lowering: MoELowering = "auto",
