@@ -1,7 +1,9 @@
 """The native MoE kernel (plugins/native/moe_experts.cc) and its lowering (plugins/moe_native.py)
 against eager PyTorch and a by-hand sum: both weight layouts, sizes that leave vector tails,
 token counts that leave partial blocks, every routing variant, gpt-oss's clamped SwiGLU,
-non-finite tokens, concurrent runs of one session, and shape errors."""
+non-finite tokens, concurrent runs of one session, and shape errors; each on the kernel built for
+this CPU, for AVX2 and for baseline x86-64 (MARCHES), so the code paths of CPUs other than the
+one running the suite are tested too."""
 
 from __future__ import annotations
 
@@ -25,6 +27,37 @@ from tests.plugins.test_moe_experts import GPT_OSS, ROUTINGS
 E, H, I = 8, 137, 70  # noqa: E741
 NAN, INF = float("nan"), float("inf")
 SILU = ExpertActivation()  # silu(g) * u
+
+
+#: every build the kernel's code paths take: this CPU's (AVX-512 here), AVX2 with FMA (x86-64-v3:
+#: 2 x 2 row blocks, 4-token panel groups; most users' CPUs) and baseline x86-64 (the portable
+#: vector fallback, as on Arm): sessions build -march=native, so only the first would be tested
+MARCHES = ("native", "x86-64-v3", "x86-64")
+#: what x86-64-v3 needs of the CPU that runs it (its flags in /proc/cpuinfo)
+V3_FLAGS = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "xsave"}
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def native_kernels(native_kernels, request, tmp_path_factory):
+    """conftest's native kernels, rebuilt for each of MARCHES this CPU can run (a fresh cache each;
+    -march is part of the build key)."""
+    import platform
+
+    march = request.param
+    if march == "native":  # conftest's build
+        yield native_kernels
+        return
+    flags = {word for line in native_kernels.cpu_identity() if line.startswith("flags=") for word in line[6:].split()}
+    if platform.machine() != "x86_64" or (march == "x86-64-v3" and not flags.issuperset(V3_FLAGS)):
+        pytest.skip(f"-march={march} does not run on this CPU")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_kernels, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f
+                                                     for f in native_kernels.FLAGS))
+        patch.setenv("MOEDEPLOY_CACHE", str(tmp_path_factory.mktemp(f"native-{march}")))
+        native_kernels.forget()
+        native_kernels.library_path()
+        yield native_kernels
+    native_kernels.forget()
 
 
 def native_session(model: onnx.ModelProto, native, threads: int = 2) -> ort.InferenceSession:
