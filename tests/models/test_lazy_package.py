@@ -19,16 +19,22 @@ def test_every_public_name_resolves_to_what_its_module_defines() -> None:
     assert importlib.import_module("moedeploy.plugins.moe").Routing is importlib.import_module("moedeploy.moe_attributes").Routing
 
 
-def test_the_plugins_package_loads_its_op_modules_on_first_use() -> None:
+def test_the_plugins_package_loads_its_op_modules_on_first_use(tmp_path) -> None:
     """moedeploy.plugins.native (`moedeploy version` asks it whether the kernel is built) is
-    imported without torch; the op modules, which need it, come with CUSTOM_OPS."""
+    imported without torch, also where it looks at headers and the build cache (and so imports
+    onnxruntime); the op modules, which need torch, come with CUSTOM_OPS."""
+    import os
     import subprocess
     import sys
 
-    script = ("import sys, moedeploy.plugins.native as n; n.status(); print('torch' in sys.modules); "
-              "from moedeploy.plugins import CUSTOM_OPS; print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.split() == ["False", "True"], done.stderr
+    (tmp_path / "onnxruntime_c_api.h").write_text("#define ORT_API_VERSION 17\n")
+    env = {k: v for k, v in os.environ.items() if k != "MOEDEPLOY_NATIVE"} | {
+        "MOEDEPLOY_ORT_INCLUDE": str(tmp_path), "MOEDEPLOY_CACHE": str(tmp_path / "cache"), "CXX": "/bin/false"}
+    script = ("import sys, moedeploy.plugins.native as n; print(n.status().startswith('not built yet')); "
+              "print('torch' in sys.modules); from moedeploy.plugins import CUSTOM_OPS; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                          env=env)
+    assert done.stdout.split() == ["True", "False", "True"], done.stderr
     import moedeploy.plugins as plugins
 
     rmsnorm, moe = (importlib.import_module(f"moedeploy.plugins.{name}") for name in ("rmsnorm", "moe"))

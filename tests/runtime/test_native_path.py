@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -195,17 +196,26 @@ def test_a_stray_build_folder_and_a_hung_compiler_are_named(native_kernels, monk
     stray.mkdir(parents=True)
     (stray / "notes.txt").write_text("not ours to remove")
     with pytest.raises(native_kernels.NativeUnavailable, match=f"{re.escape(str(stray))} exists without "
-                                                               "libmoedeploy_cpu.so in it; remove it"):
+                                                               r"libmoedeploy_cpu.so in it \(Directory not empty\); remove it"):
         native_kernels.library_path()
     assert (stray / "notes.txt").read_text() == "not ours to remove"
-    hung = tmp_path / "hung-cxx"
-    hung.write_text("#!/bin/sh\nexec sleep 30\n")  # exec: the kill reaches the sleep
+    hung = tmp_path / "hung-cxx"  # a driver whose child hangs, as cc1plus would under g++
+    hung.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {tmp_path / 'child'}\nwait\n")
     hung.chmod(0o755)
     _fresh_build_with(native_kernels, monkeypatch, tmp_path / "cache2", str(hung))
     monkeypatch.setattr(native_kernels, "COMPILE_TIMEOUT_S", 1)
+    start = time.monotonic()
     with pytest.raises(native_kernels.NativeUnavailable, match=r"compiling moe_experts.cc \(.*hung-cxx\) took over 1 s"):
         native_kernels.library_path()
+    assert time.monotonic() - start < 15  # not held until the child's 30 s are up
     assert list((tmp_path / "cache2" / "native").iterdir()) == []  # the staging folder is gone
+    child = Path(f"/proc/{(tmp_path / 'child').read_text().strip()}/stat")
+    for _ in range(50):  # killed with the driver (its process group), then reaped
+        if not child.exists() or child.read_text().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the compiler's child outlived the timeout")
     native_kernels.forget()
 
 

@@ -141,8 +141,9 @@ def checked_field_types(hf: dict[str, Any]) -> dict[str, Any]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value < 0):
             raise UnsupportedOption(f"{key} is {value!r}, not a finite number >= 0; fix it in config.json")
-    if hf.get("routed_scaling_factor") == 0:  # every expert's weight times 0 (moe_attributes.Routing refuses it)
-        raise UnsupportedOption("routed_scaling_factor is 0, which weighs every expert by 0; fix it in config.json")
+    if (factor := hf.get("routed_scaling_factor")) == 0:  # every expert's weight times 0 (Routing refuses it)
+        raise UnsupportedOption(f"routed_scaling_factor is {factor!r}, which weighs every expert by 0; fix it in "
+                                "config.json")
     return hf
 
 

@@ -28,6 +28,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -126,23 +127,27 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        # its own process group: on a timeout the kill reaches the compiler's children (cc1plus, as, ld)
+        compile_ = subprocess.Popen([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            result = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(staging / LIBRARY)],
-                                    capture_output=True, text=True, check=False, timeout=COMPILE_TIMEOUT_S)
+            _, stderr = compile_.communicate(timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(compile_.pid, signal.SIGKILL)
+            compile_.communicate()
             raise NativeUnavailable(f"compiling {SOURCE.name} ({cxx}) took over {COMPILE_TIMEOUT_S} s; "
                                     f"stopped it (set {SWITCH_ENV}=0 to skip the build)") from None
-        if result.returncode != 0:
-            lines = result.stderr.strip().splitlines()
+        if compile_.returncode != 0:
+            lines = stderr.strip().splitlines()
             first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
             raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {first_error.strip()}")
         staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would hide the build from other users of the cache
         try:
             staging.rename(out_dir)
-        except OSError:  # another process finished first: use its build
-            if not target.is_file():  # a folder of that name holding something else (a partial copy of a cache)
-                raise NativeUnavailable(f"{out_dir} exists without {LIBRARY} in it; remove it to build the library "
-                                        "again") from None
+        except OSError as e:  # another process finished first: use its build
+            if not target.is_file():  # something else of that name (a partial copy of a cache)
+                raise NativeUnavailable(f"{out_dir} exists without {LIBRARY} in it ({e.strerror}); remove it to build "
+                                        "the library again") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -221,12 +226,13 @@ def _library() -> tuple[Path | None, str]:
 
 
 def status() -> str:
-    """Whether sessions here take the native kernel, in one line (`moedeploy version`), without
-    compiling it: built for this CPU, buildable by the next session, or why not and what to do."""
+    """Whether the native kernel is here for sessions to take, in one line (`moedeploy version`),
+    without compiling it: built for this CPU, buildable by the next session, or why not and what
+    to do. (MOEDEPLOY_MOE_PATH or a `moedeploy tune` record may still send sessions elsewhere.)"""
     try:
         library, recipe, why = _readiness()
-    except OSError as e:  # an unreadable cache folder
-        return f"not available: {e}"
+    except Exception as e:  # an unreadable cache folder, an onnxruntime that will not import: a diagnostic says so
+        return f"not available ({type(e).__name__}: {e})"
     if library is not None:
         return f"built for this CPU ({library})"
     if recipe is not None:
