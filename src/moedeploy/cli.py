@@ -294,9 +294,10 @@ def version() -> None:
     """Print the versions of moedeploy and its libraries, and whether its native MoE kernel is here.
 
     Optional ones that are missing say "not installed", with the command that installs them.
-    The last line says whether CPU sessions take the project's native MoE kernel (built for
-    this CPU, built by the next session, or why not: it needs ONNX Runtime's C headers, which
-    the pip wheel lacks; MOEDEPLOY_ORT_INCLUDE names a folder holding them).
+    The last line says whether the project's native MoE kernel is here for CPU sessions (built
+    for this CPU, built by the next session, or why not: it needs ONNX Runtime's C headers,
+    which the pip wheel lacks; MOEDEPLOY_ORT_INCLUDE names a folder holding them).
+    MOEDEPLOY_MOE_PATH or a `moedeploy tune` record can still send sessions to another path.
     """
     # from package metadata: no torch imported for a list of numbers
     import importlib.metadata
