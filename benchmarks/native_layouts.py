@@ -23,7 +23,7 @@ import numpy as np
 from decode_ablation import decoder_variant
 from decode_profile import artifact_for
 
-from moedeploy.bench.report_file import script_report_check, write_script_report
+from moedeploy.bench.report_file import at_least, script_report_check, write_script_report
 
 
 def main() -> None:
@@ -35,11 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    for option, value in (("--threads", args.threads), ("--prompt-len", args.prompt_len), ("--rounds", args.rounds)):
-        if value < 1:
-            parser.error(f"{option} must be at least 1, got {value}")
-    if args.new_tokens < 2:
-        parser.error(f"--new-tokens must be at least 2, got {args.new_tokens}")
+    at_least(parser, args, {"--threads": 1, "--prompt-len": 1, "--rounds": 1, "--new-tokens": 2})
     script_report_check(parser, args.json, "native_layouts")
     from moedeploy.plugins import native
 

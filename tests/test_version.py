@@ -76,9 +76,9 @@ def native_line(monkeypatch: pytest.MonkeyPatch, **env: str | None) -> str:
             monkeypatch.setenv(name, value)
     from moedeploy.cli import NATIVE_KERNEL_LINE
 
-    line = printed_versions()[NATIVE_KERNEL_LINE]
-    assert list(printed_versions())[-1] == NATIVE_KERNEL_LINE  # the last line, after every library
-    return line
+    printed = printed_versions()
+    assert list(printed)[-1] == NATIVE_KERNEL_LINE  # the last line, after every library
+    return printed[NATIVE_KERNEL_LINE]
 
 
 def test_version_says_the_native_kernel_is_off_where_it_is_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

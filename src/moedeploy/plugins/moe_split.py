@@ -30,11 +30,11 @@ the same bytes as the stacks they re-lay) that `supply` must override with the r
 arrays through SessionOptions.add_initializer, which ONNX Runtime reads without a copy: the
 session holds one copy of the experts, as the per-expert lowering holds its prepacked ones.
 The native kernel's experts re-laid in 16-row panels (plugins/moe_native.py) come the same
-way, as placeholders of kind PANELS, one an expert and matrix. A lowered graph with
-placeholders is never written anywhere: `runtime.ort.create_session` lowers, supplies and
-loads in one call. Loaded without `supply` it would run on the stacks in
-their stored order, a wrong answer; a placeholder cannot point at a missing file instead,
-because ONNX Runtime checks the path even of an initializer it is given.
+way, as placeholders of kind PANELS, one an expert and matrix. `runtime.ort.load_lowered`
+supplies them whichever way it is given the lowered graph (a ModelProto, its bytes or a file),
+and `runtime.ort.create_session` lowers and loads through it. Loaded without `supply` a graph
+would run on the stacks in their stored order, a wrong answer; a placeholder cannot point at a
+missing file instead, because ONNX Runtime checks the path even of an initializer it is given.
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ def load_lowered(model: str | bytes | onnx.ModelProto, options: ort.SessionOptio
     if isinstance(model, onnx.ModelProto):
         proto: onnx.ModelProto | None = model
         model = model.SerializeToString()
-    elif isinstance(model, bytes):  # no placeholder and no native node: nothing to parse
+    elif isinstance(model, bytes):  # parsed only where a placeholder's mark is in them
         proto = onnx.load_from_string(model) if moe_split.SPLIT_OF.encode() in model else None
     else:  # a file (a cached block graph, one a user saved): its graph without the weights
         proto = onnx.load(str(model), load_external_data=False)
