@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -119,8 +120,12 @@ def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(nat
     monkeypatch.delenv("MOEDEPLOY_ORT_INCLUDE", raising=False)
     monkeypatch.setattr(native_kernels, "SYSTEM_INCLUDES", ())
     monkeypatch.setenv("CXX", "/bin/false")
+    marker = built.parent / native_kernels.MACHINE_FILE
+    assert marker.read_text() == native_kernels.machine_hash() + "\n"  # whose build it is, for `prune`
+    os.utime(marker, (0, 0))
     native_kernels.forget()
     assert native_kernels.library_path() == built  # neither headers nor a compiler needed any more
+    assert time.time() - marker.stat().st_mtime < 60  # loaded now: not stale for the next build's prune
     assert native_kernels.status() == f"built for this CPU ({built})"  # `moedeploy version`'s line
     real = native_kernels.cpu_identity()
     assert any(line.startswith(("flags=", "Features=")) and len(line) > 20 for line in real), real

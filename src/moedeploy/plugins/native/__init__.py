@@ -19,6 +19,13 @@ headers' C API version (a library is used only with a runtime that serves N). On
 needs neither headers nor compiler. A build goes to a temporary folder renamed into place, so
 two processes building at once both end with a complete library. MOEDEPLOY_NATIVE=0 turns it
 all off.
+
+A new source (a moedeploy upgrade) means a new build folder; the old ones would pile up. So each
+build folder holds a `machine` file naming the CPU it was built for (`machine_hash`), touched by
+the first session of every process that loads it, and each new build removes this machine's
+builds that no process has loaded for STALE_AFTER_S, with the staging folders of compiles that
+were killed (`prune`). A build in use is never removed (two installs sharing the cache each keep
+theirs), nor one for another CPU sharing the cache, nor anything without that file.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from moedeploy.utils.io import current_umask
@@ -47,6 +55,12 @@ MIN_API_VERSION = 17
 HEADER = "onnxruntime_c_api.h"
 #: a compile takes about 7 s; a compiler that hangs must not hang the session that asked for it
 COMPILE_TIMEOUT_S = 600
+#: in each build folder: the CPU it was built for (`machine_hash`); its time is when a process last loaded it
+MACHINE_FILE = "machine"
+#: a build of this machine's that no process has loaded for this long is removed by the next build
+STALE_AFTER_S = 30 * 24 * 3600
+BUILD_FOLDER = re.compile(r"[0-9a-f]{16}-api\d+")
+STAGING_FOLDER = re.compile(r"\.[0-9a-f]{16}-api\d+\..+")
 
 
 class NativeUnavailable(RuntimeError):
@@ -109,6 +123,11 @@ def build_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def machine_hash() -> str:
+    """This CPU (`cpu_identity`) as 16 hex digits: what a build folder's `machine` file holds."""
+    return hashlib.sha256("\n".join(cpu_identity()).encode()).hexdigest()[:16]
+
+
 def built(root: Path, key: str) -> Path | None:
     """A library built earlier for `key` against headers this runtime serves (folder <key>-api<N>)."""
     usable = []
@@ -141,6 +160,7 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
             lines = stderr.strip().splitlines()
             first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
             raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {first_error.strip()}")
+        (staging / MACHINE_FILE).write_text(machine_hash() + "\n")
         staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would hide the build from other users of the cache
         try:
             staging.rename(out_dir)
@@ -148,9 +168,60 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
             if not target.is_file():  # something else of that name (a partial copy of a cache)
                 raise NativeUnavailable(f"{out_dir} exists without {LIBRARY} in it ({e.strerror}); remove it to build "
                                         "the library again") from None
+        else:
+            prune(out_dir.parent, keep=out_dir.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def mark_used(folder: Path) -> None:
+    """Say in `folder`'s `machine` file that a process here loads its library now (made where a
+    build from before these files has none: a library found under this CPU's key is this CPU's).
+    A cache this process may not write into is left as it is."""
+    marker = folder / MACHINE_FILE
+    try:
+        if marker.is_file():
+            os.utime(marker)
+        elif not marker.exists() and not marker.is_symlink():
+            marker.write_text(machine_hash() + "\n")
+    except OSError:
+        pass
+
+
+def prune(root: Path, keep: str, now: float | None = None) -> list[Path]:
+    """Remove from `root` (<cache>/native) what earlier builds left that no session loads: this
+    CPU's build folders (`machine` file) other than `keep` that no process has loaded for
+    STALE_AFTER_S, and staging folders of compiles killed midway (older than two compile time
+    limits, so never one still compiling). Only folders holding nothing but what `build` writes;
+    anything else, another CPU's builds and what cannot be removed are left. Returns what went."""
+    now = time.time() if now is None else now
+    mine, ours = machine_hash(), {LIBRARY, MACHINE_FILE}
+    removed: list[Path] = []
+    try:
+        folders = sorted(root.iterdir())
+    except OSError:
+        return removed
+    for folder in folders:
+        try:
+            if folder.name == keep or folder.is_symlink() or not folder.is_dir():
+                continue
+            if STAGING_FOLDER.fullmatch(folder.name):
+                last_used = folder.stat().st_mtime
+                stale_after = 2 * COMPILE_TIMEOUT_S
+            elif BUILD_FOLDER.fullmatch(folder.name):
+                marker = folder / MACHINE_FILE
+                if marker.is_symlink() or not marker.is_file() or marker.read_text().strip() != mine:
+                    continue
+                last_used, stale_after = marker.stat().st_mtime, STALE_AFTER_S
+            else:
+                continue
+            if now - last_used > stale_after and {entry.name for entry in folder.iterdir()} <= ours:
+                shutil.rmtree(folder)
+                removed.append(folder)
+        except OSError:  # another user's folder, one removed meanwhile: not ours to insist on
+            continue
+    return removed
 
 
 def library_path() -> Path:
@@ -214,11 +285,14 @@ def _library() -> tuple[Path | None, str]:
 
     try:
         library, recipe, why = _readiness()
-        if library is not None or recipe is None:
-            return library, why
-        include, version, cxx = recipe
-        library = build(include, cxx, cache_dir() / "native" / f"{build_key()}-api{version}")
-        return (library, "") if (why := load_problem(library)) is None else (None, why)
+        if library is None and recipe is not None:
+            include, version, cxx = recipe
+            library = build(include, cxx, cache_dir() / "native" / f"{build_key()}-api{version}")
+            why = load_problem(library) or ""
+            library = None if why else library
+        if library is not None:
+            mark_used(library.parent)
+        return library, why
     except NativeUnavailable as e:
         return None, str(e)
     except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a CXX that is not there
