@@ -112,3 +112,25 @@ def test_loading_marks_the_folder_used_and_a_folder_from_before_gets_its_file(tm
         assert (read_only / native.MACHINE_FILE).exists() == (os.geteuid() == 0)
     finally:
         read_only.chmod(0o755)
+
+
+def test_headers_are_found_in_the_environment_before_the_system(tmp_path, monkeypatch) -> None:
+    """MOEDEPLOY_ORT_INCLUDE, then this Python's prefix, then $CONDA_PREFIX, then /usr and /usr/local."""
+    def prefix_with_headers(name: str) -> Path:
+        folder = tmp_path / name / "include" / "onnxruntime"
+        folder.mkdir(parents=True)
+        (folder / native.HEADER).write_text("#define ORT_API_VERSION 21\n")
+        return folder
+
+    venv, conda = prefix_with_headers("venv"), prefix_with_headers("conda")
+    monkeypatch.delenv(native.INCLUDE_ENV, raising=False)
+    monkeypatch.setattr(native.sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setenv("CONDA_PREFIX", str(tmp_path / "conda"))
+    assert native.candidate_includes() == [venv, conda, *native.SYSTEM_INCLUDES]
+    assert native.headers() == (venv, "")
+    (venv / native.HEADER).unlink()
+    assert native.headers() == (conda, "")
+    monkeypatch.setenv("CONDA_PREFIX", str(tmp_path / "venv"))  # the same environment: looked at once
+    assert native.candidate_includes() == [venv, *native.SYSTEM_INCLUDES]
+    monkeypatch.setenv(native.INCLUDE_ENV, str(conda))
+    assert native.headers() == (conda, "") and native.api_version(conda) == 21

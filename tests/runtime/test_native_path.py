@@ -118,7 +118,7 @@ def test_native_off_or_unbuildable_leaves_the_other_paths(native_kernels, monkey
 def test_a_built_library_is_reused_without_headers_but_never_for_another_cpu(native_kernels, monkeypatch) -> None:
     built = native_kernels.library_path()
     monkeypatch.delenv("MOEDEPLOY_ORT_INCLUDE", raising=False)
-    monkeypatch.setattr(native_kernels, "SYSTEM_INCLUDES", ())
+    monkeypatch.setattr(native_kernels, "candidate_includes", list)
     monkeypatch.setenv("CXX", "/bin/false")
     marker = built.parent / native_kernels.MACHINE_FILE
     assert marker.read_text() == native_kernels.machine_hash() + "\n"  # whose build it is, for `prune`

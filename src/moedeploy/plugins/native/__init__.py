@@ -5,8 +5,10 @@ node (llama.cpp's MUL_MAT_ID), and standard ops pick an expert's weights only by
 or with an If per expert (plugins/moe_native.py says what that costs).
 
 ONNX Runtime's pip wheel has no C headers, so the build needs them from elsewhere:
-$MOEDEPLOY_ORT_INCLUDE (a folder holding onnxruntime_c_api.h), else a system install
-(/usr/include/onnxruntime: Debian's and Ubuntu's libonnxruntime-dev). Headers of any C API
+$MOEDEPLOY_ORT_INCLUDE (a folder holding onnxruntime_c_api.h), else the Python environment's
+include/onnxruntime (a conda environment with conda-forge's onnxruntime-cpp; $CONDA_PREFIX's
+too), else a system install (/usr/include/onnxruntime: Debian's and Ubuntu's
+libonnxruntime-dev; /usr/local/include/onnxruntime). Headers of any C API
 version from 17 (KernelContext_ParallelFor) up to the installed runtime's work: the library asks
 ONNX Runtime for the API version it was compiled against, which newer runtimes keep serving.
 Without headers or a C++ compiler nothing is built and sessions take the other MoE paths.
@@ -37,6 +39,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +52,8 @@ INCLUDE_ENV = "MOEDEPLOY_ORT_INCLUDE"
 #: set to 0 / off: never build or load the native kernels (sessions take the other MoE paths)
 SWITCH_ENV = "MOEDEPLOY_NATIVE"
 SYSTEM_INCLUDES = (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime"))
+#: where an environment's prefix (sys.prefix, $CONDA_PREFIX) holds the headers
+PREFIX_INCLUDE = Path("include") / "onnxruntime"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 #: the C API version that added KernelContext_ParallelFor, which the kernel splits its work with
 MIN_API_VERSION = 17
@@ -74,11 +79,18 @@ def headers() -> tuple[Path | None, str]:
         if not (folder / HEADER).is_file():
             return None, f"{INCLUDE_ENV}={explicit} holds no {HEADER}"
         return folder, ""
-    for folder in SYSTEM_INCLUDES:
+    for folder in candidate_includes():
         if (folder / HEADER).is_file():
             return folder, ""
-    return None, (f"no ONNX Runtime C API headers ({HEADER}): install libonnxruntime-dev, or set {INCLUDE_ENV} "
-                  "to a folder holding them")
+    return None, (f"no ONNX Runtime C API headers ({HEADER}): install libonnxruntime-dev (conda: onnxruntime-cpp), "
+                  f"or set {INCLUDE_ENV} to a folder holding them")
+
+
+def candidate_includes() -> list[Path]:
+    """Where headers are looked for without MOEDEPLOY_ORT_INCLUDE, in order: this Python
+    environment's prefix, an active conda environment's, then the system's."""
+    prefixes = [Path(sys.prefix)] + ([Path(conda)] if (conda := os.environ.get("CONDA_PREFIX")) else [])
+    return [*dict.fromkeys(prefix / PREFIX_INCLUDE for prefix in prefixes), *SYSTEM_INCLUDES]
 
 
 def api_version(include: Path) -> int | None:
