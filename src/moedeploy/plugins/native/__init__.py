@@ -32,6 +32,7 @@ theirs), nor one for another CPU sharing the cache, nor anything without that fi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -65,7 +66,7 @@ MACHINE_FILE = "machine"
 #: a build of this machine's that no process has loaded for this long is removed by the next build
 STALE_AFTER_S = 30 * 24 * 3600
 BUILD_FOLDER = re.compile(r"[0-9a-f]{16}-api\d+")
-STAGING_FOLDER = re.compile(r"\.[0-9a-f]{16}-api\d+\..+")
+STAGING_FOLDER = re.compile(r"\.[0-9a-f]{16}-api\d+\.[a-z0-9_]{8}")  # tempfile.mkdtemp's suffix
 
 
 class NativeUnavailable(RuntimeError):
@@ -79,9 +80,10 @@ def headers() -> tuple[Path | None, str]:
         if not (folder / HEADER).is_file():
             return None, f"{INCLUDE_ENV}={explicit} holds no {HEADER}"
         return folder, ""
-    for folder in candidate_includes():
-        if (folder / HEADER).is_file():
-            return folder, ""
+    found = [folder for folder in candidate_includes() if (folder / HEADER).is_file()]
+    usable = [folder for folder in found if MIN_API_VERSION <= (api_version(folder) or 0) <= runtime_api_version()]
+    if usable or found:  # the first that builds, else the first found (whose version is then refused)
+        return (usable or found)[0], ""
     return None, (f"no ONNX Runtime C API headers ({HEADER}): install libonnxruntime-dev (conda: onnxruntime-cpp), "
                   f"or set {INCLUDE_ENV} to a folder holding them")
 
@@ -89,8 +91,9 @@ def headers() -> tuple[Path | None, str]:
 def candidate_includes() -> list[Path]:
     """Where headers are looked for without MOEDEPLOY_ORT_INCLUDE, in order: this Python
     environment's prefix, an active conda environment's, then the system's."""
-    prefixes = [Path(sys.prefix)] + ([Path(conda)] if (conda := os.environ.get("CONDA_PREFIX")) else [])
-    return [*dict.fromkeys(prefix / PREFIX_INCLUDE for prefix in prefixes), *SYSTEM_INCLUDES]
+    conda = os.environ.get("CONDA_PREFIX", "")
+    prefixes = [Path(sys.prefix), *([Path(conda)] if os.path.isabs(conda) else [])]
+    return list(dict.fromkeys([*(prefix / PREFIX_INCLUDE for prefix in prefixes), *SYSTEM_INCLUDES]))
 
 
 def api_version(include: Path) -> int | None:
@@ -172,8 +175,8 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
             lines = stderr.strip().splitlines()
             first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
             raise NativeUnavailable(f"compiling {SOURCE.name} failed ({cxx}): {first_error.strip()}")
-        (staging / MACHINE_FILE).write_text(machine_hash() + "\n")
         staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would hide the build from other users of the cache
+        write_marker(staging)
         try:
             staging.rename(out_dir)
         except OSError as e:  # another process finished first: use its build
@@ -181,24 +184,48 @@ def build(include: Path, cxx: str, out_dir: Path) -> Path:
                 raise NativeUnavailable(f"{out_dir} exists without {LIBRARY} in it ({e.strerror}); remove it to build "
                                         "the library again") from None
         else:
-            prune(out_dir.parent, keep=out_dir.name)
+            with contextlib.suppress(Exception):  # tidying must never fail a finished build
+                prune(out_dir.parent, keep=out_dir.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
+def write_marker(folder: Path) -> None:
+    """Create `folder`'s `machine` file (never through a link, never over a file). Whoever may
+    read the folder may write the file: a user of a shared cache touches it when loading the
+    library (`mark_used`), which keeps the build of anyone still using it from `prune`."""
+    readable = folder.stat().st_mode & 0o044
+    fd = os.open(folder / MACHINE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (machine_hash() + "\n").encode())
+        os.fchmod(fd, 0o600 | readable | readable >> 1)
+    finally:
+        os.close(fd)
+
+
 def mark_used(folder: Path) -> None:
     """Say in `folder`'s `machine` file that a process here loads its library now (made where a
     build from before these files has none: a library found under this CPU's key is this CPU's).
-    A cache this process may not write into is left as it is."""
+    A link is never followed; a cache this process may not write into is left as it is."""
     marker = folder / MACHINE_FILE
     try:
+        if marker.is_symlink():
+            return
         if marker.is_file():
-            os.utime(marker)
-        elif not marker.exists() and not marker.is_symlink():
-            marker.write_text(machine_hash() + "\n")
+            os.utime(marker, follow_symlinks=False)
+        elif not marker.exists():
+            write_marker(folder)
     except OSError:
         pass
+
+
+def _is_mine(marker: Path, mine: bytes) -> bool:
+    """Whether `marker` is a plain `machine` file naming this CPU (never read through a link)."""
+    if marker.is_symlink() or not marker.is_file():
+        return False
+    with open(marker, "rb") as f:
+        return f.read(64).strip() == mine
 
 
 def prune(root: Path, keep: str, now: float | None = None) -> list[Path]:
@@ -208,7 +235,7 @@ def prune(root: Path, keep: str, now: float | None = None) -> list[Path]:
     limits, so never one still compiling). Only folders holding nothing but what `build` writes;
     anything else, another CPU's builds and what cannot be removed are left. Returns what went."""
     now = time.time() if now is None else now
-    mine, ours = machine_hash(), {LIBRARY, MACHINE_FILE}
+    mine = machine_hash().encode()
     removed: list[Path] = []
     try:
         folders = sorted(root.iterdir())
@@ -222,18 +249,28 @@ def prune(root: Path, keep: str, now: float | None = None) -> list[Path]:
                 last_used = folder.stat().st_mtime
                 stale_after = 2 * COMPILE_TIMEOUT_S
             elif BUILD_FOLDER.fullmatch(folder.name):
-                marker = folder / MACHINE_FILE
-                if marker.is_symlink() or not marker.is_file() or marker.read_text().strip() != mine:
+                if not _is_mine(folder / MACHINE_FILE, mine):
                     continue
-                last_used, stale_after = marker.stat().st_mtime, STALE_AFTER_S
+                last_used, stale_after = (folder / MACHINE_FILE).stat().st_mtime, STALE_AFTER_S
             else:
                 continue
-            if now - last_used > stale_after and {entry.name for entry in folder.iterdir()} <= ours:
-                shutil.rmtree(folder)
+            if now - last_used > stale_after and _remove_build(folder):
                 removed.append(folder)
         except OSError:  # another user's folder, one removed meanwhile: not ours to insist on
             continue
     return removed
+
+
+def _remove_build(folder: Path) -> bool:
+    """Remove `folder` where it holds only plain files named as `build` names them, file by file
+    and then the empty folder (rmdir: anything put there meanwhile keeps it)."""
+    entries = list(folder.iterdir())
+    if any(entry.name not in (LIBRARY, MACHINE_FILE) or not entry.is_file() or entry.is_symlink() for entry in entries):
+        return False
+    for entry in entries:
+        entry.unlink()
+    folder.rmdir()
+    return True
 
 
 def library_path() -> Path:
