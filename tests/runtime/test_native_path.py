@@ -269,3 +269,17 @@ def test_a_record_applies_only_beside_the_kernel_it_was_measured_with(native_ker
     entries = json.loads((own.path / CACHE_DIR / TUNED_FILE).read_text())["entries"]
     assert [e["native_kernel"] for e in entries] == [None, native_kernels.build_key()]  # both kept: each its own case
     native_kernels.forget()
+
+
+def test_a_record_steers_only_the_prepacked_sessions_it_timed(native_kernels, artifact, tmp_path) -> None:
+    """tune times prepacked sessions; one sharing the mapped weights (prepack=False: serve's later
+    instances) runs the kernel on rows and no split, and keeps the default, the kernel."""
+    from moedeploy.runtime.ort import create_session, session_moe
+
+    own = own_copy(artifact, tmp_path / "decoder")
+    record(own, 2, Tuning("experts", "measured", 1.1, [1.1], [1.0], True, [1.2], 1.2))  # the kernel timed, and slower
+    assert session_moe("CPUExecutionProvider", 2, "auto", own, prepack=True) == ("auto", 1)  # the If per expert
+    assert session_moe("CPUExecutionProvider", 2, "auto", own, prepack=False) == ("native", 1)
+    shared = create_session(own, ["CPUExecutionProvider"], threads=2, prepack=False)
+    prepacked = create_session(own, ["CPUExecutionProvider"], threads=2)
+    assert shared.lowering["moe_native"] == prepacked.lowering["moe_experts"] == own.manifest["config"]["n_layers"]

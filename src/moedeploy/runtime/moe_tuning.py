@@ -16,8 +16,9 @@ faster of the two: it stays unless it decoded more than TIE slower. Its speed is
 machine's as the others' (timed on AVX-512 EPYCs only), so this is how a CPU where it loses
 finds out. A session takes that path only while the record still describes it (`machine_key`: the CPU, the threads, huge pages, the model files and library
 versions, as `cache_origin` checks the lowering cache). Otherwise it says why and takes the
-default, never a choice made for another machine. MOEDEPLOY_MOE_PATH, when set, overrides
-the record for every session. All paths compute the same function (`compare` checks each
+default, never a choice made for another machine. Only sessions that prepack follow it (tune
+times those; one sharing the artifact's mapped weights runs other code, `session_moe`).
+MOEDEPLOY_MOE_PATH, when set, overrides the record for every session. All paths compute the same function (`compare` checks each
 against eager PyTorch), so a record can make a session slower, never wrong.
 """
 

@@ -253,6 +253,11 @@ def session_moe(provider: str, threads: int | None, moe_lowering: MoELowering = 
     re-laid experts would be a private copy per session), on other providers, and for the
     "auto" lowering where the path is "experts" (its If per expert) or "native".
 
+    A `moedeploy tune` record steers prepacked sessions only, the ones it timed: with
+    prepack=False (serve's sessions sharing the mapped weights) the split is not cut and the
+    kernel reads rows, not panels, and there the kernel's rows decoded 1.33x the unprepacked If
+    per expert's speed (benchmarks/README.md, session 46); such a session takes the default.
+
     Which of split and If per expert decodes faster depends on the machine, not on the model
     alone: in `bench` the split decoded 1.05x and 1.22x the If per expert's tokens/s on a 2-core
     AVX-512 EPYC reading about 53 GB/s, 0.87x, 0.98x and 0.94x (paired) on a 2-core AVX2 EPYC
@@ -263,7 +268,7 @@ def session_moe(provider: str, threads: int | None, moe_lowering: MoELowering = 
     if provider != "CPUExecutionProvider":
         return moe_lowering, 1
     threads = threads or default_threads()
-    if moe_lowering == "auto" and artifact is not None and threads > 1:
+    if moe_lowering == "auto" and artifact is not None and threads > 1 and prepack:  # what tune times
         path = moe_path(artifact, threads)
     lowering: MoELowering = "native" if moe_lowering == "auto" and path == "native" else moe_lowering
     pieces = 1 if not prepack or (moe_lowering == "auto" and path in ("experts", "native")) else threads
